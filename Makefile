@@ -1,0 +1,29 @@
+# Quick start: `make serve` (HTTP :8000 + gRPC :8001 on the embedded demo model), `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU machines: pinned torch/torchvision from the local wheel store. GPU machines: keep the system torch
+# (make TORCH_SPEC= ... with a venv created by --system-site-packages).
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q $(TORCH_SPEC))
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+.PHONY: install serve test test-gpu demo
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/mmserve serve $(ARGS)
+
+demo: install
+	$(PY) -m mmserve.entrypoints.demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests $(ARGS)
+
+test-gpu: install
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests $(ARGS)

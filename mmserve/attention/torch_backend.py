@@ -1,0 +1,43 @@
+"""The `torch` attention backend: plain SDPA over keys gathered from the paged cache.
+
+Readable and device-agnostic; it is the oracle the Triton kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values. k, v [T, KVH, D]; kv_cache [2, num_blocks, block_size, KVH, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(kv_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys.
+
+    q [T, H, D] -> out [T, H, D]. Query j of a sequence with q_len new tokens and context L sits at
+    position L - q_len + j and sees keys 0..that position.
+    """
+    out = torch.empty_like(q)
+    bs = meta.block_size
+    for i in range(meta.num_seqs):
+        qs, qe = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        ctx = meta.seq_lens_cpu[i]
+        q_len = qe - qs
+        blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
+        k = kv_cache[0, blocks].flatten(0, 1)[:ctx].transpose(0, 1)   # [KVH, ctx, D]
+        v = kv_cache[1, blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        qi = q[qs:qe].transpose(0, 1)                                 # [H, q_len, D]
+        mask = None
+        if q_len > 1:
+            pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos   # [q_len, ctx]
+        o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[qs:qe] = o.transpose(0, 1)
+    return out

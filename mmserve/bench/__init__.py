@@ -1,0 +1,1 @@
+"""Benchmarks: latency, throughput, serving load, and the transformers baseline."""

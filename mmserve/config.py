@@ -1,0 +1,105 @@
+"""Engine configuration: one dataclass per area, each checked in __post_init__."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when present, else cpu. Raises ValueError on an unknown device string."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """'auto' -> the checkpoint's dtype on GPU (fp32 kept as fp16), fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32/float16/bfloat16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        ckpt = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float16)
+        return torch.float16 if ckpt == torch.float32 else ckpt
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint, on which device, in which precision."""
+
+    model: str                      # path of a Hugging Face checkpoint directory
+    dtype: str = "auto"             # auto | float32 | float16 | bfloat16
+    device: str = "auto"            # auto | cpu | cuda[:N]
+    max_model_len: int | None = None  # prompt + output tokens; None = the checkpoint's limit
+    seed: int = 0                   # global sampling RNG seed
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        resolve_device(self.device)  # fail early on bad strings
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache. On GPU the pool is sized from free memory; on CPU from kv_cache_size_gb."""
+
+    block_size: int = 16                    # tokens per KV block
+    num_blocks: int | None = None           # fixed pool size (overrides both sizing rules)
+    kv_cache_memory_fraction: float = 0.9   # GPU: fraction of memory free after weights + activations
+    kv_cache_size_gb: float = 1.0           # CPU: bytes of KV pool, in GiB
+    enable_prefix_caching: bool = True
+    encoder_cache_size: int = 16384         # vision embeddings (tokens) kept by content hash
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.kv_cache_size_gb <= 0:
+            raise ValueError(f"kv_cache_size_gb must be > 0, got {self.kv_cache_size_gb}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64                  # requests running at once
+    max_num_batched_tokens: int = 2048      # token budget of one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True     # a prompt may be split across steps anywhere
+    max_waiting: int = 4096                 # queued requests before add_request refuses (server: 503)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

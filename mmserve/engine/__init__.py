@@ -1,0 +1,1 @@
+"""Engine core: requests, scheduler, paged KV-cache bookkeeping, the step loop."""

@@ -1,0 +1,147 @@
+"""AsyncEngine: runs the Engine's step loop on a background thread and streams outputs to asyncio.
+
+Frontends call `generate()` (an async iterator of cumulative RequestOutputs) and `abort()`.
+Input preprocessing (image decoding, HF processor) runs in a worker thread, never on the event
+loop and never on the engine thread, so a slow image does not stall decoding for everyone else.
+A consumer that stops iterating (client disconnect, cancellation) aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mmserve.engine.engine import Engine
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, preprocess_workers: int = 2) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="mmserve-preprocess")
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
+        self._thread.start()
+        self.dead_error: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until the finished one.
+
+        Raises ValueError/TypeError for bad input and EngineOverloaded when the queue is full,
+        before the first output.
+        """
+        if self.dead_error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+        loop = asyncio.get_running_loop()
+        rid = request_id or uuid.uuid4().hex
+        inputs = await loop.run_in_executor(self._preprocess, self.engine.inputs.process, prompt)
+        stream: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._commands.put(("add", rid, inputs, params, loop, stream, added))
+        finished = False
+        try:
+            await added
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished). Safe from any thread."""
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.engine.has_unfinished()
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step must not take the server down with it
+                logger.exception("engine step failed; aborting the running requests")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, last=out.finished)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, inputs, params, loop, stream, added = cmd
+            try:
+                self.engine.add_processed(rid, inputs, params)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, added, e)
+                return
+            self._streams[rid] = (loop, stream)
+            loop.call_soon_threadsafe(_set_result, added, None)
+        elif kind == "abort":
+            out = self.engine.abort(cmd[1])
+            if out is not None:
+                self._deliver(cmd[1], out, last=True)
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+        entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:   # the consumer's loop is closed
+                pass
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
+
+
+def _set_result(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

@@ -1,0 +1,198 @@
+"""Engine: the synchronous core. add_request / step / abort; step = schedule -> run -> update."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from mmserve.config import EngineConfig, resolve_device, resolve_dtype
+from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.scheduler import Scheduler, SchedulerOutput
+from mmserve.models.loader import build_model, load_hf_config, text_config_of
+from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
+from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.model_runner import ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are waiting; callers should retry later (HTTP 503)."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, media: MediaConfig | None = None) -> None:
+        self.config = config
+        mc = config.model
+        self.device = resolve_device(mc.device)
+        self.hf_config = load_hf_config(mc.model)
+        self.text_config = text_config_of(self.hf_config)
+        self.dtype = resolve_dtype(mc.dtype, self.device, getattr(self.text_config, "dtype", None)
+                                   or getattr(self.hf_config, "torch_dtype", None))
+        torch.manual_seed(mc.seed)
+        self.model = build_model(mc.model, self.hf_config, self.device, self.dtype)
+        self.inputs = InputProcessor(mc.model, self.hf_config, media)
+        self.tokenizer = self.inputs.tokenizer
+        self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size)
+        num_blocks = self.runner.num_blocks_for(config.cache)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._max_tokens: dict[str, int] = {}
+        self._stop_ids: dict[str, set[int]] = {}
+        self.default_eos = self._eos_ids()
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", type(self.model).__name__,
+                    self.device, self.dtype, num_blocks, config.cache.block_size)
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if eos is not None else []
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:
+        """Validate and queue a request. Raises ValueError/TypeError for bad input, EngineOverloaded when full."""
+        return self.add_processed(request_id, self.inputs.process(prompt), params)
+
+    def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> Request:
+        """add_request after InputProcessor.process (which servers run off the engine thread)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
+        n = len(inputs.prompt_token_ids)
+        capacity = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+        if n >= capacity:
+            raise ValueError(f"the prompt has {n} tokens but at most {capacity - 1} fit "
+                             f"(max_model_len {self.max_model_len}, KV cache {self.kv.num_blocks * self.kv.block_size} tokens)")
+        vocab = self.text_config.vocab_size
+        if any(t >= vocab for t in inputs.prompt_token_ids):
+            raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
+        eos = params.eos_token_id if params.eos_token_id is not None else (self.default_eos[0] if self.default_eos else None)
+        bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
+        req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
+                      eos_token_id=None if params.ignore_eos else eos, bad_words_ids=[b for b in bad if b])
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and eos is not None:
+            stop_ids.add(eos)
+        self._stop_ids[request_id] = stop_ids
+        self._max_tokens[request_id] = min(params.max_tokens, capacity - n)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; returns its final output (None if unknown)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._finish_output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        result = self.runner.execute(sched)
+        return self._update(sched, result)
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.time()
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.end
+            token = result.token_ids.get(req.request_id)
+            if token is not None:
+                self._append_token(req, token, result)
+                req.first_token_time = req.first_token_time or now
+            self.kv.cache_computed_blocks(req)
+            if token is None:
+                continue
+            status = self._check_finish(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                outputs.append(self._finish_output(req))
+            else:
+                outputs.append(self._make_output(req))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
+        req.output_token_ids.append(token)
+        self._detok[req.request_id].push(token)
+        if req.params.logprobs is not None and req.request_id in result.logprobs:
+            lp = result.logprobs[req.request_id]
+            req.cumulative_logprob += lp
+            entry = {token: Logprob(lp, decoded_token=self.tokenizer.decode([token]))}
+            for rank, (tid, tlp) in enumerate(result.top_logprobs.get(req.request_id, []), start=1):
+                if tid == token:
+                    entry[token].rank = rank
+                else:
+                    entry[tid] = Logprob(tlp, rank, self.tokenizer.decode([tid]))
+            req.output_logprobs.append(entry)
+
+    def _check_finish(self, req: Request, token: int) -> RequestStatus | None:
+        detok = self._detok[req.request_id]
+        if token in self._stop_ids[req.request_id] and req.num_output_tokens >= req.params.min_tokens:
+            req.stop_reason = None if token == req.eos_token_id else token
+            return RequestStatus.FINISHED_STOPPED
+        if req.params.stop:
+            matched = detok.check_stop()
+            if matched is not None:
+                req.stop_reason = matched
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= self._max_tokens[req.request_id]:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _make_output(self, req: Request) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        completion = CompletionOutput(
+            index=0, text=detok.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            finish_reason=req.status.value if req.finished else None,
+            stop_reason=req.stop_reason)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 time.time() if req.finished else None, req.num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, metrics)
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        detok = self._detok.pop(req.request_id)
+        if not detok.finished:
+            detok.flush()
+        self._detok[req.request_id] = detok
+        out = self._make_output(req)
+        for table in (self._detok, self._max_tokens, self._stop_ids, self.requests):
+            table.pop(req.request_id, None)
+        return out
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_hit_rate": self.kv.stats.hit_rate,
+            "prefix_cache_hit_tokens": self.kv.stats.hit_tokens,
+            "prefix_cache_queried_tokens": self.kv.stats.queried_tokens,
+            "encoder_cache_hit_rate": self.runner.encoder_cache.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,193 @@
+"""Paged KV cache bookkeeping: BlockPool (ids, refcounts, LRU of free blocks) and KVCacheManager
+(per-request block tables and prefix caching by chained block hashes).
+
+A block's hash chains its parent's hash, its token ids and the content hashes of the images whose
+placeholder tokens it holds, so the same image behind the same prefix maps to the same blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mmserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None   # set once the block is full, computed and registered
+
+
+class BlockPool:
+    """All KV blocks. Free blocks sit in an LRU queue; a free block that still holds a cached
+    prefix keeps its hash until it is handed out again (eviction)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, KVBlock] = {}   # hash -> block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def take(self, n: int) -> list[KVBlock]:
+        """Hand out n free blocks, least recently freed first (evicting their cached prefix)."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache (free ones leave the LRU queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the LRU queue in the given order."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} released twice"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def register(self, block: KVBlock, block_hash: int) -> None:
+        """Make a full, computed block findable by its hash (first writer wins)."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0   # prompt tokens looked up
+    hit_tokens: int = 0       # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    """Block tables of running requests over one BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def _extend_hashes(self, req: Request) -> None:
+        """Append hashes for every full block of req's known tokens not hashed yet."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_tokens // bs):
+            start, end = i * bs, (i + 1) * bs
+            parent = req.block_hashes[i - 1] if i else None
+            extra = tuple((m.content_hash, max(start, m.offset) - m.offset) for m in req.mm_items_in(start, end))
+            req.block_hashes.append(hash((parent, tuple(req.token_ids(start, end)), extra)))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.
+
+        Returns:
+            (blocks, num_tokens): the hit blocks (not yet referenced) and the tokens they hold.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._extend_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queried_tokens += req.num_tokens
+        self.stats.hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Grow req's block table to hold its computed tokens, the prefix hits and num_new_tokens more.
+
+        Returns:
+            False (and changes nothing) when the pool has too few free blocks.
+        """
+        computed_blocks = computed_blocks or []
+        table = self._tables.setdefault(req.request_id, [])
+        num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(table) - len(computed_blocks)
+        # hits that sit in the free queue stop being allocatable once we reference them
+        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free - free_hits:
+            if not table:
+                del self._tables[req.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        table.extend(computed_blocks)
+        if num_new_blocks > 0:
+            table.extend(self.pool.take(num_new_blocks))
+        self._num_registered.setdefault(req.request_id, len(computed_blocks))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register req's full blocks whose KV is now computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(req)
+        table = self._tables.get(req.request_id, [])
+        done = self._num_registered.get(req.request_id, 0)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(table))
+        for i in range(done, num_full):
+            self.pool.register(table[i], req.block_hashes[i])
+        self._num_registered[req.request_id] = max(done, num_full)
+
+    def free(self, req: Request) -> None:
+        """Release all of req's blocks; the tail goes first into the LRU so prefixes outlive suffixes."""
+        table = self._tables.pop(req.request_id, [])
+        self._num_registered.pop(req.request_id, None)
+        self.pool.release(list(reversed(table)))
+
+    def num_requests(self) -> int:
+        return len(self._tables)

@@ -1,0 +1,110 @@
+"""Request: the engine's state for one generation request (tokens, multimodal items, progress)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.outputs import Logprob
+from mmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class MultiModalItem:
+    """One image (or video) of a prompt, after preprocessing.
+
+    Its `length` placeholder tokens start at `offset` in the prompt; the encoder turns `data`
+    into exactly `length` embeddings that replace those tokens' embeddings.
+    """
+
+    modality: str                        # "image" | "video"
+    data: dict[str, torch.Tensor]        # encoder inputs, e.g. {"pixel_values": [3, H, W]}
+    offset: int
+    length: int
+    content_hash: str                    # identity for the prefix and encoder caches
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class Request:
+    """Token state of one request. The scheduling rule: num_computed_tokens chases num_tokens."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, mm_items: list[MultiModalItem] | None = None,
+                 eos_token_id: int | None = None, bad_words_ids: list[list[int]] | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.mm_items = sorted(mm_items or [], key=lambda m: m.offset)
+        self.eos_token_id = eos_token_id
+        self.bad_words_ids = bad_words_ids or []
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.num_computed_tokens = 0     # tokens whose KV is in the cache
+        self.num_cached_tokens = 0       # prompt tokens that came from the prefix cache (first schedule)
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []   # chained hashes of this request's full blocks
+        self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def mm_items_in(self, start: int, end: int) -> list[MultiModalItem]:
+        """Multimodal items whose placeholder span overlaps token positions [start, end)."""
+        return [m for m in self.mm_items if m.offset < end and m.end > start]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,134 @@
+"""Continuous-batching scheduler.
+
+The one rule: there is no prefill or decode phase. Each step, every request's computed tokens
+catch up with its total tokens (prompt + generated) as far as the step's token budget allows.
+Running requests go first (FCFS), then waiting ones; a prompt may be cut anywhere (chunked
+prefill). When KV blocks run out, the latest-arrived running request is preempted: its blocks are
+freed and it is recomputed later (cached prefix blocks make that cheap).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mmserve.config import SchedulerConfig
+from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute token positions [start, start + num_tokens)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV slots.
+
+        Returns:
+            SchedulerOutput with each request's [start, end) chunk and its block table.
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens += num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End req (stop, length or abort) wherever it is, and free its blocks."""
+        assert status.finished
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)

@@ -1,0 +1,1 @@
+"""Serving frontends: HTTP, gRPC, CLI and client."""

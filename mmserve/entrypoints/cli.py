@@ -1,0 +1,149 @@
+"""`mmserve` command line: serve | client | demo-model | bench | models."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from mmserve.entrypoints.server_config import ServerConfig
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: the embedded demo LLaVA)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001, help="-1 disables gRPC")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    p.add_argument("--kv-cache-size-gb", type=float, default=1.0, help="KV pool size on CPU")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--max-concurrent-requests", type=int, default=1024)
+    p.add_argument("--max-waiting", type=int, default=4096)
+    p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
+    p.add_argument("--allow-private-media-urls", action="store_true")
+    p.add_argument("--allowed-local-media-path", default=None)
+    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-image-pixels", type=int, default=64 * 2**20)
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0)
+    p.add_argument("--accumulate-tokens", action="store_true", help="BLS streaming sends all text so far")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+
+
+def build_engine_config(args: argparse.Namespace):
+    from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    return EngineConfig(
+        model=ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          kv_cache_size_gb=args.kv_cache_size_gb, enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting))
+
+
+def _example_request(host: str, port: int) -> str:
+    return ("Ready. Try:\n"
+            f"  curl -s -X POST http://{host}:{port}/v2/models/ensemble/generate -d "
+            "'{\"text_input\": \"USER: <image>\\nWhat is in this picture? ASSISTANT:\", "
+            "\"image_url_input\": \"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC\", "
+            "\"max_tokens\": 16}'\n")
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.state import ServerState
+    from mmserve.multimodal.inputs import MediaConfig
+    import uvicorn
+
+    if args.model is None:
+        from mmserve.testing import default_model_dir
+        args.model = str(default_model_dir())
+        print(f"serving the embedded demo model at {args.model}", flush=True)
+    media = MediaConfig(allow_private_urls=args.allow_private_media_urls,
+                        allowed_local_media_path=args.allowed_local_media_path,
+                        fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
+                        max_images_per_request=args.max_images_per_request)
+    server_config = ServerConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                                 max_concurrent_requests=args.max_concurrent_requests,
+                                 accumulate_tokens=args.accumulate_tokens)
+    engine = Engine(build_engine_config(args), media)
+    state = ServerState(AsyncEngine(engine), server_config, media, args.model, engine.hf_config.model_type)
+    from mmserve.entrypoints.http_server import build_app
+    app = build_app(state)
+    grpc_server = None
+    if server_config.grpc_port >= 0:
+        from mmserve.entrypoints.grpc_server import start_grpc_server
+        grpc_server, port = await start_grpc_server(state, server_config.host, server_config.grpc_port)
+        print(f"gRPC listening on {server_config.host}:{port}", flush=True)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.http_port,
+                            log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    print(f"HTTP listening on {server_config.host}:{server_config.http_port}", flush=True)
+    print(_example_request(server_config.host, server_config.http_port), flush=True)
+    try:
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=2)
+        state.engine.shutdown()
+
+
+def _demo_model(args: argparse.Namespace) -> None:
+    from mmserve.testing import make_checkpoint
+    kw = {"seed": args.seed}
+    if args.preset:
+        kw["preset"] = args.preset
+    path = make_checkpoint(args.family, args.out_dir, **kw)
+    print(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmserve", description="Multimodal LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_args(sub.add_parser("serve", help="serve a checkpoint over HTTP (Triton, KServe, OpenAI) and gRPC"))
+    demo = sub.add_parser("demo-model", help="write a random checkpoint that transformers loads")
+    demo.add_argument("out_dir")
+    demo.add_argument("--family", default="llava")
+    demo.add_argument("--preset", default=None, help="size preset, e.g. tiny or llava-1.5-7b")
+    demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("client", help="send a request like the Triton multimodal client", add_help=False)
+    sub.add_parser("bench", help="benchmarks (latency, throughput, serve)", add_help=False)
+    sub.add_parser("models", help="list supported architectures")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "client":
+        from mmserve.entrypoints.client import main as client_main
+        return client_main(rest)
+    if args.command == "bench":
+        from mmserve.bench.cli import main as bench_main
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        try:
+            asyncio.run(_serve(args))
+        except KeyboardInterrupt:
+            pass
+    elif args.command == "demo-model":
+        _demo_model(args)
+    elif args.command == "models":
+        from mmserve.models.registry import supported_architectures
+        print("\n".join(supported_architectures()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

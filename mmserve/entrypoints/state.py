@@ -1,0 +1,69 @@
+"""ServerState: what every frontend (HTTP routes, gRPC servicer) shares: engine, config, names, metrics."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.metrics import Metrics
+from mmserve.entrypoints.server_config import ServerConfig
+from mmserve.multimodal.inputs import MediaConfig
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
+
+
+class ServerBusy(RuntimeError):
+    """Too many requests in flight: HTTP 503 with Retry-After / gRPC UNAVAILABLE."""
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    media: MediaConfig
+    model_dir: str
+    model_type: str                     # HF config.model_type, e.g. "llava"
+    metrics: Metrics = field(init=False)
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.engine.stats)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or Path(self.model_dir).name
+
+    @property
+    def model_names(self) -> list[str]:
+        return [*TRITON_MODEL_NAMES, self.model_name]
+
+    def has_model(self, name: str) -> bool:
+        return name in self.model_names
+
+    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """engine.generate with the server's concurrency cap and metrics; every frontend goes through here."""
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise ServerBusy(f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})")
+        self.in_flight += 1
+        try:
+            async for out in self.engine.generate(prompt, params):
+                if out.finished:
+                    self.metrics.on_finished(out)
+                yield out
+        finally:
+            self.in_flight -= 1
+
+    async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams) -> RequestOutput:
+        last = None
+        async for out in self.generate(prompt, params):
+            last = out
+        return last
+
+
+def run_sync(coro):
+    return asyncio.get_event_loop().run_until_complete(coro)

@@ -1,0 +1,34 @@
+"""Activation functions by their Hugging Face config names, and the fused SiLU-and-mul of gated MLPs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """x = [gate | up] -> silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTS = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_act_fn(name: str):
+    if name not in _ACTS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTS)}")
+    return _ACTS[name]

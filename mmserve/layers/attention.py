@@ -1,0 +1,26 @@
+"""Attention layer of a decoder: writes new K/V into its paged cache slice and attends over it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmserve.attention import torch_backend
+from mmserve.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Backend-neutral paged attention. The runner binds `kv_cache` and picks `backend`."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.kv_cache: torch.Tensor | None = None   # [2, num_blocks, block_size, KVH, D]
+        self.backend = torch_backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q [T, H*D], k/v [T, KVH*D] -> [T, H*D]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        return self.backend.paged_attention(q, self.kv_cache, meta, self.scale).flatten(1)

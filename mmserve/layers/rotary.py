@@ -1,0 +1,41 @@
+"""Rotary position embedding (1D), with the checkpoint's rope scaling via transformers' init functions."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim // 2] and the attention scaling factor for a HF text config."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position (the half-split layout of Llama/Qwen checkpoints)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, scaling: float = 1.0) -> None:
+        super().__init__()
+        t = torch.arange(max_position, dtype=torch.float)
+        freqs = t[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)   # [max_pos, D]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

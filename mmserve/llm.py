@@ -1,0 +1,87 @@
+"""LLM: the offline API. Batch-generate from prompts (text + images) or chat messages."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from tqdm import tqdm
+
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine.engine import Engine
+from mmserve.multimodal.inputs import MediaConfig
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation over one checkpoint.
+
+    Example:
+        llm = LLM(model_dir)
+        outs = llm.generate([{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "images": [img]}],
+                            SamplingParams(max_tokens=16, temperature=0.0))
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", *, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
+                 kv_cache_size_gb: float = 1.0, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, seed: int = 0, media: MediaConfig | None = None) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill))
+        self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | list, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in input order.
+
+        A bad prompt raises before any request is queued, so the engine stays clean.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to OpenAI-style messages (content parts text / image_url)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            text, images = self.engine.inputs.apply_chat_template(conv)
+            prompts.append({"prompt": text, "images": images})
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

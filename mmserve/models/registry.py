@@ -1,0 +1,23 @@
+"""Which of our model classes serves a HF checkpoint, by `config.architectures[0]`."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlavaForConditionalGeneration": ("mmserve.models.llava", "LlavaForConditionalGeneration"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config) -> type:
+    """Our implementation of the checkpoint's architecture; ValueError naming it when unsupported."""
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"architecture {archs[0] if archs else '(none given in config.json)'!r} is not supported; "
+                     f"supported architectures: {', '.join(supported_architectures())}")

@@ -1,0 +1,78 @@
+"""Checkpoint loading: stream tensors from a HF directory's safetensors and hand each to the
+parameter's own `weight_loader`, after the family's renames and packed-module mapping."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from mmserve.layers.linear import default_weight_loader
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, so peak host memory is one tensor, not the checkpoint."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 renames: list[tuple[str, str]] = (), packed: dict[str, tuple[str, object]] | None = None,
+                 ignore: tuple[str, ...] = ()) -> None:
+    """Load checkpoint tensors into model's parameters.
+
+    Args:
+        renames: (checkpoint prefix, our prefix) pairs; the first matching prefix is rewritten.
+        packed: {".q_proj.": (".qkv_proj.", "q"), ...}: checkpoint parts that fill one fused parameter.
+        ignore: substrings of checkpoint names we do not use (e.g. rotary caches, unused heads).
+    Raises:
+        ValueError naming unknown checkpoint tensors or parameters left unloaded.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    packed = packed or {}
+    for ckpt_name, tensor in weights:
+        if any(s in ckpt_name for s in ignore):
+            continue
+        name = ckpt_name
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        shard = None
+        for part, (fused, shard_id) in packed.items():
+            # only where the model really fuses it (a vision tower may keep separate q/k/v)
+            if part in name and name.replace(part, fused) in params:
+                name, shard = name.replace(part, fused), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            unknown.append(ckpt_name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard)
+        loaded.add(name)
+    if unknown:
+        raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:8]}"
+                         + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
+    missing = [n for n in params if n not in loaded and not getattr(params[n], "tied", False)]
+    if missing:
+        raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}")

@@ -1,0 +1,1 @@
+"""Media inputs: loading, hashing, video decoding and per-family prompt processing."""

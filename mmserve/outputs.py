@@ -1,0 +1,56 @@
+"""What the engine returns: RequestOutput (one request) holding CompletionOutput (one sequence).
+
+Outputs are cumulative: each RequestOutput of a stream carries all text and tokens so far;
+`delta_*` helpers in the frontends take the difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token id, with its decoded text."""
+
+    logprob: float
+    rank: int | None = None          # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # one dict per generated token: {token_id: Logprob} with the chosen id and the top-k ids
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    # fp32 logits of each prompt position [P, V] / each generated token [G, V], when asked for
+    context_logits: object | None = None
+    generation_logits: object | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,85 @@
+"""SamplingParams: how one request is decoded. All validation of user-given values lives here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Bad values raise ValueError naming the field, so every frontend gets the same checks.
+    """
+
+    n: int = 1
+    max_tokens: int = 16                     # new tokens at most
+    min_tokens: int = 0                      # EOS / stop ids are masked until this many tokens
+    temperature: float = 1.0                 # 0 = greedy
+    top_k: int = 0                           # 0 or -1 = off
+    top_p: float = 1.0                       # in (0, 1]
+    min_p: float = 0.0                       # in [0, 1]
+    seed: int | None = None                  # per-request generator; None = engine's global RNG
+    repetition_penalty: float = 1.0          # > 0; 1 = off (divides positive logits, multiplies negative)
+    presence_penalty: float = 0.0            # subtracted once per token id already generated
+    frequency_penalty: float = 0.0           # subtracted per occurrence in the generated tokens
+    stop: list[str] = field(default_factory=list)          # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None          # overrides the tokenizer's EOS (Triton `end_id`)
+    ignore_eos: bool = False
+    bad_words: list[str] = field(default_factory=list)     # token sequences never generated
+    logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        self._check()
+
+    def _check(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n != 1:
+            fail("n", "must be 1 (only one sequence per request is supported)")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            fail("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", "must be an integer >= -1 (-1 or 0 disable it)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
+            fail("eos_token_id", "must be a non-negative integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0

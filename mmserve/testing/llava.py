@@ -1,0 +1,338 @@
+"""Random llava-hf style LLaVA-1.5 checkpoints (CLIP vision tower + Llama text model) written offline.
+
+Presets: "tiny" / "tiny-mha" for CPU tests and "llava-1.5-7b" (real shapes, random fp16) for benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig
+
+IMAGE_TOKEN = "<image>"
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
+
+# llava-1.5 prompt format: images of a user turn first (one "<image>\n" each), then its text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- if content is string -%}{{- content + ' ' -}}"
+    "{%- else -%}{%- for part in content if part['type'] == 'text' -%}{{- part['text'] + ' ' -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- 'USER: ' -}}"
+    "{%- if content is string -%}{{- content + ' ' -}}"
+    "{%- else -%}"
+    "{%- for part in content if part['type'] in ('image', 'image_url', 'input_image') -%}"
+    "{{- '<image>\\n' -}}{%- endfor -%}"
+    "{%- for part in content if part['type'] == 'text' -%}{{- part['text'] + ' ' -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- 'ASSISTANT: ' -}}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') -}}"
+    "{%- endif -%}"
+    "{{- '__EOS__' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class LlavaSizes:
+    """Every size a preset fixes; any field can be overridden by keyword."""
+
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    text_vocab: int  # base BPE vocab; "<image>" and "<pad>" come right after it
+    vocab_multiple: int  # model vocab = len(tokenizer) rounded up to this
+    max_position: int
+    text_init_std: float
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    vision_projection_dim: int
+    image_size: int
+    patch_size: int
+    vision_act: str
+    vision_init_std: float
+    vision_feature_layer: int | tuple[int, ...]
+    vision_feature_select_strategy: str
+    projector_act: str
+    dtype: str
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+
+PRESETS: dict[str, LlavaSizes] = {
+    "tiny": LlavaSizes(
+        text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136,
+        text_vocab=400, vocab_multiple=8, max_position=512, text_init_std=0.2,
+        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, vision_projection_dim=32,
+        image_size=42, patch_size=14, vision_act="quick_gelu", vision_init_std=0.2,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_act="gelu",
+        dtype="float32",
+    ),
+    "llava-1.5-7b": LlavaSizes(
+        text_hidden=4096, text_layers=32, text_heads=32, text_kv_heads=32, text_intermediate=11008,
+        text_vocab=32000, vocab_multiple=64, max_position=4096, text_init_std=0.02,
+        vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096, vision_projection_dim=768,
+        image_size=336, patch_size=14, vision_act="quick_gelu", vision_init_std=0.02,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_act="gelu",
+        dtype="float16",
+    ),
+}
+PRESETS["tiny-mha"] = dataclasses.replace(
+    PRESETS["tiny"], text_kv_heads=4, vision_feature_layer=(-2, -1), vision_feature_select_strategy="full"
+)
+
+
+def llava_sizes(preset: str = "tiny", **overrides: object) -> LlavaSizes:
+    """The preset's sizes with ``overrides`` (field names of :class:`LlavaSizes`) applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown llava preset {preset!r}; known: {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(LlavaSizes)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown llava overrides {unknown}; allowed: {sorted(fields)}")
+    if isinstance(overrides.get("vision_feature_layer"), list):
+        overrides["vision_feature_layer"] = tuple(overrides["vision_feature_layer"])
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+def image_tokens_per_image(s: LlavaSizes) -> int:
+    """Placeholder tokens one image expands to (CLS dropped by the "default" strategy)."""
+    n = (s.image_size // s.patch_size) ** 2
+    return n if s.vision_feature_select_strategy == "default" else n + 1
+
+
+def token_ids(s: LlavaSizes) -> dict[str, int]:
+    """Ids fixed by :func:`build_bpe_tokenizer`'s layout: unk, bos, eos first; image, pad after the base vocab."""
+    return {"unk": 0, "bos": 1, "eos": 2, "image": s.text_vocab, "pad": s.text_vocab + 1}
+
+
+def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    ids = token_ids(s)
+    n_tok = s.text_vocab + 2
+    vocab = -(-n_tok // s.vocab_multiple) * s.vocab_multiple
+    text = LlamaConfig(
+        vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,
+        head_dim=s.text_hidden // s.text_heads, max_position_embeddings=s.max_position,
+        rms_norm_eps=s.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        initializer_range=s.text_init_std, tie_word_embeddings=False,
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
+        projection_dim=s.vision_projection_dim, hidden_act=s.vision_act, layer_norm_eps=1e-5,
+        initializer_range=s.vision_init_std,
+    )
+    layer = s.vision_feature_layer
+    cfg = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=ids["image"],
+        image_seq_length=image_tokens_per_image(s), projector_hidden_act=s.projector_act,
+        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_select_strategy=s.vision_feature_select_strategy, tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlavaForConditionalGeneration"]
+    cfg.dtype = s.dtype
+    text.dtype = s.dtype
+    vision.dtype = s.dtype
+    return cfg
+
+
+def llava_config(preset: str = "tiny", **overrides: object) -> LlavaConfig:
+    """The ``LlavaConfig`` that :func:`make_llava_checkpoint` writes for this preset (no weights built)."""
+    return _config_from_sizes(llava_sizes(preset, **overrides))
+
+
+def checkpoint_key(name: str, layout: str = "hub") -> str:
+    """Map a transformers-5 parameter name to the on-disk key.
+
+    "hub" is the layout of the published llava-hf checkpoints; "transformers" is what
+    ``save_pretrained`` of transformers 5.23 writes (CLIP's ``vision_model.`` prefix dropped).
+    """
+    vision = "vision_tower.vision_model." if layout == "hub" else "vision_tower."
+    for src, dst in (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.", vision),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    ):
+        if name.startswith(src):
+            return dst + name[len(src):]
+    raise ValueError(f"unexpected llava parameter {name!r}")
+
+
+def _natural_key(name: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _param_specs(config: LlavaConfig, s: LlavaSizes) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """(name, shape, kind, std) for every saved tensor, from a meta-device model (no memory used)."""
+    from transformers import LlavaForConditionalGeneration
+
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    norm_params = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
+            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    specs = []
+    for name, t in model.state_dict().items():
+        if name in norm_params:
+            kind = "zeros" if name.endswith(".bias") else "ones"
+        elif name.endswith(".bias"):
+            kind = "zeros"
+        else:
+            kind = "normal"
+        std = s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
+        specs.append((name, tuple(t.shape), kind, std))
+    return specs
+
+
+def _make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: int, dtype: torch.dtype):
+    if kind == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    # Seeded per tensor (by its canonical name), so values do not depend on layout or write order.
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * std).to(dtype)
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                       make: Callable[[int], torch.Tensor]) -> None:
+    """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, shape in entries:
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for i in range(len(entries)):
+            t = make(i).contiguous()
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and used + n > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += n
+    return shards
+
+
+def _write_weights(
+    out: Path, config: LlavaConfig, s: LlavaSizes, seed: int, layout: str, max_shard_bytes: int
+) -> None:
+    dtype = getattr(torch, s.dtype)
+    specs = sorted(_param_specs(config, s), key=lambda sp: _natural_key(checkpoint_key(sp[0], layout)))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = [itemsize * int(torch.Size(sp[1]).numel()) for sp in specs]
+    shards = _plan_shards(nbytes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for k, idx in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        entries = [(checkpoint_key(specs[i][0], layout), specs[i][1]) for i in idx]
+        _write_safetensors(out / fname, entries, dtype, lambda j, idx=idx: _make_tensor(*specs[idx[j]], seed, dtype))
+        weight_map.update({key: fname for key, _ in entries})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def make_llava_checkpoint(
+    out_dir: str | Path,
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    layout: str = "hub",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    **overrides: object,
+) -> Path:
+    """Write a complete random llava-hf style checkpoint into ``out_dir`` and return its path.
+
+    ``overrides`` are :class:`LlavaSizes` fields (text_hidden, text_layers, text_heads, text_kv_heads,
+    text_intermediate, vision_hidden, vision_layers, image_size, dtype, ...). Weights: N(0, std) for
+    matrices and embeddings (std = text_init_std for the text model and projector, vision_init_std for
+    CLIP), ones for norm scales, zeros for biases; seeded per tensor so a seed gives byte-identical
+    files. ``layout`` picks the tensor names: "hub" (like the published llava-hf repos) or
+    "transformers" (like transformers 5.23 ``save_pretrained``). The tokenizer is always the small
+    BPE; for "llava-1.5-7b" it is padded with unreachable filler tokens to 32000 base ids so that
+    ``<image>`` = 32000, ``<pad>`` = 32001 and the model vocab (32064) exceed the tokenizer as in llava-hf.
+    """
+    from transformers import CLIPImageProcessor, GenerationConfig, LlavaProcessor
+
+    from mmserve.testing.tokenizer import build_bpe_tokenizer
+
+    if layout not in ("hub", "transformers"):
+        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    s = llava_sizes(preset, **overrides)
+    config = _config_from_sizes(s)
+    ids = token_ids(s)
+    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=s.text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
+    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
+           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "pad": tok.pad_token_id}
+    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
+    template = CHAT_TEMPLATE.replace("__EOS__", tok.eos_token)
+    tok.chat_template = template
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
+        do_center_crop=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
+        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
+        vision_feature_select_strategy=s.vision_feature_select_strategy, num_additional_image_tokens=1,
+        chat_template=template,
+    )
+    processor.save_pretrained(out)
+    # transformers 5 nests the image processor in processor_config.json; also write the standalone
+    # preprocessor_config.json that published llava-hf repos (and non-transformers loaders) have.
+    image_processor.save_pretrained(out)
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
+    _write_weights(out, config, s, seed, layout, max_shard_bytes)
+    return out

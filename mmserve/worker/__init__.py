@@ -1,0 +1,1 @@
+"""Device-side work of a step: batch tensors, vision encoding, the forward pass and sampling."""

@@ -1,0 +1,156 @@
+"""ModelRunner: turns a SchedulerOutput into batch tensors, runs vision encoders and the LM, samples.
+
+Owns the model, the KV cache tensors and the encoder cache; knows nothing about HTTP or queues.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mmserve.attention.metadata import AttentionMetadata
+from mmserve.config import CacheConfig
+from mmserve.engine.request import MultiModalItem
+from mmserve.engine.scheduler import SchedulerOutput
+from mmserve.layers.attention import Attention
+from mmserve.worker.encoder_cache import EncoderCache
+from mmserve.worker.sampler import Sampler, SamplingBatch
+
+
+@dataclass
+class RunnerOutput:
+    """Per request that sampled this step: the new token and, when asked, its logprobs."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, float] = field(default_factory=dict)
+    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
+                 vocab_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.vocab_size = vocab_size
+        self.encoder_cache = EncoderCache(cache_config.encoder_cache_size)
+        self.sampler = Sampler()
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache --------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_layer * len(self.attn_layers)
+
+    def num_blocks_for(self, cache_config: CacheConfig) -> int:
+        """Pool size: fixed, else a fraction of free GPU memory, else kv_cache_size_gb on CPU."""
+        if cache_config.num_blocks is not None:
+            return cache_config.num_blocks
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cache_config.kv_cache_memory_fraction
+        else:
+            budget = cache_config.kv_cache_size_gb * 2**30
+        return max(2, int(budget // self.kv_bytes_per_block()))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        bs = self.block_size
+        for s in sched.scheduled:
+            input_ids += s.request.token_ids(s.start, s.end)
+            positions += range(s.start, s.end)
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.end)]
+            qsl.append(qsl[-1] + s.num_tokens)
+            seq_lens.append(s.end)
+        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens), block_size=bs)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        embeds = self.model.embed_input_ids(ids)
+        self._merge_mm_embeddings(sched, qsl, embeds)
+        hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
+        if not sampling:
+            return RunnerOutput()
+        last = torch.tensor([qsl[i + 1] - 1 for i, _ in sampling], device=dev)
+        logits = self.model.compute_logits(hidden[last]).float()                     # [B, V]
+        reqs = [s.request for _, s in sampling]
+        batch = SamplingBatch.build(
+            [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs], [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs],
+            logits.shape[-1], dev)
+        sampled = self.sampler(logits, batch)
+        return self._to_output(reqs, sampled)
+
+    def _merge_mm_embeddings(self, sched: SchedulerOutput, qsl: list[int], embeds: torch.Tensor) -> None:
+        """Overwrite placeholder-token embeddings with the vision encoder's outputs for this chunk."""
+        spans = []   # (flat dst, item, src offset in item, count)
+        for i, s in enumerate(sched.scheduled):
+            for item in s.request.mm_items_in(s.start, s.end):
+                lo, hi = max(s.start, item.offset), min(s.end, item.end)
+                spans.append((qsl[i] + lo - s.start, item, lo - item.offset, hi - lo))
+        if not spans:
+            return
+        encoded = self._encode([item for _, item, _, _ in spans])
+        for dst, item, src, n in spans:
+            embeds[dst:dst + n] = encoded[item.content_hash][src:src + n].to(embeds.dtype)
+
+    def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
+        """Embeddings by content hash: cached ones reused, the rest encoded in batches of equal shape."""
+        out: dict[str, torch.Tensor] = {}
+        todo: dict[tuple, list[MultiModalItem]] = {}
+        for item in items:
+            if item.content_hash in out:
+                continue
+            emb = self.encoder_cache.get(item.content_hash)
+            if emb is not None:
+                out[item.content_hash] = emb
+                continue
+            out[item.content_hash] = None
+            key = (item.modality,) + tuple((k, tuple(v.shape)) for k, v in sorted(item.data.items()))
+            todo.setdefault(key, []).append(item)
+        for group in todo.values():
+            moved = [MultiModalItem(it.modality, {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                                                  for k, v in it.data.items()}, it.offset, it.length, it.content_hash)
+                     for it in group]
+            for item, emb in zip(group, self.model.get_mm_embeddings(moved)):
+                out[item.content_hash] = emb
+                self.encoder_cache.put(item.content_hash, emb)
+        return out
+
+    def _to_output(self, reqs, sampled) -> RunnerOutput:
+        out = RunnerOutput()
+        token_ids = sampled.token_ids.tolist()
+        lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        for i, r in enumerate(reqs):
+            out.token_ids[r.request_id] = token_ids[i]
+            if r.params.logprobs is not None and lp is not None:
+                out.logprobs[r.request_id] = lp[i]
+                k = r.params.logprobs
+                out.top_logprobs[r.request_id] = list(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids else []
+        return out

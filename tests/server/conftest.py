@@ -1,0 +1,105 @@
+"""A real `mmserve serve` subprocess on 127.0.0.1 with free ports, and a local HTTP server for media URLs."""
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    model_dir: str
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def start_server(model_dir: str, log_dir: Path, *extra: str, timeout: float = 120.0):
+    """Start `mmserve serve` and wait for /v2/health/ready; always terminate it."""
+    http_port, grpc_port = free_port(), free_port()
+    log_path = log_dir / f"server-{http_port}.log"
+    cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model_dir, "--host", "127.0.0.1",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu",
+           "--allow-private-media-urls", "--log-level", "warning", *extra]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    handle = ServerHandle(proc, http_port, grpc_port, model_dir, log_path)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
+            try:
+                if httpx.get(f"{handle.http_url}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server not ready after {timeout}s:\n{handle.log()}")
+            time.sleep(0.2)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llava_dir, tmp_path_factory):
+    """One shared server for the session (default settings, private media URLs allowed)."""
+    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("server-logs")) as handle:
+        yield handle
+
+
+class _MediaHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def media_server(tmp_path_factory):
+    """Serves files from a temp dir on 127.0.0.1; yields (base_url, directory)."""
+    root = tmp_path_factory.mktemp("media")
+    handler = lambda *a, **kw: _MediaHandler(*a, directory=str(root), **kw)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", root
+    finally:
+        httpd.shutdown()

@@ -1,0 +1,109 @@
+"""Block manager: allocation, refcounts, prefix hits by chained hashes (image-aware), LRU eviction, no leaks."""
+from __future__ import annotations
+
+import torch
+
+from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.request import MultiModalItem, Request
+from mmserve.sampling_params import SamplingParams
+
+
+def _req(rid: str, tokens: list[int], images: list[tuple[int, int, str]] = ()) -> Request:
+    items = [MultiModalItem("image", {"pixel_values": torch.zeros(1)}, off, n, h) for off, n, h in images]
+    return Request(rid, None, tokens, SamplingParams(max_tokens=4), items)
+
+
+def test_allocate_and_free_returns_every_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = _req("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert len(kv.block_ids("a")) == 3 and kv.pool.num_free == 7
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 1)          # 11th token fits in block 3
+    assert len(kv.block_ids("a")) == 3
+    r.num_computed_tokens = 12
+    assert kv.allocate_slots(r, 1)          # 13th token needs a 4th block
+    assert len(kv.block_ids("a")) == 4
+    kv.free(r)
+    assert kv.pool.num_free == 10 and kv.num_requests() == 0
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    r = _req("a", list(range(20)))
+    assert not kv.allocate_slots(r, 20)
+    assert kv.pool.num_free == 3 and kv.block_ids("a") == []
+
+
+def test_same_prefix_shares_blocks_and_refcounts():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = _req("a", list(range(13)))
+    assert kv.allocate_slots(a, 13)
+    a.num_computed_tokens = 13
+    kv.cache_computed_blocks(a)
+    b = _req("b", list(range(12)) + [99, 98])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12 and [x.block_id for x in hits] == kv.block_ids("a")[:3]
+    assert kv.allocate_slots(b, 2, hits)
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("a")[:3]] == [2, 2, 2]
+    kv.free(a)
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("b")[:3]] == [1, 1, 1]
+    kv.free(b)
+    assert kv.pool.num_free == 16
+
+
+def test_hit_leaves_at_least_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", list(range(8)))
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_computed_blocks(a)
+    _, n = kv.get_computed_blocks(_req("b", list(range(8))))
+    assert n == 4   # the last block is recomputed so the final position yields logits
+
+
+def test_image_content_hash_decides_hits_not_placeholder_ids():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = [1, 2, 7, 7, 7, 7, 7, 7, 3, 4, 5]
+    a = _req("a", tokens, [(2, 6, "cat")])
+    kv.allocate_slots(a, len(tokens))
+    a.num_computed_tokens = len(tokens)
+    kv.cache_computed_blocks(a)
+    _, same = kv.get_computed_blocks(_req("b", tokens, [(2, 6, "cat")]))
+    _, other = kv.get_computed_blocks(_req("c", tokens, [(2, 6, "dog")]))
+    assert same == 8
+    assert other == 0   # block 0 already holds two image tokens of a different image
+
+
+def test_lru_evicts_least_recently_freed_and_keeps_prefix_longest():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = _req("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    first, second, tail = kv.block_ids("a")
+    kv.free(a)   # tail first into the LRU, then block 2, then block 1
+    c = _req("c", [50, 51])
+    kv.allocate_slots(c, 2)   # takes the never-used block, then evicts in LRU order
+    d = _req("d", [60, 61])
+    kv.allocate_slots(d, 2)
+    assert kv.block_ids("d") == [tail]
+    # the prefix blocks survive the eviction of the tail
+    _, n = kv.get_computed_blocks(_req("e", [1, 2, 3, 4, 9]))
+    assert n == 4 and {first, second}.isdisjoint(kv.block_ids("c") + kv.block_ids("d"))
+
+
+def test_free_cached_blocks_count_against_allocation_when_hit():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = _req("a", [1, 2, 3, 4])
+    kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    b = _req("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4
+    # 4 hit tokens + 4 new need 4 blocks; only 3 exist, and the 2 hits are no longer allocatable
+    assert not kv.allocate_slots(b, 4, hits)
+    assert all(x.ref_cnt == 0 for x in kv.pool.blocks) and kv.pool.num_free == 3
