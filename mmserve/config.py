@@ -48,7 +48,8 @@ class ModelConfig:
     device: str = "auto"            # auto | cpu | cuda[:N]
     max_model_len: int | None = None  # prompt + output tokens; None = the checkpoint's limit
     seed: int = 0                   # global sampling RNG seed
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    enforce_eager: bool = False     # True: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -26,9 +26,11 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_size_gb: float = 1.0, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, seed: int = 0, media: MediaConfig | None = None) -> None:
+                 enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
+                 enforce_eager: bool = False, media: MediaConfig | None = None) -> None:
         config = EngineConfig(
-            model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+                              attention_backend=attention_backend, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
                               enable_prefix_caching=enable_prefix_caching),

@@ -40,9 +40,13 @@ class Engine:
         self.inputs = InputProcessor(mc.model, self.hf_config, media)
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size)
-        num_blocks = self.runner.num_blocks_for(config.cache)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
+                                  mc.attention_backend)
+        peak = self.runner.profile_peak_activation_bytes(config.scheduler.max_num_batched_tokens)
+        num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
+        if not mc.enforce_eager:
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
@@ -139,11 +143,9 @@ class Engine:
         if req.params.logprobs is not None and req.request_id in result.logprobs:
             lp = result.logprobs[req.request_id]
             req.cumulative_logprob += lp
-            entry = {token: Logprob(lp, decoded_token=self.tokenizer.decode([token]))}
+            entry = {token: Logprob(lp, result.ranks.get(req.request_id), self.tokenizer.decode([token]))}
             for rank, (tid, tlp) in enumerate(result.top_logprobs.get(req.request_id, []), start=1):
-                if tid == token:
-                    entry[token].rank = rank
-                else:
+                if tid != token:
                     entry[tid] = Logprob(tlp, rank, self.tokenizer.decode([tid]))
             req.output_logprobs.append(entry)
 

@@ -14,6 +14,7 @@ from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
+from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.sampler import Sampler, SamplingBatch
 
@@ -25,11 +26,12 @@ class RunnerOutput:
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    ranks: dict[str, int | None] = field(default_factory=dict)   # rank of the sampled id (1 = most likely)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
-                 vocab_size: int) -> None:
+                 vocab_size: int, attention_backend: str = "auto") -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -39,6 +41,53 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.backend_name = self._select_backend(attention_backend)
+        self.graphs: DecodeGraphs | None = None
+
+    def _select_backend(self, name: str) -> str:
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from mmserve.attention import triton_backend
+            for layer in self.attn_layers:
+                layer.backend = triton_backend
+        return name
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Record decode-step graphs (CUDA + Triton backend only); call after allocate_kv_cache."""
+        if self.device.type != "cuda" or self.backend_name != "triton":
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Run one text-only prefill of num_tokens through a scratch KV cache; return the activation peak."""
+        if self.device.type != "cuda":
+            return 0
+        blocks = -(-num_tokens // self.block_size) + 1
+        self.allocate_kv_cache(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
+            max_seq_len=num_tokens, block_size=self.block_size)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(self.model.embed_input_ids(ids), torch.arange(num_tokens, device=self.device), meta)
+        self.model.compute_logits(hidden[-64:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -46,14 +95,15 @@ class ModelRunner:
         per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
         return per_layer * len(self.attn_layers)
 
-    def num_blocks_for(self, cache_config: CacheConfig) -> int:
-        """Pool size: fixed, else a fraction of free GPU memory, else kv_cache_size_gb on CPU."""
+    def num_blocks_for(self, cache_config: CacheConfig, activation_peak: int = 0) -> int:
+        """Pool size: fixed, else a fraction of the GPU memory free after weights and the activation
+        peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU."""
         if cache_config.num_blocks is not None:
             return cache_config.num_blocks
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cache_config.kv_cache_memory_fraction
+            budget = max(0, free - activation_peak) * cache_config.kv_cache_memory_fraction
         else:
             budget = cache_config.kv_cache_size_gb * 2**30
         return max(2, int(budget // self.kv_bytes_per_block()))
@@ -77,6 +127,12 @@ class ModelRunner:
             slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.end)]
             qsl.append(qsl[-1] + s.num_tokens)
             seq_lens.append(s.end)
+        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
+        decode_only = len(input_ids) == len(sched.scheduled) and not any(
+            s.request.mm_items_in(s.start, s.end) for s in sched.scheduled)
+        if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
+            logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled])
+            return self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
         dev = self.device
@@ -92,16 +148,17 @@ class ModelRunner:
         self._merge_mm_embeddings(sched, qsl, embeds)
         hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
-        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
         if not sampling:
             return RunnerOutput()
         last = torch.tensor([qsl[i + 1] - 1 for i, _ in sampling], device=dev)
-        logits = self.model.compute_logits(hidden[last]).float()                     # [B, V]
-        reqs = [s.request for _, s in sampling]
+        return self._sample([s.request for _, s in sampling], self.model.compute_logits(hidden[last]))
+
+    def _sample(self, reqs: list, logits: torch.Tensor) -> RunnerOutput:
+        """logits [B, V] of the requests that sample this step -> their new tokens."""
         batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs],
-            logits.shape[-1], dev)
+            logits.shape[-1], self.device)
         sampled = self.sampler(logits, batch)
         return self._to_output(reqs, sampled)
 
@@ -144,13 +201,16 @@ class ModelRunner:
     def _to_output(self, reqs, sampled) -> RunnerOutput:
         out = RunnerOutput()
         token_ids = sampled.token_ids.tolist()
-        lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        want = any(r.params.logprobs is not None for r in reqs) and sampled.logprobs is not None
+        lp = sampled.logprobs.tolist() if want else None
+        top_lp = sampled.top_logprobs.tolist() if want else None
+        top_ids = sampled.top_token_ids.tolist() if want else None
+        ranks = sampled.ranks.tolist() if want and sampled.ranks is not None else None
         for i, r in enumerate(reqs):
             out.token_ids[r.request_id] = token_ids[i]
-            if r.params.logprobs is not None and lp is not None:
-                out.logprobs[r.request_id] = lp[i]
+            if want and r.params.logprobs is not None:
                 k = r.params.logprobs
-                out.top_logprobs[r.request_id] = list(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids else []
+                out.logprobs[r.request_id] = lp[i]
+                out.ranks[r.request_id] = ranks[i] if ranks else None
+                out.top_logprobs[r.request_id] = list(zip(top_ids[i][:k], top_lp[i][:k]))
         return out

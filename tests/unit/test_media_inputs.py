@@ -329,7 +329,8 @@ def test_connects_to_checked_addresses_only(server, monkeypatch):
     port = server.rsplit(":", 1)[1]
     real = socket.getaddrinfo
     fake = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in ("127.0.0.2", "127.0.0.1")]
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: fake if host == "multi.test" else real(host, *a, **k))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *rest, **kw: fake if host == "multi.test"
+                        else real(host, *rest, **kw))
     url, host = f"http://multi.test:{port}/host", f"multi.test:{port}".encode()
     assert load_video_bytes(url, PRIVATE_OK) == host
     assert asyncio.run(aload_video_bytes(url, PRIVATE_OK)) == host
