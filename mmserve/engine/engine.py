@@ -37,7 +37,7 @@ class Engine:
                                    or getattr(self.hf_config, "torch_dtype", None))
         torch.manual_seed(mc.seed)
         self.model = build_model(mc.model, self.hf_config, self.device, self.dtype)
-        self.inputs = InputProcessor(mc.model, self.hf_config, media)
+        self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media)
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
@@ -84,6 +84,7 @@ class Engine:
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_id=None if params.ignore_eos else eos, bad_words_ids=[b for b in bad if b])
+        req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids)

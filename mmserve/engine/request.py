@@ -71,6 +71,21 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []   # chained hashes of this request's full blocks
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+        self.mrope_positions: torch.Tensor | None = None  # [3, P] prompt positions of M-RoPE families
+        self.mrope_delta = 0                               # generated token at p sits at p + delta
+
+    def positions(self, start: int, end: int) -> torch.Tensor | range:
+        """Rotary positions of tokens [start, end): a range, or [3, n] for M-RoPE families."""
+        if self.mrope_positions is None:
+            return range(start, end)
+        p = self.num_prompt_tokens
+        parts = []
+        if start < p:
+            parts.append(self.mrope_positions[:, start:min(end, p)])
+        if end > p:
+            gen = torch.arange(max(start, p), end) + self.mrope_delta
+            parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=1)
 
     @property
     def num_prompt_tokens(self) -> int:

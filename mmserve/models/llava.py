@@ -13,6 +13,7 @@ from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.weights import load_weights
+from mmserve.multimodal.processors import equal_runs
 
 # checkpoint prefix -> our module path; HF >= 5 layout first, then the original llava-hf layout
 WEIGHT_RENAMES = [
@@ -53,6 +54,14 @@ class LlavaForConditionalGeneration(nn.Module):
             config.vision_config.hidden_size * len(self.feature_layers), config.text_config.hidden_size,
             config.projector_hidden_act, getattr(config, "multimodal_projector_bias", True))
         self.language_model = LlamaForCausalLM(config.text_config)
+
+    @classmethod
+    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
+                       video_keys: list[str]) -> list[MultiModalItem]:
+        """Each image's `<image>` run (all runs equally long) and its pixel_values [3, H, W]."""
+        runs = equal_runs(ids, hf_config.image_token_index, len(image_keys))
+        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][k]}, off, n, image_keys[k])
+                for k, (off, n) in enumerate(runs)]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode images in one batch. Returns one [length, text_hidden] tensor per item."""

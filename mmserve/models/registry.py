@@ -5,6 +5,11 @@ import importlib
 
 _MODELS = {
     "LlavaForConditionalGeneration": ("mmserve.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("mmserve.models.llava_next", "LlavaNextForConditionalGeneration"),
+    "LlavaOnevisionForConditionalGeneration": ("mmserve.models.llava_onevision",
+                                               "LlavaOnevisionForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("mmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Blip2ForConditionalGeneration": ("mmserve.models.blip2", "Blip2ForConditionalGeneration"),
 }
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoProcessor
 
 from mmserve.engine.request import MultiModalItem
-from mmserve.multimodal.hashing import hash_bytes, hash_image
-from mmserve.multimodal.inputs import MediaConfig, load_images
+from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
+from mmserve.multimodal.inputs import MediaConfig, load_images, load_video_bytes
+from mmserve.multimodal.video import decode_video
 
 
 @dataclass
@@ -22,38 +24,61 @@ class ProcessedInputs:
     prompt: str | None
     prompt_token_ids: list[int]
     mm_items: list[MultiModalItem] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None   # [3, P] for M-RoPE families (Qwen2-VL)
+    mrope_delta: int = 0                          # decode position p maps to p + delta on all 3 axes
 
 
-def _placeholder_runs(ids: list[int], token_id: int, num_items: int) -> list[tuple[int, int]]:
-    """Split the positions of token_id into num_items equal contiguous (offset, length) runs."""
+def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
+    """Offsets of consecutive runs of token_id with the given lengths (in order); ValueError if they don't fit."""
     pos = [i for i, t in enumerate(ids) if t == token_id]
+    if len(pos) != sum(lengths):
+        raise ValueError(f"the prompt has {len(pos)} placeholder tokens but the media need {sum(lengths)}")
+    offsets, k = [], 0
+    for n in lengths:
+        run = pos[k:k + n]
+        if run[-1] - run[0] != n - 1:
+            raise ValueError("media placeholder tokens are not contiguous")
+        offsets.append(run[0])
+        k += n
+    return offsets
+
+
+def equal_runs(ids: list[int], token_id: int, num_items: int) -> list[tuple[int, int]]:
+    """(offset, length) of num_items runs of token_id that all have the same length (LLaVA-1.5)."""
     if num_items == 0:
         return []
-    if len(pos) % num_items:
-        raise ValueError(f"{len(pos)} image tokens cannot be split evenly over {num_items} images")
-    n = len(pos) // num_items
-    runs = []
-    for k in range(num_items):
-        chunk = pos[k * n:(k + 1) * n]
-        if chunk[-1] - chunk[0] != n - 1:
-            raise ValueError("image placeholder tokens are not contiguous")
-        runs.append((chunk[0], n))
-    return runs
+    total = sum(1 for t in ids if t == token_id)
+    if total % num_items:
+        raise ValueError(f"{total} image tokens cannot be split evenly over {num_items} images")
+    n = total // num_items
+    return [(off, n) for off in placeholder_runs(ids, token_id, [n] * num_items)]
 
 
 class InputProcessor:
-    """Prompt building for one checkpoint. `prompt` is a str or a dict with keys
-    prompt | prompt_token_ids, images, image_ids (client-given identities, e.g. prompt_table_extra_id)."""
+    """Prompt building for one checkpoint. `prompt` is a str or a dict with keys prompt | prompt_token_ids,
+    images, videos, video_num_frames, image_ids (client-given identities, e.g. prompt_table_extra_id),
+    pixel_values (already-preprocessed images [N, 3, H, W]).
 
-    def __init__(self, model_dir: str, hf_config, media: MediaConfig | None = None) -> None:
+    The model class supplies the family-specific part: `build_mm_items(hf_config, enc, ids, image_keys,
+    video_keys)` turns the HF processor's outputs into MultiModalItems, and, for M-RoPE families,
+    `mrope_positions(hf_config, enc, ids)` gives the prompt's 3-axis positions.
+    """
+
+    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values"}
+
+    def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None) -> None:
         self.hf_config = hf_config
+        self.model_cls = model_cls
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.image_token = getattr(self.processor, "image_token", None) or "<image>"
+        self.video_token = getattr(self.processor, "video_token", None)
         self.image_token_id = getattr(hf_config, "image_token_index", None)
         if self.image_token_id is None:
             self.image_token_id = getattr(hf_config, "image_token_id", None)
+        # BLIP-2 style: the processor itself puts the image's query tokens in front of the text
+        self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
 
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
         """Raises ValueError/TypeError naming the problem for any bad input."""
@@ -61,12 +86,10 @@ class InputProcessor:
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image_ids", "pixel_values"}
+        unknown = set(prompt) - self.KEYS
         if unknown:
             raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
-        images = prompt.get("images") or []
-        if not isinstance(images, (list, tuple)):
-            images = [images]
+        images, videos = _as_list(prompt.get("images")), _as_list(prompt.get("videos"))
         pixel_values = prompt.get("pixel_values")
         if pixel_values is not None:
             if images:
@@ -75,18 +98,15 @@ class InputProcessor:
             images = [None] * len(pixel_values)
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if token_ids is not None:
-            if images:
-                raise ValueError("images need a text prompt (prompt_token_ids cannot carry image placeholders)")
+            if images or videos:
+                raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
             if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
             return ProcessedInputs(text, list(token_ids))
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
-        num_placeholders = text.count(self.image_token)
-        if num_placeholders != len(images):
-            raise ValueError(f"the prompt has {num_placeholders} {self.image_token} placeholder(s) "
-                             f"but {len(images)} image(s) were given")
-        if not images:
+        self._check_placeholders(text, len(images), len(videos))
+        if not images and not videos:
             ids = self.tokenizer(text).input_ids
             if not ids:
                 raise ValueError("prompt is empty")
@@ -94,25 +114,67 @@ class InputProcessor:
         ids_given = prompt.get("image_ids")
         if ids_given is not None and len(ids_given) != len(images):
             raise ValueError(f"image_ids has {len(ids_given)} entries for {len(images)} images")
-        if pixel_values is None:
-            pil_images = load_images(list(images), self.media)
-            keys = [hash_image(im) for im in pil_images]
-        else:  # already preprocessed: placeholders expand as for images of the same size
+        kwargs: dict[str, Any] = {}
+        image_keys: list[str] = []
+        if pixel_values is not None:  # already preprocessed: placeholders expand as for images of that size
             h, w = pixel_values.shape[-2:]
-            pil_images = [Image.new("RGB", (w, h)) for _ in range(len(pixel_values))]
-            keys = [hash_bytes(pv.contiguous().float().numpy().tobytes()) for pv in pixel_values]
-        enc = self.processor(text=text, images=pil_images, return_tensors="pt")
+            kwargs["images"] = [Image.new("RGB", (w, h)) for _ in range(len(pixel_values))]
+            image_keys = [hash_bytes(pv.contiguous().float().numpy().tobytes()) for pv in pixel_values]
+        elif images:
+            kwargs["images"] = load_images(list(images), self.media)
+            image_keys = [hash_image(im) for im in kwargs["images"]]
+        if ids_given is not None:
+            image_keys = [f"id:{i}" for i in ids_given]
+        video_keys: list[str] = []
+        if videos:
+            frames = self._load_videos(videos, prompt.get("video_num_frames", 8))
+            kwargs["videos"] = frames
+            video_keys = [hash_video(f) for f in frames]
+        enc = self.processor(text=text, return_tensors="pt", **kwargs)
+        if pixel_values is not None:
+            if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
+                raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
+                                 f"model expects {list(enc['pixel_values'].shape[1:])}")
+            enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
-        if pixel_values is None:
-            pixel_values = enc["pixel_values"]
-        elif pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
-            raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this model "
-                             f"expects {list(enc['pixel_values'].shape[1:])}")
-        items = []
-        for k, (offset, length) in enumerate(_placeholder_runs(ids, self.image_token_id, len(images))):
-            key = f"id:{ids_given[k]}" if ids_given is not None else keys[k]
-            items.append(MultiModalItem("image", {"pixel_values": pixel_values[k]}, offset, length, key))
-        return ProcessedInputs(text, ids, items)
+        items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
+        out = ProcessedInputs(text, ids, items)
+        if hasattr(self.model_cls, "mrope_positions"):
+            out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(self.hf_config, enc, ids)
+        return out
+
+    def _check_placeholders(self, text: str, num_images: int, num_videos: int) -> None:
+        if not self.placeholder_in_prompt:
+            if num_videos or num_images > 1:
+                raise ValueError(f"this model takes at most one image per prompt, got {num_images} "
+                                 f"image(s) and {num_videos} video(s)")
+            return
+        found = text.count(self.image_token)
+        if found != num_images:
+            raise ValueError(f"the prompt has {found} {self.image_token} placeholder(s) "
+                             f"but {num_images} image(s) were given")
+        if num_videos and self.video_token is None:
+            raise ValueError(f"model type {self.hf_config.model_type!r} does not take video input")
+        found = text.count(self.video_token) if self.video_token else 0
+        if found != num_videos:
+            raise ValueError(f"the prompt has {found} {self.video_token} placeholder(s) "
+                             f"but {num_videos} video(s) were given")
+
+    def _load_videos(self, videos: list, num_frames: int) -> list[np.ndarray]:
+        if not isinstance(num_frames, int) or num_frames < 1:
+            raise ValueError(f"video_num_frames must be a positive integer, got {num_frames!r}")
+        out = []
+        for i, v in enumerate(videos):
+            field_name = f"videos[{i}]"
+            if isinstance(v, np.ndarray):      # already decoded frames [F, H, W, 3]
+                if v.ndim != 4 or v.shape[-1] != 3 or v.dtype != np.uint8:
+                    raise ValueError(f"{field_name}: decoded frames must be uint8 [F, H, W, 3], got "
+                                     f"{v.dtype} {list(v.shape)}")
+                out.append(v)
+            else:
+                out.append(decode_video(load_video_bytes(v, self.media, field=field_name), num_frames,
+                                        self.media, field=field_name))
+        return out
 
     @staticmethod
     def _check_pixel_values(pixel_values) -> torch.Tensor:
@@ -150,3 +212,9 @@ class InputProcessor:
             hf_messages.append({"role": m["role"], "content": parts})
         prompt = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
         return prompt, images
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

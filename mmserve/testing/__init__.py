@@ -5,10 +5,10 @@ Tests and benchmarks use these instead of a model hub; transformers loads every 
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from mmserve.testing.images import image_to_data_uri, image_to_png_bytes, make_test_image
@@ -29,9 +29,16 @@ __all__ = [
     "make_test_image",
 ]
 
-FAMILIES: dict[str, Callable[..., Path]] = {"llava": make_llava_checkpoint}
+# family -> "module:function" writing a tiny (or preset-sized) random checkpoint of that family
+FAMILIES: dict[str, str] = {
+    "llava": "mmserve.testing.llava:make_llava_checkpoint",
+    "llava_next": "mmserve.testing.llava_next:make_llava_next_checkpoint",
+    "llava_onevision": "mmserve.testing.llava_onevision:make_llava_onevision_checkpoint",
+    "qwen2_vl": "mmserve.testing.qwen2_vl:make_qwen2_vl_checkpoint",
+    "blip2": "mmserve.testing.blip2:make_blip2_checkpoint",
+}
 
-DEMO_SUBDIR = "demo-llava"
+DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes
 
 
 def make_checkpoint(family: str, out_dir: str | Path, **kw: object) -> Path:
@@ -40,7 +47,8 @@ def make_checkpoint(family: str, out_dir: str | Path, **kw: object) -> Path:
         maker = FAMILIES[family]
     except KeyError:
         raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}") from None
-    return maker(out_dir, **kw)
+    module, name = maker.split(":")
+    return getattr(importlib.import_module(module), name)(out_dir, **kw)
 
 
 def default_model_dir() -> Path:

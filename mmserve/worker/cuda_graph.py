@@ -21,7 +21,7 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, max_model_len: int, buckets: list[int] | None = None) -> None:
+                 block_size: int, max_model_len: int, buckets: list[int] | None = None, mrope: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -29,7 +29,7 @@ class DecodeGraphs:
         self.buckets = buckets or default_buckets(max_num_seqs)
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -51,7 +51,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         embeds = self.model.embed_input_ids(self.input_ids[:b])
-        hidden = self.model(embeds, self.positions[:b], self._meta(b))
+        hidden = self.model(embeds, self.positions[..., :b], self._meta(b))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -68,26 +68,30 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+    def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
-        """Replay the smallest bucket that fits; returns logits [len(input_ids), V] (a view)."""
+        """Replay the smallest bucket that fits; returns logits [len(input_ids), V] (a view).
+
+        positions: [n] or [3, n] (M-RoPE) int64 on the host.
+        """
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         width = self.block_tables.shape[1]
-        host = torch.zeros(4, b, dtype=torch.int64)
+        host = torch.zeros(3, b, dtype=torch.int64)
         host[0, :n] = torch.tensor(input_ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :] = -1
-        host[2, :n] = torch.tensor(slots)
-        host[3, :n] = torch.tensor(seq_lens)
+        host[1, :] = -1
+        host[1, :n] = torch.tensor(slots)
+        host[2, :n] = torch.tensor(seq_lens)
+        pos = torch.zeros(*positions.shape[:-1], b, dtype=torch.int64)
+        pos[..., :n] = positions
         tables = torch.zeros(b, width, dtype=torch.int32)
         for i, row in enumerate(block_tables):
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         host = host.pin_memory().to(self.device, non_blocking=True)
         self.input_ids[:b].copy_(host[0])
-        self.positions[:b].copy_(host[1])
-        self.slot_mapping[:b].copy_(host[2])
-        self.seq_lens[:b].copy_(host[3])
+        self.positions[..., :b].copy_(pos.pin_memory().to(self.device, non_blocking=True))
+        self.slot_mapping[:b].copy_(host[1])
+        self.seq_lens[:b].copy_(host[2])
         self.block_tables[:b].copy_(tables.pin_memory().to(self.device, non_blocking=True))
         self.graphs[b].replay()
         return self.logits[b][:n]

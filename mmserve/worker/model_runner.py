@@ -58,7 +58,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
+                                   mrope=getattr(self.model, "uses_mrope", False))
         self.graphs.capture()
 
     @torch.inference_mode()
@@ -79,7 +80,10 @@ class ModelRunner:
             query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
             max_seq_len=num_tokens, block_size=self.block_size)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(self.model.embed_input_ids(ids), torch.arange(num_tokens, device=self.device), meta)
+        positions = torch.arange(num_tokens, device=self.device)
+        if getattr(self.model, "uses_mrope", False):
+            positions = positions.expand(3, -1)
+        hidden = self.model(self.model.embed_input_ids(ids), positions, meta)
         self.model.compute_logits(hidden[-64:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -123,13 +127,14 @@ class ModelRunner:
         bs = self.block_size
         for s in sched.scheduled:
             input_ids += s.request.token_ids(s.start, s.end)
-            positions += range(s.start, s.end)
+            positions.append(s.request.positions(s.start, s.end))
             slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.end)]
             qsl.append(qsl[-1] + s.num_tokens)
             seq_lens.append(s.end)
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
         decode_only = len(input_ids) == len(sched.scheduled) and not any(
             s.request.mm_items_in(s.start, s.end) for s in sched.scheduled)
+        positions = _cat_positions(positions)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled])
             return self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
@@ -146,7 +151,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         embeds = self.model.embed_input_ids(ids)
         self._merge_mm_embeddings(sched, qsl, embeds)
-        hidden = self.model(embeds, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+        hidden = self.model(embeds, positions.to(dev, non_blocking=True), meta)
 
         if not sampling:
             return RunnerOutput()
@@ -214,3 +219,10 @@ class ModelRunner:
                 out.ranks[r.request_id] = ranks[i] if ranks else None
                 out.top_logprobs[r.request_id] = list(zip(top_ids[i][:k], top_lp[i][:k]))
         return out
+
+
+def _cat_positions(parts: list) -> torch.Tensor:
+    """Per-request positions (ranges, or [3, n] tensors for M-RoPE) -> [T] or [3, T] int64 on the host."""
+    if parts and isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=1)
+    return torch.tensor([p for r in parts for p in r], dtype=torch.int64)

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from mmserve.testing import (
+    DEMO_SUBDIR,
     build_bpe_tokenizer,
     checkpoint_key,
     default_model_dir,
@@ -209,6 +210,6 @@ def test_images() -> None:
 def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MMSERVE_HOME", str(tmp_path))
     d = default_model_dir()
-    assert d == tmp_path / "demo-llava" and (d / "model.safetensors").is_file()
+    assert d == tmp_path / DEMO_SUBDIR and (d / "model.safetensors").is_file()
     assert default_model_dir() == d
     assert [p.name for p in tmp_path.iterdir()] == ["demo-llava"]  # no temp dirs left behind
