@@ -212,4 +212,4 @@ def test_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     d = default_model_dir()
     assert d == tmp_path / DEMO_SUBDIR and (d / "model.safetensors").is_file()
     assert default_model_dir() == d
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-llava"]  # no temp dirs left behind
+    assert [p.name for p in tmp_path.iterdir()] == [DEMO_SUBDIR]  # no temp dirs left behind
