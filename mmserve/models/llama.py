@@ -19,7 +19,7 @@ PACKED_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, rotary: nn.Module | None = None) -> None:
         super().__init__()
         tp = get_tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -29,8 +29,10 @@ class LlamaAttention(nn.Module):
                                         bias=bool(getattr(config, "attention_bias", False)))
         self.q_size = config.num_attention_heads // tp * self.head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        inv_freq, scaling = rope_inv_freq(config, self.head_dim)
-        self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        if rotary is None:
+            inv_freq, scaling = rope_inv_freq(config, self.head_dim)
+            rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        self.rotary = rotary
         self.attn = Attention(config.num_attention_heads // tp, self.head_dim, self.qkv_proj.num_kv_heads,
                               self.head_dim ** -0.5)
 
@@ -52,9 +54,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, rotary: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, rotary)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -71,11 +73,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool = False) -> None:
+    def __init__(self, config, qkv_bias: bool = False, rotary: nn.Module | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, rotary)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -88,16 +91,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Backbone + LM head. `qkv_bias` is True for Qwen2-style checkpoints."""
+    """Backbone + LM head. `qkv_bias` is True for Qwen2-style checkpoints. `rotary`, when given, is one
+    module shared by all layers, called as rotary(positions, q, k) (e.g. Qwen2-VL's M-RoPE); default:
+    1D RoPE from the config."""
 
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config, qkv_bias: bool | None = None) -> None:
+    def __init__(self, config, qkv_bias: bool | None = None, rotary: nn.Module | None = None) -> None:
         super().__init__()
         if qkv_bias is None:
             qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.config = config
-        self.model = LlamaModel(config, qkv_bias)
+        self.model = LlamaModel(config, qkv_bias, rotary)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

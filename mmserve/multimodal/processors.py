@@ -102,7 +102,7 @@ class InputProcessor:
                 raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
             if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
-            return ProcessedInputs(text, list(token_ids))
+            return self._with_mrope(ProcessedInputs(text, list(token_ids)), None)
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
@@ -110,7 +110,7 @@ class InputProcessor:
             ids = self.tokenizer(text).input_ids
             if not ids:
                 raise ValueError("prompt is empty")
-            return ProcessedInputs(text, ids)
+            return self._with_mrope(ProcessedInputs(text, ids), None)
         ids_given = prompt.get("image_ids")
         if ids_given is not None and len(ids_given) != len(images):
             raise ValueError(f"image_ids has {len(ids_given)} entries for {len(images)} images")
@@ -138,9 +138,13 @@ class InputProcessor:
             enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
-        out = ProcessedInputs(text, ids, items)
+        return self._with_mrope(ProcessedInputs(text, ids, items), enc)
+
+    def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
+        """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
         if hasattr(self.model_cls, "mrope_positions"):
-            out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(self.hf_config, enc, ids)
+            out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(
+                self.hf_config, enc, out.prompt_token_ids)
         return out
 
     def _check_placeholders(self, text: str, num_images: int, num_videos: int) -> None:
@@ -170,6 +174,9 @@ class InputProcessor:
                 if v.ndim != 4 or v.shape[-1] != 3 or v.dtype != np.uint8:
                     raise ValueError(f"{field_name}: decoded frames must be uint8 [F, H, W, 3], got "
                                      f"{v.dtype} {list(v.shape)}")
+                if not 1 <= len(v) <= self.media.max_video_frames:
+                    raise ValueError(f"{field_name}: {len(v)} frames, allowed 1 to "
+                                     f"max_video_frames={self.media.max_video_frames}")
                 out.append(v)
             else:
                 out.append(decode_video(load_video_bytes(v, self.media, field=field_name), num_frames,

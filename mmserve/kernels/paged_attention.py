@@ -1,0 +1,364 @@
+"""Triton kernels over the paged KV cache: cache writes, split-K decode attention, varlen prefill attention.
+
+Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim]. Every launch grid depends only on host
+ints that stay fixed for a CUDA graph (batch size, head counts, block-table width), never on device data.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
+_MAX_SPLITS = 32
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, tok, tok_mask, kvh, d, d_mask,
+                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Gather K and V [BLOCK_N, D_PAD] of token positions `tok` through one sequence's block table."""
+    page = tl.load(block_table_ptr + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    off = page * stride_cb + (tok % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    mask = tok_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, PREC: tl.constexpr):
+    """One flash-attention step: fold keys/values [BLOCK_N, D] into the running (max, sum, acc) of q [M, D].
+
+    Scores are kept in base 2 (qk_scale includes log2(e)). `m` starts at a finite -1e30 so that rows
+    that see no key in a tile get p = 0 instead of NaN.
+    """
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N] fp32
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+    return m_new, l, acc
+
+
+# --------------------------------------------------------------------------------------------- cache write
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)   # slot -1: padding row
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, KVH, D] into kv_cache [2, num_blocks, block_size, KVH, D] at slot_mapping [T].
+
+    Slots < 0 are padding (e.g. CUDA-graph padded batches) and are skipped.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim_contiguous(k, v, kv_cache)
+    kc, vc = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k, v, kc, vc, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program = one sequence x one KV head x one split; it serves all GROUP query heads of that KV head."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)              # 0 for CUDA-graph padding rows: no tiles, zero output
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([GROUP_PAD], -1e30, tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        tok_mask = tok < seq_len
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, kvh, d, d_mask,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        m, l, acc = _online_softmax_step(q, k, v, tok_mask[None, :], m, l, acc, qk_scale, PREC)
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split     # part_lse [B, H, S]
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Merge the split-K partials of one (sequence, head) by their log-sum-exp weights."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    row = (seq * tl.num_programs(1) + head) * num_splits + s
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)   # every split empty (seq_len 0)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    den = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one query per sequence over its whole cached context.
+
+    Args:
+        q: [B, H, D], row i belongs to sequence i.
+        kv_cache: [2, num_blocks, block_size, KVH, D].
+        block_tables: [B, max_blocks] int32; its width bounds every context (and picks the split count).
+        seq_lens: [B] int32 on device; 0 marks a padding row (its output is zero).
+        scale: softmax scale.
+        num_splits: split-K partitions per sequence; None picks one from host shapes only.
+    Returns:
+        out [B, H, D] in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    _check_last_dim_contiguous(q, kv_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out   # unused
+    kc, vc = kv_cache[0], kv_cache[1]
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, kc, vc, block_tables, seq_lens, out, part_out, part_lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=64 if d_pad <= 128 else 32, SPLIT=split, PREC=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), S_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split-K partitions for decode, from host ints only (so a captured CUDA graph stays valid).
+
+    Enough programs to fill the GPU about twice, but no partition shorter than _MIN_TOKENS_PER_SPLIT
+    tokens of the largest possible context (max_context = block-table width x block size).
+    """
+    programs = num_seqs * num_kv_heads
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------------------------- prefill / mixed
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program = one sequence x one KV head x BLOCK_M // GROUP of its new queries.
+
+    The BLOCK_M rows are (query token, head of the group) pairs, so each K/V tile is loaded once per group.
+    Query j of a sequence with q_len new tokens and context L is at position L - q_len + j.
+    """
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_block = tl.program_id(2)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = q_block * TOKENS                              # first query (within the sequence) of this program
+
+    r = tl.arange(0, BLOCK_M)
+    tok = first + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_mask = (r < TOKENS * GROUP) & (tok < q_len)
+    pos = seq_len - q_len + tok                           # absolute position of each row's query
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Keys before the first query's position are visible to every row: no causal mask there.
+    last = tl.minimum(first + TOKENS, q_len) - 1
+    kv_end = tl.where(first < q_len, seq_len - q_len + last + 1, 0)
+    kv_full = tl.where(first < q_len, (seq_len - q_len + first + 1) // BLOCK_N * BLOCK_N, 0)
+
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_full, BLOCK_N):
+        kt = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kt, kt < kv_full, kvh, d, d_mask,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        m, l, acc = _online_softmax_step(q, k, v, (kt < kv_full)[None, :], m, l, acc, qk_scale, PREC)
+    for start in range(kv_full, kv_end, BLOCK_N):
+        kt = start + tl.arange(0, BLOCK_N)
+        k_mask = kt < kv_end
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kt, k_mask, kvh, d, d_mask,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        visible = k_mask[None, :] & (kt[None, :] <= pos[:, None])
+        m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, PREC)
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of variable-length query chunks over their cached prefix plus themselves.
+
+    Handles prefill chunks and single-token decodes in one launch.
+
+    Args:
+        q: [T, H, D]; sequence i owns rows [query_start_loc[i], query_start_loc[i + 1]).
+        kv_cache: [2, num_blocks, block_size, KVH, D], this step's keys already written.
+        block_tables: [B, max_blocks] int32.
+        seq_lens: [B] int32, context length after this step.
+        query_start_loc: [B + 1] int32.
+        max_query_len: host int, an upper bound of every sequence's new-token count (sizes the grid).
+        scale: softmax scale.
+    Returns:
+        out [T, H, D] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    _check_last_dim_contiguous(q, kv_cache)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)   # rows no sequence owns stay zero
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(64 if d_pad <= 128 else 32, triton.next_power_of_2(group))
+    block_n = 64 if d_pad <= 128 else 32
+    kc, vc = kv_cache[0], kv_cache[1]
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m // group))
+    _prefill_kernel[grid](
+        q, kc, vc, block_tables, seq_lens, query_start_loc, out,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------- misc
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to TF32 on tensor cores; fp16/bf16 ignore this setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"expected a contiguous last dim, got strides {t.stride()}")
+
+
+@functools.cache
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the Triton CPU interpreter: a few splits so tests exercise split-K
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())

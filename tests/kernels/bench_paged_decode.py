@@ -1,0 +1,44 @@
+"""Decode-attention latency at LLaVA-7B shapes: Triton kernel vs the torch backend (GPU only).
+
+`PYTHONPATH=. python3 -m tests.kernels.bench_paged_decode [context]`. Prints µs per call; "graph" times a
+CUDA-graph replay (kernel time without Python launch overhead), "eager" a plain call.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton.testing
+
+from mmserve.attention import torch_backend, triton_backend
+from mmserve.kernels.paged_attention import default_num_splits
+from tests.kernels.triton_checks import make_batch
+
+HEADS, HEAD_DIM, BLOCK = 32, 128, 16
+
+
+def main(context: int) -> None:
+    dev = torch.device("cuda")
+    scale = HEAD_DIM ** -0.5
+    print(f"{torch.cuda.get_device_name()}  decode, {HEADS} heads x {HEAD_DIM}, block {BLOCK}, fp16, context {context}")
+    print(f"{'batch':>5} {'splits':>6} {'triton graph us':>16} {'GB/s':>6} {'triton eager us':>16} {'torch us':>10}")
+    for batch in (1, 8, 32, 64):
+        q, _, _, cache, meta = make_batch([1] * batch, [context] * batch, HEADS, HEADS, HEAD_DIM, BLOCK,
+                                          torch.float16, dev, extra_blocks=0)
+        splits = default_num_splits(batch, HEADS, meta.block_tables.shape[1] * BLOCK, dev)
+        fn = lambda: triton_backend.paged_attention(q, cache, meta, scale)  # noqa: E731
+        graph_us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+        eager_us = triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3
+        torch_us = triton.testing.do_bench(lambda: torch_backend.paged_attention(q, cache, meta, scale),
+                                           warmup=3, rep=50) * 1e3
+        gbs = 2 * batch * context * HEADS * HEAD_DIM * 2 / (graph_us * 1e-6) / 1e9   # K+V bytes read
+        print(f"{batch:>5} {splits:>6} {graph_us:>16.1f} {gbs:>6.0f} {eager_us:>16.1f} {torch_us:>10.1f}")
+    q, _, _, cache, meta = make_batch([2048], [2048], HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, dev)
+    pre_us = triton.testing.do_bench(lambda: triton_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3
+    ref_us = triton.testing.do_bench(lambda: torch_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3
+    tflops = 4 * 2048 * 2048 / 2 * HEADS * HEAD_DIM / (pre_us * 1e-6) / 1e12
+    print(f"prefill 1 x 2048 tokens: triton {pre_us:.1f} us ({tflops:.0f} TFLOP/s causal), torch {ref_us:.1f} us")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)

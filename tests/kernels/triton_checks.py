@@ -1,0 +1,289 @@
+"""Triton kernels vs the torch oracle at small shapes; each check raises AssertionError on a mismatch.
+
+Run as `python -m tests.kernels.triton_checks [names...]` (TRITON_INTERPRET=1 on CPU, set by the caller
+before triton is imported); the last stdout line is `RESULTS <json>` mapping each check to None or its error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+CHECKS: dict[str, Callable[[torch.device], None]] = {}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def check(fn: Callable[[torch.device], None]) -> Callable[[torch.device], None]:
+    CHECKS[fn.__name__.removeprefix("check_")] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------------------------- batch builder
+
+
+def make_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, device: torch.device, num_pad_rows: int = 0,
+               extra_blocks: int = 2, seed: int = 0, cache_dtype: torch.dtype | None = None):
+    """Random queries, new K/V and a cache whose prefix blocks are scattered over a shuffled pool.
+
+    Padding rows (CUDA-graph style) have one query token each, seq_len 0 and slot -1.
+    Returns (q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache, meta).
+    """
+    from mmserve.attention.metadata import AttentionMetadata
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    width = max(blocks_per_seq + [1]) + extra_blocks          # a fixed, wider-than-needed table
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device
+                           ).to(cache_dtype or dtype)
+    tables = torch.zeros(len(q_lens) + num_pad_rows, width, dtype=torch.int32)
+    slots, used = [], 0
+    for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        tables[i, : blocks_per_seq[i]] = perm[used: used + blocks_per_seq[i]]
+        used += blocks_per_seq[i]
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+    q_lens = q_lens + [1] * num_pad_rows
+    ctx_lens = ctx_lens + [0] * num_pad_rows
+    slots += [-1] * num_pad_rows
+    total = sum(q_lens)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(total, num_heads, head_dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=starts, seq_lens_cpu=ctx_lens,
+        max_query_len=max(q_lens), max_seq_len=max(ctx_lens), block_size=block_size,
+    )
+    return q, k, v, kv_cache, meta
+
+
+def real_rows(meta, num_real: int) -> tuple[list[int], object]:
+    """The meta restricted to the first num_real sequences (the oracle cannot attend over 0 keys)."""
+    from dataclasses import replace
+    end = meta.query_start_loc_cpu[num_real]
+    sub = replace(meta, query_start_loc=meta.query_start_loc[: num_real + 1], seq_lens=meta.seq_lens[:num_real],
+                  block_tables=meta.block_tables[:num_real], slot_mapping=meta.slot_mapping[:end],
+                  query_start_loc_cpu=meta.query_start_loc_cpu[: num_real + 1],
+                  seq_lens_cpu=meta.seq_lens_cpu[:num_real], max_query_len=max(
+                      b - a for a, b in zip(meta.query_start_loc_cpu[:num_real], meta.query_start_loc_cpu[1:num_real + 1])),
+                  max_seq_len=max(meta.seq_lens_cpu[:num_real]))
+    return end, sub
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float | None = None) -> None:
+    tol = tol or TOLERANCE[want.dtype]
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got.float()).all(), f"{what}: non-finite output"
+    assert err <= tol * max(1.0, want.float().abs().max().item()), f"{what}: max abs error {err:.3g} > {tol}"
+
+
+def assert_cache_equal(cache: torch.Tensor, want: torch.Tensor, src_dtype: torch.dtype) -> None:
+    if INTERPRET and cache.dtype == torch.bfloat16 and src_dtype == torch.float32:
+        # the interpreter truncates fp32 -> bf16 where GPUs round to nearest even: allow one bf16 ulp
+        assert ((cache.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all(), "write_kv: cache"
+    else:
+        assert torch.equal(cache, want), "write_kv: cache differs from the torch backend"
+
+
+def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                  num_pad_rows=0, num_splits=None, path="backend", seed=0, cache_dtype=None, tol=None) -> None:
+    """Write K/V and attend with both backends; compare caches and the real rows' outputs."""
+    from mmserve.attention import torch_backend, triton_backend
+    from mmserve.kernels import paged_attention as kernels
+
+    q, k, v, cache, meta = make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                      device, num_pad_rows, seed=seed, cache_dtype=cache_dtype)
+    want_cache = cache.clone()
+    end, sub = real_rows(meta, len(q_lens))
+    torch_backend.write_kv(k[:end], v[:end], want_cache, sub.slot_mapping)
+    triton_backend.write_kv(k, v, cache, meta.slot_mapping)
+    assert_cache_equal(cache, want_cache, k.dtype)
+
+    scale = head_dim ** -0.5
+    if path == "decode":
+        out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, num_splits)
+    elif path == "prefill":
+        out = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                              meta.max_query_len, scale)
+    else:
+        out = triton_backend.paged_attention(q, cache, meta, scale)
+    want = torch_backend.paged_attention(q[:end], cache, sub, scale)
+    assert_close(out[:end], want, f"{path} attention", tol)
+    if num_pad_rows:
+        assert torch.equal(out[end:], torch.zeros_like(out[end:])), "padding rows must be zero"
+
+
+# --------------------------------------------------------------------------------------------- cache write
+
+
+@check
+def check_reshape_and_cache_skips_padding_slots(device):
+    from mmserve.attention import torch_backend
+    from mmserve.kernels.paged_attention import reshape_and_cache
+
+    for dtype, cache_dtype in [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                               (torch.float32, torch.bfloat16), (torch.float16, torch.float16)]:
+        _, k, v, cache, meta = make_batch([3, 2], [7, 2], 6, 3, 20, 4, dtype, device, num_pad_rows=2)
+        cache = cache.to(cache_dtype)
+        want = cache.clone()
+        real = meta.slot_mapping >= 0
+        torch_backend.write_kv(k[real], v[real], want, meta.slot_mapping[real])
+        # k/v as strided views of a fused qkv projection, like the Attention layer passes them
+        qkv = torch.cat([k, v, k], dim=1)
+        reshape_and_cache(qkv[:, :3], qkv[:, 3:6], cache, meta.slot_mapping)
+        assert_cache_equal(cache, want, dtype)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+@check
+def check_decode_gqa_split_k_over_many_blocks(device):
+    run_attention([1] * 4, [1, 37, 130, 301], 8, 2, 64, 8, torch.float32, device, num_splits=4, path="decode")
+
+
+@check
+def check_decode_gqa_more_splits_than_tiles(device):
+    run_attention([1] * 3, [3, 64, 65], 4, 1, 32, 4, torch.float32, device, num_splits=7, path="decode")
+
+
+@check
+def check_decode_mha_without_split_head_dim_20(device):
+    run_attention([1] * 3, [5, 66, 200], 4, 4, 20, 16, torch.float32, device, num_splits=1, path="decode")
+
+
+@check
+def check_decode_and_prefill_head_dims_96_and_128(device):
+    run_attention([1] * 2, [33, 160], 4, 2, 96, 16, torch.float32, device, num_splits=2, path="decode")
+    run_attention([9, 1], [40, 17], 2, 1, 128, 16, torch.float32, device, path="prefill")
+
+
+@check
+def check_decode_padding_rows_are_zero_with_and_without_split(device):
+    for splits in (1, 3):
+        run_attention([1] * 2, [20, 90], 4, 2, 20, 8, torch.float32, device, num_pad_rows=3,
+                      num_splits=splits, path="decode")
+
+
+@check
+def check_decode_fp16_and_bf16_through_backend(device):
+    run_attention([1] * 3, [17, 128, 250], 8, 2, 64, 16, torch.float16, device, num_pad_rows=1)
+    run_attention([1] * 2, [40, 99], 6, 2, 20, 8, torch.float32, device, cache_dtype=torch.bfloat16)
+    if not INTERPRET:   # the Triton interpreter's tl.dot reads bf16 operands as raw integers
+        run_attention([1] * 2, [40, 99], 6, 2, 20, 8, torch.bfloat16, device)
+
+
+# --------------------------------------------------------------------------------------------- prefill / mixed
+
+
+@check
+def check_prefill_with_cached_prefix_gqa(device):
+    run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float32, device, path="prefill")
+
+
+@check
+def check_prefill_without_prefix_mha_head_dim_20(device):
+    run_attention([70, 3], [70, 3], 2, 2, 20, 8, torch.float32, device, path="prefill")
+
+
+@check
+def check_mixed_batch_prefill_chunks_and_decodes_one_launch(device):
+    # group of 3 query heads per KV head (not a power of two); q_len > BLOCK_M // group for several programs
+    run_attention([30, 1, 12, 1], [95, 50, 12, 7], 6, 2, 20, 8, torch.float32, device, num_pad_rows=2)
+
+
+@check
+def check_mixed_batch_fp16(device):
+    run_attention([17, 1, 1], [60, 33, 129], 8, 2, 64, 16, torch.float16, device)
+    if not INTERPRET:
+        run_attention([17, 1, 1], [60, 33, 129], 8, 2, 64, 16, torch.bfloat16, device)
+
+
+# --------------------------------------------------------------------------------------------- fused ops
+
+
+@check
+def check_rms_norm_with_and_without_residual(device):
+    from mmserve.kernels.fused_ops import rms_norm
+    from mmserve.layers.norm import RMSNorm
+
+    for dtype in (torch.float32, torch.float16):
+        gen = torch.Generator().manual_seed(1)
+        norm = RMSNorm(40, eps=1e-5)
+        norm.weight.data = torch.randn(40, generator=gen)
+        norm = norm.to(device=device, dtype=dtype)
+        x = torch.randn(2, 3, 40, generator=gen).to(device=device, dtype=dtype)
+        res = torch.randn(2, 3, 40, generator=gen).to(device=device, dtype=dtype)
+        assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), f"rms_norm {dtype}")
+        got, got_res = rms_norm(x, norm.weight, norm.eps, residual=res)
+        want, want_res = norm(x, res)
+        assert_close(got, want, f"rms_norm+residual {dtype}")
+        assert torch.equal(got_res, want_res), f"residual sum {dtype}"
+
+
+@check
+def check_rotary_in_place_matches_layer(device):
+    from mmserve.kernels.fused_ops import apply_rotary_
+    from mmserve.layers.rotary import RotaryEmbedding
+
+    for dtype, head_dim in [(torch.float32, 20), (torch.float16, 64)]:
+        gen = torch.Generator().manual_seed(2)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        rope = RotaryEmbedding(inv_freq, 64, scaling=0.9).to(device)
+        positions = torch.randint(0, 64, (5,), generator=gen).to(device)
+        qkv = torch.randn(5, 7 * head_dim, generator=gen).to(device=device, dtype=dtype)
+        q, k = qkv[:, : 4 * head_dim].view(5, 4, head_dim), qkv[:, 4 * head_dim: 6 * head_dim].view(5, 2, head_dim)
+        want_q, want_k = rope(positions, q.clone(), k.clone())
+        v_before = qkv[:, 6 * head_dim:].clone()
+        got_q, got_k = apply_rotary_(positions, q, k, rope.cos, rope.sin)
+        assert got_q is q and got_k is k, "rotary must work in place"
+        assert_close(q, want_q, f"rotary q {dtype}")
+        assert_close(k, want_k, f"rotary k {dtype}")
+        assert torch.equal(qkv[:, 6 * head_dim:], v_before), "rotary wrote outside q and k"
+
+
+@check
+def check_silu_and_mul_matches_layer(device):
+    from mmserve.kernels.fused_ops import silu_and_mul
+    from mmserve.layers.activation import SiluAndMul
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(3, 2, 2 * 50, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
+        assert_close(silu_and_mul(x), SiluAndMul()(x), f"silu_and_mul {dtype}")
+
+
+# --------------------------------------------------------------------------------------------- runner
+
+
+def main(names: list[str]) -> dict[str, str | None]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results: dict[str, str | None] = {}
+    for name in names or list(CHECKS):
+        t0 = time.perf_counter()
+        try:
+            CHECKS[name](device)
+            results[name] = None
+        except Exception as e:  # report every check, not only the first failure
+            results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+        print(f"{name}: {'ok' if results[name] is None else 'FAIL'} ({time.perf_counter() - t0:.1f}s)",
+              file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULTS " + json.dumps(main(sys.argv[1:])))
