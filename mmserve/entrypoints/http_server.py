@@ -17,8 +17,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def limits_and_counts(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > state.config.max_request_bytes:
-            response = JSONResponse({"error": f"request body of {length} bytes exceeds the limit of "
-                                              f"{state.config.max_request_bytes} bytes"}, status_code=413)
+            message = f"request body of {length} bytes exceeds the limit of {state.config.max_request_bytes} bytes"
+            body = ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+                    if request.url.path.startswith("/v1/") else {"error": message})
+            response = JSONResponse(body, status_code=413)
         else:
             response = await call_next(request)
         route = request.scope.get("route")

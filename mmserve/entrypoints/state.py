@@ -1,7 +1,7 @@
 """ServerState: what every frontend (HTTP routes, gRPC servicer) shares: engine, config, names, metrics."""
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +51,12 @@ class ServerState:
             raise ServerBusy(f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})")
         self.in_flight += 1
         try:
-            async for out in self.engine.generate(prompt, params):
-                if out.finished:
-                    self.metrics.on_finished(out)
-                yield out
+            # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as stream:
+                async for out in stream:
+                    if out.finished:
+                        self.metrics.on_finished(out)
+                    yield out
         finally:
             self.in_flight -= 1
 
@@ -64,6 +66,3 @@ class ServerState:
             last = out
         return last
 
-
-def run_sync(coro):
-    return asyncio.get_event_loop().run_until_complete(coro)

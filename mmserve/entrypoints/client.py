@@ -1,0 +1,362 @@
+"""`mmserve client`: one request the way the seeds' multimodal client (tools/multimodal/client.py) sends it,
+printing the same `[beam i ]:` lines and `[INFO] Latency: N ms`.
+
+gRPC (the default, like the seed) goes through tritonclient (ModelInfer, or ModelStreamInfer with --streaming)
+with the seed's tensors per --model_type (PROTOCOL §5). `--protocol http` is mmserve's addition: the Triton
+generate / generate_stream endpoint, with images as `image_url_input` data URIs (the generate JSON cannot
+carry 5-D pixel tensors).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+DEFAULT_IMAGE = "https://storage.googleapis.com/sfr-vision-language-research/LAVIS/assets/merlion.png"
+MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl", "pixtral")
+PREPROCESSED_TYPES = ("blip2", "llava", "vila")   # the seed sends HF-processed FP16 `image_input` for these
+
+
+class ClientError(Exception):
+    """A failure reported on stderr; main() returns 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmserve client", description=__doc__.split("\n\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="verbose tritonclient")
+    p.add_argument("-u", "--url", default=None,
+                   help="server address (default localhost:8001 for grpc, localhost:8000 for http)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="grpc (KServe v2, like the seed) or http (Triton generate endpoint)")
+    p.add_argument("--model_name", default=None, help="target model (default: ensemble, or tensorrt_llm_bls "
+                   "with --use_bls)")
+    p.add_argument("--text", default="Question: which city is this? Answer:", help="input text")
+    p.add_argument("--image", default=DEFAULT_IMAGE,
+                   help="comma-separated image paths, http(s) URLs or data:image/...;base64 URIs ('' for none)")
+    p.add_argument("--video", default=None, help="video file (llava_onevision)")
+    p.add_argument("--video_num_frames", type=int, default=None, help="frames sampled from the video")
+    p.add_argument("--end-id", type=int, default=-1, help="end token id")
+    p.add_argument("--pad-id", type=int, default=1, help="pad token id")
+    p.add_argument("-b", "--beam-width", type=int, default=1, help="beam width (also the number of beams printed)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--request-output-len", type=int, default=16, help="max_tokens")
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--streaming", action="store_true", help="stream (ModelStreamInfer / generate_stream)")
+    p.add_argument("--use_bls", action="store_true", help="send to tensorrt_llm_bls instead of ensemble")
+    p.add_argument("--prompt_table_extra_id", type=int, default=None,
+                   help="image identity for KV reuse, uint64 in [1, 2^64-1]")
+    p.add_argument("--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding")
+    p.add_argument("--hf_model_dir", default=None, help="HF processor directory (blip2/llava/vila: "
+                   "preprocess to FP16 image_input; without it, raw image_bytes_input is sent)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    return p
+
+
+# ---- media ---------------------------------------------------------------------------------
+
+def load_image(source: str, timeout: float = 30.0) -> Image.Image:
+    """Path, http(s) URL (fetched here) or data:image/...;base64 URI -> RGB image."""
+    if source.startswith("http"):
+        import httpx
+        try:
+            resp = httpx.get(source, follow_redirects=True, timeout=timeout)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ClientError(f"cannot fetch image {source}: {e}") from None
+        data = resp.content
+    elif source.startswith("data:image/") and ";base64," in source:
+        data = base64.b64decode(source.split(",", 1)[1])
+    else:
+        try:
+            data = Path(source).read_bytes()
+        except OSError as e:
+            raise ClientError(f"cannot read image {source}: {e}") from None
+    try:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except Exception as e:
+        raise ClientError(f"cannot decode image {source[:80]}: {e}") from None
+
+
+def load_video(path: str, num_frames: int) -> np.ndarray:
+    """[F, H, W, 3] uint8 frames at the seed's indices: arange(0, total, total / num_frames)."""
+    import av
+    try:
+        with av.open(path) as container:
+            total = container.streams.video[0].frames
+            if total <= 0:
+                total = sum(1 for _ in container.decode(video=0))
+                container.seek(0)
+            wanted = set(np.arange(0, total, total / num_frames).astype(int).tolist())
+            frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(video=0)) if i in wanted]
+    except Exception as e:
+        raise ClientError(f"cannot read video {path}: {e}") from None
+    if not frames:
+        raise ClientError(f"no frames decoded from {path}")
+    return np.stack(frames)
+
+
+def to_png_data_uri(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# ---- request -------------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    model_name: str
+    tensors: list[tuple[str, np.ndarray]]                  # in the seed's prepare_inputs order
+    images: list[Image.Image] = field(default_factory=list)  # for image_url_input over HTTP
+    has_video: bool = False
+
+
+def _preprocessed(args: argparse.Namespace, images: list[Image.Image]) -> np.ndarray:
+    """The seed's HF preprocessing: pixel_values of the processor in --hf_model_dir, FP16 [1, N, 3, H, W]."""
+    if not Path(args.hf_model_dir).exists():
+        raise ClientError(f"--hf_model_dir {args.hf_model_dir} does not exist")
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(args.hf_model_dir)
+    image_processor = getattr(processor, "image_processor", processor)
+    pixels = image_processor(images, return_tensors="pt")["pixel_values"]
+    if pixels.dim() != 4:
+        raise ClientError(f"the processor in {args.hf_model_dir} gives pixel_values of shape {list(pixels.shape)}, "
+                          "not [N, 3, H, W]; send raw images instead (leave out --hf_model_dir)")
+    return pixels.unsqueeze(0).numpy().astype(np.float16)
+
+
+def _raw_pixels(images: list[Image.Image]) -> np.ndarray | None:
+    """Decoded RGB pixels [1, N, H, W, 3] uint8; None when the images differ in size (they cannot stack)."""
+    arrays = [np.asarray(im, dtype=np.uint8) for im in images]
+    if any(a.shape != arrays[0].shape for a in arrays):
+        return None
+    return np.stack(arrays)[None]
+
+
+def _image_tensors(args: argparse.Namespace, images: list[Image.Image],
+                   video: np.ndarray | None) -> list[tuple[str, np.ndarray]]:
+    """The image/video tensor(s) the seed sends for --model_type."""
+    if video is not None:
+        return [("video_bytes_input", video[None])]
+    if not images:
+        return []
+    kind = args.model_type
+    if kind == "pixtral":
+        h, w = max(im.height for im in images), max(im.width for im in images)
+        padded = np.zeros((len(images), h, w, 3), dtype=np.uint8)
+        for i, im in enumerate(images):
+            padded[i, :im.height, :im.width] = np.asarray(im)
+        sizes = np.array([[[im.height, im.width] for im in images]], dtype=np.int64)
+        return [("image_bytes_input", padded[None]), ("image_sizes_input", sizes)]
+    if kind in PREPROCESSED_TYPES and args.hf_model_dir is not None:
+        return [("image_input", _preprocessed(args, images))]
+    if kind in PREPROCESSED_TYPES:
+        print(f"[INFO] no --hf_model_dir: sending raw image_bytes_input for {kind} (the server preprocesses); "
+              "the seed would download the hub processor and send image_input", file=sys.stderr)
+    pixels = _raw_pixels(images)
+    if pixels is None:
+        print("[INFO] the images differ in size, so they cannot stack into one image_bytes_input tensor; "
+              "sending them as image_url_input data URIs", file=sys.stderr)
+        uris = np.array([[to_png_data_uri(im).encode() for im in images]], dtype=np.object_)
+        return [("image_url_input", uris)]
+    return [("image_bytes_input", pixels)]
+
+
+def build_request(args: argparse.Namespace) -> Request:
+    video = None
+    images: list[Image.Image] = []
+    if args.video is not None and args.model_type not in ("vila", "pixtral"):
+        if not args.video_num_frames or args.video_num_frames < 1:
+            raise ClientError("--video needs --video_num_frames >= 1")
+        video = load_video(args.video, args.video_num_frames)
+    elif args.image:
+        images = [load_image(s.strip(), args.timeout) for s in args.image.split(",") if s.strip()]
+    text = args.text
+    if args.model_type == "qwen2_vl":
+        images = [im.resize((504, 504)) for im in images]
+    if args.model_type == "mllama" and images and "<|image|>" not in text:
+        text = "<|image|>" + text
+
+    def scalar(value, dtype) -> np.ndarray:
+        return np.array([[value]], dtype=dtype)
+
+    tensors = [
+        ("text_input", np.array([[text.encode("utf8")]], dtype=np.object_)),
+        ("max_tokens", scalar(args.request_output_len, np.int32)),
+        ("beam_width", scalar(args.beam_width, np.int32)),
+        ("temperature", scalar(args.temperature, np.float32)),
+        ("end_id", scalar(args.end_id, np.int32)),
+        ("pad_id", scalar(args.pad_id, np.int32)),
+        ("top_k", scalar(args.top_k, np.int32)),
+        ("top_p", scalar(args.top_p, np.float32)),
+        ("stream", scalar(args.streaming, bool)),
+    ]
+    if args.protocol == "grpc":
+        tensors += _image_tensors(args, images, video)
+    elif video is not None:
+        raise ClientError("--video needs --protocol grpc (the generate endpoint cannot carry video tensors)")
+    elif args.hf_model_dir is not None and args.model_type in PREPROCESSED_TYPES:
+        print("[INFO] --protocol http sends images as image_url_input data URIs; --hf_model_dir preprocessing "
+              "applies to grpc only", file=sys.stderr)
+    if args.repetition_penalty is not None:
+        tensors.append(("repetition_penalty", scalar(args.repetition_penalty, np.float32)))
+    if args.presence_penalty is not None:
+        tensors.append(("presence_penalty", scalar(args.presence_penalty, np.float32)))
+    if args.prompt_table_extra_id is not None:
+        if not 1 <= args.prompt_table_extra_id < 2**64:
+            raise ClientError("--prompt_table_extra_id must be in [1, 2^64-1]")
+        tensors.append(("prompt_table_extra_id", scalar(args.prompt_table_extra_id, np.uint64)))
+    model = args.model_name or ("tensorrt_llm_bls" if args.use_bls else "ensemble")
+    return Request(model, tensors, images, video is not None)
+
+
+# ---- transports: each returns one list of beam texts per response ---------------------------
+
+def _decode_beams(arr: np.ndarray | None) -> list[str]:
+    if arr is None:
+        raise ClientError("the response has no text_output")
+    return [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+
+
+def send_grpc(url: str, req: Request, streaming: bool, timeout: float, verbose: bool) -> list[list[str]]:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    inputs = []
+    for name, arr in req.tensors:
+        inp = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    outputs = [grpcclient.InferRequestedOutput("text_output")]
+    responses: list[list[str]] = []
+    try:
+        with grpcclient.InferenceServerClient(url, verbose=verbose) as client:
+            if not streaming:
+                result = client.infer(req.model_name, inputs, outputs=outputs, client_timeout=timeout)
+                return [_decode_beams(result.as_numpy("text_output"))]
+            results: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=timeout)
+            client.async_stream_infer(req.model_name, inputs, outputs=outputs)
+            client.stop_stream(cancel_requests=False)   # blocks until the server ends the stream
+    except InferenceServerException as e:
+        raise ClientError(_grpc_message(e)) from None
+    while not results.empty():
+        result, error = results.get_nowait()
+        if error is not None:
+            responses.append(ClientError(_grpc_message(error)))
+            break
+        responses.append(_decode_beams(result.as_numpy("text_output")))
+    return responses
+
+
+def _grpc_message(e) -> str:
+    return f"{e.status()}: {e.message()}" if e.status() else str(e.message())
+
+
+def _json_value(arr: np.ndarray):
+    values = [x.decode("utf-8") if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+    return values[0] if len(values) == 1 else values
+
+
+def send_http(url: str, req: Request, streaming: bool, timeout: float) -> list[list[str]]:
+    import httpx
+
+    body = {name: _json_value(arr) for name, arr in req.tensors}
+    if req.images:
+        uris = [to_png_data_uri(im) for im in req.images]
+        body["image_url_input"] = uris[0] if len(uris) == 1 else uris
+    base = url if "://" in url else f"http://{url}"
+    endpoint = f"{base.rstrip('/')}/v2/models/{req.model_name}/{'generate_stream' if streaming else 'generate'}"
+
+    def beams(obj: dict) -> list[str]:
+        if "error" in obj:
+            raise ClientError(str(obj["error"]))
+        if "text_output" not in obj:
+            raise ClientError("the response has no text_output")
+        text = obj["text_output"]
+        return list(text) if isinstance(text, list) else [text]
+
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            if not streaming:
+                resp = client.post(endpoint, json=body)
+                obj = _http_json(resp)
+                return [beams(obj)]
+            responses: list = []
+            with client.stream("POST", endpoint, json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    _http_json(resp)
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    try:
+                        responses.append(beams(json.loads(line[5:])))
+                    except ClientError as e:
+                        responses.append(e)
+                        break
+            return responses
+    except httpx.HTTPError as e:
+        raise ClientError(f"HTTP request to {endpoint} failed: {e}") from None
+
+
+def _http_json(resp) -> dict:
+    try:
+        obj = resp.json()
+    except ValueError:
+        raise ClientError(f"HTTP {resp.status_code}: {resp.text[:500]}") from None
+    if resp.status_code != 200:
+        raise ClientError(f"HTTP {resp.status_code}: {obj.get('error', obj) if isinstance(obj, dict) else obj}")
+    return obj
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
+    try:
+        req = build_request(args)
+        start = time.perf_counter()
+        if args.protocol == "grpc":
+            responses = send_grpc(url, req, args.streaming, args.timeout, args.verbose)
+        else:
+            responses = send_http(url, req, args.streaming, args.timeout)
+        latency_ms = round((time.perf_counter() - start) * 1000.0, 3)
+    except ClientError as e:
+        print(f"[ERROR] {e}", file=sys.stderr)
+        return 1
+    error = None
+    for beams in responses:
+        if isinstance(beams, ClientError):
+            error = beams
+            break
+        if len(beams) < args.beam_width:
+            print(f"[WARNING] asked for {args.beam_width} beams, the server returned {len(beams)}", file=sys.stderr)
+        for i, text in enumerate(beams[:args.beam_width]):
+            if args.streaming:
+                print("[beam", i, "]: ", text)
+            else:
+                print("[beam", i, "]:")
+                print(text)
+    if error is not None:
+        print(f"[ERROR] {error}", file=sys.stderr)
+        return 1
+    print(f"[INFO] Latency: {latency_ms} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

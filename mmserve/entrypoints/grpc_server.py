@@ -1,0 +1,229 @@
+"""KServe v2 gRPC (`inference.GRPCInferenceService`, PROTOCOL §4) on grpc.aio, with tritonclient's generated
+stubs. ModelInfer returns one response; ModelStreamInfer is decoupled: several requests may be in flight
+on one stream, each answered by a response per new text piece and a final-flagged one."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+import mmserve
+from mmserve.entrypoints import triton_protocol as tp
+from mmserve.entrypoints.state import ServerState
+from mmserve.entrypoints.triton_models import (
+    BLS, MODEL_VERSION, has_sequence_parameters, model_config, model_metadata)
+from mmserve.entrypoints.triton_tensors import (
+    NP_DTYPES, check_datatype, check_shape, datatype_of, from_raw, to_raw)
+
+logger = logging.getLogger(__name__)
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters"]
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+           503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+# typed `contents` field of each datatype (FP16 has none: it must come as raw bytes)
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_DONE = object()
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    """Input tensors from raw_input_contents (what tritonclient sends) or the typed contents fields."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ValueError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    tensors: dict[str, np.ndarray] = {}
+    for i, inp in enumerate(request.inputs):
+        name = inp.name
+        if name in tensors:
+            raise ValueError(f"{name}: input given more than once")
+        datatype, shape = check_datatype(name, inp.datatype), check_shape(name, list(inp.shape))
+        if raw:
+            tensors[name] = from_raw(name, datatype, shape, raw[i])
+            continue
+        if datatype not in _CONTENTS:
+            raise ValueError(f"{name}: {datatype} data must be sent in raw_input_contents")
+        values = list(getattr(inp.contents, _CONTENTS[datatype]))
+        count = int(np.prod(shape, dtype=np.int64))
+        if len(values) != count:
+            raise ValueError(f"{name}: shape {shape} needs {count} elements, got {len(values)}")
+        arr = np.empty(count, dtype=np.object_) if datatype == "BYTES" else None
+        if arr is not None:
+            arr[:] = values
+        tensors[name] = (arr if arr is not None else np.array(values, dtype=NP_DTYPES[datatype])).reshape(shape)
+    return tensors
+
+
+def _response(model: str, request_id: str, outputs: dict[str, np.ndarray],
+              final: bool | None = None) -> pb.ModelInferResponse:
+    resp = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request_id)
+    for name, arr in outputs.items():
+        resp.outputs.add(name=name, datatype=datatype_of(arr), shape=list(arr.shape))
+        resp.raw_output_contents.append(to_raw(arr))
+    if has_sequence_parameters(model):
+        resp.parameters["sequence_id"].int64_param = 0
+        resp.parameters["sequence_start"].bool_param = False
+        resp.parameters["sequence_end"].bool_param = False
+    if final is not None:
+        resp.parameters["triton_final_response"].bool_param = final
+    return resp
+
+
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    code = tp.http_status(exc)
+    if code == 500:
+        logger.error("gRPC request failed: %r", exc, exc_info=exc)
+    return _STATUS.get(code, grpc.StatusCode.INTERNAL), str(exc) or type(exc).__name__
+
+
+class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # ---- health and metadata ---------------------------------------------------------------------------
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.state.engine.dead_error is None)
+
+    async def ModelReady(self, request, context):
+        s = self.state
+        ready = s.has_model(request.name) and request.version in ("", MODEL_VERSION) and s.engine.dead_error is None
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="mmserve", version=mmserve.__version__, extensions=EXTENSIONS)
+
+    async def _check(self, name: str, version: str, context) -> bool:
+        try:
+            tp.check_model(self.state, name, version)
+            return True
+        except tp.ModelNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            return False
+
+    async def ModelMetadata(self, request, context):
+        await self._check(request.name, request.version, context)
+        meta = model_metadata(request.name)
+        return pb.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["inputs"]],
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]])
+
+    async def ModelConfig(self, request, context):
+        await self._check(request.name, request.version, context)
+        cfg = self.state.config
+        return pb.ModelConfigResponse(config=model_config(request.name, cfg.decoupled, cfg.accumulate_tokens))
+
+    async def RepositoryIndex(self, request, context):
+        alive = self.state.engine.dead_error is None
+        models = [pb.RepositoryIndexResponse.ModelIndex(name=name, version=MODEL_VERSION,
+                                                        state="READY" if alive else "UNAVAILABLE")
+                  for name in self.state.model_names]
+        return pb.RepositoryIndexResponse(models=[m for m in models if alive or not request.ready])
+
+    # ---- inference ---------------------------------------------------------------------------------------
+    async def ModelInfer(self, request, context):
+        state, error = self.state, None
+        try:
+            tp.check_model(state, request.model_name, request.model_version)
+            reqs = await tp.parse_request(state, request.model_name, decode_inputs(request))
+            requested = [o.name for o in request.outputs]
+            outputs = tp.select_outputs(await tp.infer(state, reqs), requested, request.model_name)
+        except Exception as exc:
+            error = exc
+        if error is None:
+            state.metrics.count_request("grpc:ModelInfer", "OK")
+            return _response(request.model_name, request.id, outputs)
+        code, message = _status(error)
+        state.metrics.count_request("grpc:ModelInfer", code.name)
+        await context.abort(code, message)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Requests are served concurrently; the RPC ends once the client half-closed and all are answered."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        producers = 1   # the reader, then one per request; each puts _DONE when it is through
+
+        async def read() -> None:
+            nonlocal producers
+            try:
+                async for request in request_iterator:
+                    producers += 1
+                    task = asyncio.create_task(self._serve_stream_request(request, queue))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                queue.put_nowait(_DONE)
+
+        reader = asyncio.create_task(read())
+        try:
+            while producers:
+                item = await queue.get()
+                if item is _DONE:
+                    producers -= 1
+                else:
+                    yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _serve_stream_request(self, request: pb.ModelInferRequest, queue: asyncio.Queue) -> None:
+        """Answer one request of a stream into `queue` (PROTOCOL §4 decoupled semantics); ends with _DONE."""
+        state, model, started = self.state, request.model_name, False
+        params = request.parameters
+        empty_final = ("triton_enable_empty_final_response" in params
+                       and params["triton_enable_empty_final_response"].bool_param)
+        # the BLS sends its data responses, then a flag-only final (sent only when the client asked for it)
+        flag_only_final = model == BLS and state.config.decoupled
+        try:
+            tp.check_model(state, model, request.model_version)
+            reqs = await tp.parse_request(state, model, decode_inputs(request))
+            if len(reqs) != 1:
+                raise ValueError(f"text_input: ModelStreamInfer takes batch size 1, got {len(reqs)}")
+            requested = [o.name for o in request.outputs]
+            accumulate = model == BLS and state.config.accumulate_tokens
+            async for tensors, last in tp.stream(state, reqs[0], accumulate):
+                started = True
+                outputs = tp.select_outputs(tensors, requested, model)
+                final = last and not flag_only_final
+                queue.put_nowait(pb.ModelStreamInferResponse(infer_response=_response(model, request.id, outputs,
+                                                                                      final)))
+            if flag_only_final and empty_final:
+                queue.put_nowait(pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
+                    model_name=model, model_version=MODEL_VERSION, id=request.id,
+                    parameters={"triton_final_response": pb.InferParameter(bool_param=True)})))
+            state.metrics.count_request("grpc:ModelStreamInfer", "OK")
+        except Exception as exc:
+            code, message = _status(exc)
+            state.metrics.count_request("grpc:ModelStreamInfer", code.name)
+            resp = pb.ModelInferResponse(id=request.id)
+            if started:   # an error of the model itself also names the model and ends the request
+                resp = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id,
+                                             parameters={"triton_final_response": pb.InferParameter(bool_param=True)})
+            queue.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=resp))
+        finally:
+            queue.put_nowait(_DONE)
+
+
+async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the KServe gRPC service; port 0 picks a free one. Returns (server, bound port)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", state.config.max_request_bytes),
+        ("grpc.max_send_message_length", 2**31 - 1),
+    ]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonServicer(state), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound

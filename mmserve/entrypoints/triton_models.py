@@ -1,0 +1,189 @@
+"""The Triton models mmserve answers for (`ensemble`, `tensorrt_llm_bls`, the checkpoint's own name):
+their input/output tensor specs (PROTOCOL §1.1, §1.2), metadata and config answers, shared by REST and gRPC."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
+
+ENSEMBLE, BLS = "ensemble", "tensorrt_llm_bls"
+MAX_BATCH_SIZE = 8          # the seeds' triton_max_batch_size
+MODEL_VERSION = "1"
+ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}   # old input names (PROTOCOL §0)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str              # wire name: BYTES, INT32, FP16, ...
+    dims: tuple[int, ...]      # without the batch dimension
+    optional: bool = True
+
+
+def _specs(text: str) -> tuple[TensorSpec, ...]:
+    """'name DTYPE dims [req]' lines -> specs; dims like 1 or -1,-1 ."""
+    out = []
+    for line in text.strip().splitlines():
+        name, dtype, dims, *req = line.split()
+        out.append(TensorSpec(name, dtype, tuple(int(d) for d in dims.split(",")), optional=not req))
+    return tuple(out)
+
+
+_COMMON_INPUTS = _specs("""
+text_input BYTES 1 required
+decoder_text_input BYTES 1
+image_input FP16 -1,-1,-1,-1
+image_bytes_input UINT8 -1,-1,-1,-1
+image_url_input BYTES -1
+image_sizes_input INT64 -1,2
+video_bytes_input UINT8 -1,-1,-1,-1
+max_tokens INT32 1 required
+bad_words BYTES -1
+stop_words BYTES -1
+end_id INT32 1
+pad_id INT32 1
+top_k INT32 1
+top_p FP32 1
+temperature FP32 1
+length_penalty FP32 1
+repetition_penalty FP32 1
+min_tokens INT32 1
+presence_penalty FP32 1
+frequency_penalty FP32 1
+seed UINT64 1
+return_log_probs BOOL 1
+return_context_logits BOOL 1
+return_generation_logits BOOL 1
+beam_width INT32 1
+stream BOOL 1
+prompt_table_extra_id UINT64 1
+embedding_bias_words BYTES -1
+embedding_bias_weights FP32 -1
+""")
+
+_BLS_EXTRA_INPUTS = _specs("""
+exclude_input_in_output BOOL 1
+num_return_sequences INT32 1
+prompt_embedding_table FP16 -1,-1
+prompt_vocab_size INT32 1
+num_draft_tokens INT32 1
+use_draft_logits BOOL 1
+lora_task_id UINT64 1
+lora_weights FP16 -1,-1
+lora_config INT32 -1,3
+return_perf_metrics BOOL 1
+guided_decoding_guide_type BYTES 1
+guided_decoding_guide BYTES 1
+""")
+
+OUTPUTS = _specs("""
+text_output BYTES -1
+cum_log_probs FP32 -1
+output_log_probs FP32 -1,-1
+context_logits FP32 -1,-1
+generation_logits FP32 -1,-1,-1
+batch_index INT32 1
+sequence_index INT32 1
+""")
+
+BLS_EXTRA_OUTPUTS = _specs("""
+kv_cache_alloc_new_blocks INT32 1
+kv_cache_reused_blocks INT32 1
+kv_cache_alloc_total_blocks INT32 1
+arrival_time_ns INT64 1
+first_scheduled_time_ns INT64 1
+first_token_time_ns INT64 1
+last_token_time_ns INT64 1
+acceptance_rate FP32 1
+total_accepted_draft_tokens INT32 1
+total_draft_tokens INT32 1
+""")
+
+
+def _ensemble_inputs() -> tuple[TensorSpec, ...]:
+    return _COMMON_INPUTS
+
+
+def _bls_inputs() -> tuple[TensorSpec, ...]:
+    base = [s for s in _COMMON_INPUTS if s.name != "image_sizes_input"]
+    base = [TensorSpec(s.name, s.datatype, (-1, 3, -1, -1)) if s.name == "image_input" else s for s in base]
+    return (*base, *_BLS_EXTRA_INPUTS)
+
+
+def _own_inputs() -> tuple[TensorSpec, ...]:
+    return (*_COMMON_INPUTS, next(s for s in _BLS_EXTRA_INPUTS if s.name == "exclude_input_in_output"))
+
+
+def inputs_of(model: str) -> tuple[TensorSpec, ...]:
+    """Input specs of a served model (`model` must be one of state.model_names)."""
+    return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs}.get(model, _own_inputs)()
+
+
+def outputs_of(model: str) -> tuple[TensorSpec, ...]:
+    return (*OUTPUTS, *BLS_EXTRA_OUTPUTS) if model == BLS else OUTPUTS
+
+
+# Every model accepts every input name any of them declares (a superset of Triton), plus the old aliases.
+ACCEPTED_INPUTS: dict[str, TensorSpec] = {s.name: s for s in (*_COMMON_INPUTS, *_BLS_EXTRA_INPUTS)}
+for _old, _new in ALIASES.items():
+    ACCEPTED_INPUTS[_old] = TensorSpec(_old, ACCEPTED_INPUTS[_new].datatype, ACCEPTED_INPUTS[_new].dims)
+
+
+def platform_of(model: str) -> str:
+    return {ENSEMBLE: "ensemble", BLS: "python"}.get(model, "mmserve")
+
+
+def has_sequence_parameters(model: str) -> bool:
+    """Ensemble responses carry sequence_id/sequence_start/sequence_end parameters (PROTOCOL §2.2)."""
+    return model == ENSEMBLE
+
+
+def model_metadata(model: str) -> dict:
+    """KServe model metadata: shapes are [-1] + dims since max_batch_size > 0."""
+    def tensors(specs):
+        return [{"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]} for s in specs]
+    return {"name": model, "versions": [MODEL_VERSION], "platform": platform_of(model),
+            "inputs": tensors(inputs_of(model)), "outputs": tensors(outputs_of(model))}
+
+
+def _type_name(datatype: str) -> str:
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def model_config(model: str, decoupled: bool, accumulate_tokens: bool) -> model_config_pb2.ModelConfig:
+    """The model's config as Triton would load it from config.pbtxt (the seeds' fill values)."""
+    cfg = model_config_pb2.ModelConfig(name=model, max_batch_size=MAX_BATCH_SIZE)
+    if model == ENSEMBLE:
+        cfg.platform = "ensemble"
+    else:
+        cfg.backend = "python" if model == BLS else "mmserve"
+        cfg.model_transaction_policy.decoupled = decoupled
+    if model == BLS:
+        cfg.parameters["accumulate_tokens"].string_value = str(accumulate_tokens)
+    cfg.version_policy.latest.num_versions = 1
+    for s in inputs_of(model):
+        cfg.input.add(name=s.name, data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
+                      dims=list(s.dims), optional=s.optional)
+    for s in outputs_of(model):
+        cfg.output.add(name=s.name, data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
+                       dims=list(s.dims))
+    if model == ENSEMBLE:  # the ensemble is decoupled when a composing model is (PROTOCOL §1.1)
+        cfg.model_transaction_policy.decoupled = decoupled
+    return cfg
+
+
+def model_config_json(model: str, decoupled: bool, accumulate_tokens: bool) -> dict:
+    """model_config as Triton's REST answer: proto field names, primitives printed, int64 arrays as numbers."""
+    msg = model_config(model, decoupled, accumulate_tokens)
+    data = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _fix_int_arrays(data)
+
+
+def _fix_int_arrays(node):
+    if isinstance(node, dict):
+        return {k: ([int(x) for x in v] if k in ("dims", "shape") and isinstance(v, list) else _fix_int_arrays(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_int_arrays(x) for x in node]
+    return node

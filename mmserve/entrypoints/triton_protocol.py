@@ -1,0 +1,385 @@
+"""The one mapping between Triton tensors and mmserve requests, shared by KServe REST, the generate extension
+and gRPC (they differ only in framing): input tensors -> TritonRequest (prompt dict + SamplingParams +
+options), RequestOutput -> output tensors, and the streaming rules of decoupled models (PROTOCOL §1, §4, §6).
+Every bad input raises ValueError naming the tensor."""
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmserve.engine.engine import EngineOverloaded
+from mmserve.entrypoints.state import ServerBusy, ServerState
+from mmserve.entrypoints.triton_models import (
+    ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION, OUTPUTS, outputs_of)
+from mmserve.entrypoints.triton_prompts import build_prompt
+from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
+from mmserve.multimodal.inputs import aload_images
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
+UNSUPPORTED_INPUTS = ("decoder_text_input", "embedding_bias_words", "embedding_bias_weights",
+                      "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights", "lora_config",
+                      "num_draft_tokens", "guided_decoding_guide_type", "guided_decoding_guide")
+
+
+class ModelNotFound(LookupError):
+    """Unknown model name or version: HTTP 404 / gRPC NOT_FOUND."""
+
+
+def check_model(state: ServerState, model: str, version: str = "") -> None:
+    if not state.has_model(model):
+        raise ModelNotFound(f"Request for unknown model: '{model}' is not found")
+    if version not in ("", MODEL_VERSION):
+        raise ModelNotFound(f"Request for unknown model: '{model}' version {version} is not found")
+
+
+def http_status(exc: BaseException) -> int:
+    """Triton's error -> HTTP status map (PROTOCOL §2.3) for the exceptions mmserve raises."""
+    if isinstance(exc, ModelNotFound):
+        return 404
+    if isinstance(exc, (ServerBusy, EngineOverloaded)):
+        return 503
+    if isinstance(exc, (ValueError, TypeError)):
+        return 400
+    return 500
+
+
+@dataclass
+class TritonRequest:
+    """One batch item of a Triton request, ready for state.generate."""
+
+    model: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input: bool = False
+    return_log_probs: bool = False
+    image_field: str | None = None     # the input the images came from, for error messages
+
+
+# ---- input tensors -> requests ------------------------------------------------------------------
+_KINDS = {"BYTES": "bytes", "BOOL": "bool", "FP16": "float", "FP32": "float", "FP64": "float"}
+
+
+def _kind(arr: np.ndarray) -> str:
+    if arr.dtype == np.object_:
+        return "bytes"
+    if arr.dtype == np.bool_:
+        return "bool"
+    return "float" if np.issubdtype(arr.dtype, np.floating) else "int"
+
+
+def _check_tensor(model: str, name: str, arr: np.ndarray, batch: int) -> None:
+    spec = ACCEPTED_INPUTS.get(name)
+    if spec is None:
+        raise ValueError(f"unexpected inference input '{name}' for model '{model}'")
+    want, got = _KINDS.get(spec.datatype, "int"), _kind(arr)
+    if got != want and not (want == "float" and got == "int"):
+        raise ValueError(f"{name}: expected datatype {spec.datatype}, got {arr.dtype} ({got} data)")
+    ndim_ok = arr.ndim == len(spec.dims) + 1 or (spec.dims == (1,) and arr.ndim == 1)
+    fixed_ok = arr.ndim != len(spec.dims) + 1 or all(d < 0 or d == n for d, n in zip(spec.dims, arr.shape[1:]))
+    if not (ndim_ok and fixed_ok):
+        raise ValueError(f"{name}: expected shape [batch, {', '.join(map(str, spec.dims))}] (-1 = any), "
+                         f"got {list(arr.shape)}")
+    if arr.shape[0] != batch:
+        raise ValueError(f"{name}: batch size {arr.shape[0]} does not match text_input's batch size {batch}")
+
+
+class _Item:
+    """Typed access to batch item `b` of the request's tensors."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], b: int) -> None:
+        self.tensors, self.b = tensors, b
+
+    def values(self, name: str) -> np.ndarray | None:
+        arr = self.tensors.get(name)
+        return None if arr is None else arr[self.b].reshape(-1)
+
+    def scalar(self, name: str, default: Any = None) -> Any:
+        v = self.values(name)
+        if v is None:
+            return default
+        if v.size != 1:
+            raise ValueError(f"{name}: expected a single value per batch item, got {v.size}")
+        return v[0].item() if isinstance(v[0], np.generic) else v[0]
+
+    def strings(self, name: str) -> list[str]:
+        v = self.values(name)
+        try:
+            return [] if v is None else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in v]
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name}: not valid UTF-8 ({exc})") from exc
+
+
+async def parse_request(state: ServerState, model: str, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
+    """Input tensors (full shapes, batch first) -> one TritonRequest per batch item. Empty tensors count as
+    absent (clients send them for unused optional inputs)."""
+    for old, new in ALIASES.items():
+        if old in tensors:
+            if new in tensors:
+                raise ValueError(f"{old}: give either {old} or {new}, not both")
+            tensors = {(new if k == old else k): v for k, v in tensors.items()}
+    present = {k: v for k, v in tensors.items() if v.size > 0}
+    for name in tensors:
+        if name not in ACCEPTED_INPUTS:
+            raise ValueError(f"unexpected inference input '{name}' for model '{model}'")
+    if "text_input" not in present:
+        raise ValueError("text_input is required")
+    batch = present["text_input"].shape[0] if present["text_input"].ndim else 0   # 0-d: a shape error below
+    if batch > MAX_BATCH_SIZE:
+        raise ValueError(f"text_input: batch size {batch} exceeds the model's max_batch_size {MAX_BATCH_SIZE}")
+    for name, arr in present.items():
+        _check_tensor(model, name, arr, batch)
+    return [await _parse_item(state, model, _Item(present, b)) for b in range(batch)]
+
+
+def _sampling_params(model: str, g: _Item) -> SamplingParams:
+    max_tokens = g.scalar("max_tokens")
+    if max_tokens is None and model in (ENSEMBLE, BLS):
+        raise ValueError("max_tokens is required")
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a single value > 0, got {max_tokens}")
+    if g.scalar("beam_width", 1) != 1:
+        raise ValueError(f"beam_width: only 1 is supported (beam search is not implemented), "
+                         f"got {g.scalar('beam_width')}")
+    if g.scalar("num_return_sequences", 1) != 1:
+        raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
+    for name in ("return_context_logits", "return_generation_logits"):
+        if g.scalar(name, False):
+            raise ValueError(f"{name}: returning logits is not supported yet by mmserve")
+    for name in UNSUPPORTED_INPUTS:
+        if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
+            raise ValueError(f"{name}: this input is not supported yet by mmserve")
+    kw: dict[str, Any] = {"include_stop_str_in_output": True}   # TensorRT-LLM keeps the stop word
+    if max_tokens is not None:
+        kw["max_tokens"] = int(max_tokens)
+    for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if (v := g.scalar(name)) is not None:
+            kw[name] = float(v)
+    for name in ("top_k", "min_tokens", "seed"):
+        if (v := g.scalar(name)) is not None:
+            kw[name] = int(v)
+    top_p = g.scalar("top_p")
+    if top_p is not None:
+        kw["top_p"] = 1.0 if top_p == 0 else float(top_p)    # TensorRT-LLM: top_p 0 means off
+    end_id = g.scalar("end_id")
+    if end_id is not None and end_id >= 0:   # the seed client sends -1: the tokenizer's EOS
+        kw["eos_token_id"] = int(end_id)
+    kw["stop"] = [s for s in g.strings("stop_words") if s]
+    kw["bad_words"] = [s for s in g.strings("bad_words") if s]
+    if g.scalar("return_log_probs", False):
+        kw["logprobs"] = 0
+    return SamplingParams(**kw)
+
+
+async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest:
+    text = g.strings("text_input")
+    if len(text) != 1:
+        raise ValueError(f"text_input: expected a single string per batch item, got {len(text)}")
+    params = _sampling_params(model, g)
+    given = [name for name in IMAGE_INPUTS if name in g.tensors]
+    if len(given) > 1:
+        raise ValueError(f"only one of {', '.join(IMAGE_INPUTS)} may be given, got {', '.join(given)}")
+    prompt: dict[str, Any] = {}
+    num_images = num_videos = 0
+    field = given[0] if given else None
+    if field == "image_input":
+        prompt["pixel_values"] = pixel_values(g.tensors[field][g.b])
+        num_images = len(prompt["pixel_values"])
+        if num_images > state.media.max_images_per_request:
+            raise ValueError(f"image_input: {num_images} images, max_images_per_request="
+                             f"{state.media.max_images_per_request}")
+    elif field == "image_bytes_input":
+        sizes = g.tensors["image_sizes_input"][g.b] if "image_sizes_input" in g.tensors else None
+        arrays = image_arrays(field, g.tensors[field][g.b], sizes)
+        prompt["images"] = await aload_images(arrays, state.media, field=field)
+        num_images = len(arrays)
+    elif field == "image_url_input":
+        urls = g.strings(field)
+        if any(not u.strip() for u in urls):
+            raise ValueError("image_url_input: empty URL")
+        prompt["images"] = await aload_images([u.strip() for u in urls], state.media, field=field)
+        num_images = len(urls)
+    elif field == "video_bytes_input":   # decoded frames [F, H, W, 3] (or [F, 3, H, W])
+        frames = g.tensors[field][g.b]
+        if frames.ndim == 4 and frames.shape[-1] != 3 and frames.shape[1] == 3:
+            frames = frames.transpose(0, 2, 3, 1)
+        prompt["videos"], num_videos = [np.ascontiguousarray(frames)], 1
+    extra_id = g.scalar("prompt_table_extra_id")
+    if extra_id is not None and extra_id < 1:
+        raise ValueError(f"prompt_table_extra_id must be >= 1, got {extra_id}")
+    if extra_id is not None and num_images:
+        prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
+    inputs = getattr(state.engine.engine, "inputs", None)
+    prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
+                                    wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
+                                    video_token=getattr(inputs, "video_token", None))
+    return TritonRequest(model, prompt, params, stream=bool(g.scalar("stream", False)),
+                         exclude_input=bool(g.scalar("exclude_input_in_output", False)),
+                         return_log_probs=params.logprobs is not None, image_field=field)
+
+
+# ---- generation ------------------------------------------------------------------------------------------
+def _rename_fields(message: str, req: TritonRequest) -> str:
+    """Engine/processor messages name their own keys; say which Triton input they are about."""
+    if req.image_field:
+        message = re.sub(r"\bpixel_values\b", req.image_field, message)
+        message = re.sub(r"^(?:images|videos)(\[\d+\])?", req.image_field + r"\1", message)
+    if not message.startswith(tuple(ACCEPTED_INPUTS)) and "prompt" in message:
+        message = f"text_input: {message}"
+    return message
+
+
+async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[RequestOutput]:
+    """state.generate for one request; closing this generator aborts the request in the engine."""
+    try:
+        async with aclosing(state.generate(req.prompt, req.params)) as outputs:
+            async for out in outputs:
+                yield out
+    except ValueError as exc:
+        raise ValueError(_rename_fields(str(exc), req)) from exc
+
+
+@dataclass
+class Chunk:
+    """What one response carries for one batch item."""
+
+    text: str
+    out: RequestOutput
+    first_token: int = 0        # output_log_probs covers out's token_ids[first_token:]
+    logprobs: bool = False
+
+
+def full_text(tokenizer, out: RequestOutput, exclude_input: bool) -> str:
+    """text_output of a non-streaming response: the decoded prompt, then the completion (PROTOCOL §6)."""
+    completion = out.outputs[0]
+    if exclude_input:
+        return completion.text
+    prompt_ids, ids = list(out.prompt_token_ids), list(completion.token_ids)
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    # the space a tokenizer puts between prompt and completion only shows when they are decoded together
+    joint = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+    alone = tokenizer.decode(ids, skip_special_tokens=True)
+    sep = ""
+    if joint.startswith(prompt) and joint.endswith(alone):
+        sep = joint[len(prompt):len(joint) - len(alone)]
+    return prompt + (sep if sep.isspace() else "") + completion.text
+
+
+def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
+    def col(values, dtype):
+        return np.array(values, dtype=dtype).reshape(len(chunks), 1)
+
+    def ns(t):
+        return int(t * 1e9) if t else 0
+    ms = [c.out.metrics for c in chunks]
+    total = [-(-(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids)) // block_size) for c in chunks]
+    reused = [(m.num_cached_tokens if m else 0) // block_size for m in ms]
+    zeros = [0] * len(chunks)
+    return {
+        "kv_cache_alloc_new_blocks": col([t - r for t, r in zip(total, reused)], np.int32),
+        "kv_cache_reused_blocks": col(reused, np.int32),
+        "kv_cache_alloc_total_blocks": col(total, np.int32),
+        "arrival_time_ns": col([ns(m and m.arrival_time) for m in ms], np.int64),
+        "first_scheduled_time_ns": col([ns(m and m.first_scheduled_time) for m in ms], np.int64),
+        "first_token_time_ns": col([ns(m and m.first_token_time) for m in ms], np.int64),
+        "last_token_time_ns": col([ns(m and (m.finished_time or m.first_token_time)) for m in ms], np.int64),
+        "acceptance_rate": col(zeros, np.float32),
+        "total_accepted_draft_tokens": col(zeros, np.int32),
+        "total_draft_tokens": col(zeros, np.int32),
+    }
+
+
+def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[str, np.ndarray]:
+    """Output tensors of one response. Shapes follow the seeds: text_output [batch] (one string per item),
+    cum_log_probs [batch, 1], output_log_probs [batch, 1, tokens]; logits are zero placeholders."""
+    n = len(chunks)
+    text = np.empty(n, dtype=np.object_)
+    text[:] = [c.text.encode("utf-8") for c in chunks]
+    per_token = []
+    for c in chunks:
+        comp = c.out.outputs[0]
+        ids = comp.token_ids[c.first_token:]
+        lps = (comp.logprobs or [])[c.first_token:] if c.logprobs else []
+        per_token.append([entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids))
+    width = max(len(p) for p in per_token)
+    out_lp = np.zeros((n, 1, width), dtype=np.float32)
+    for i, p in enumerate(per_token):
+        out_lp[i, 0, :len(p)] = p
+    cum = [(c.out.outputs[0].cumulative_logprob or 0.0) if c.logprobs else 0.0 for c in chunks]
+    tensors = {
+        "text_output": text,
+        "cum_log_probs": np.array(cum, dtype=np.float32).reshape(n, 1),
+        "output_log_probs": out_lp,
+        "context_logits": np.zeros((n, 1, 1), dtype=np.float32),
+        "generation_logits": np.zeros((n, 1, 1, 1), dtype=np.float32),
+        "batch_index": np.arange(n, dtype=np.int32).reshape(n, 1),
+        "sequence_index": np.zeros((n, 1), dtype=np.int32),
+    }
+    if model == BLS:
+        tensors.update(_bls_metrics(chunks, block_size))
+    return tensors
+
+
+def select_outputs(tensors: dict[str, np.ndarray], requested: list[str] | None, model: str) -> dict[str, np.ndarray]:
+    """The outputs a request asked for, in its order; all of the standard seven when it named none."""
+    if not requested:
+        return {s.name: tensors[s.name] for s in OUTPUTS}
+    known = {s.name for s in outputs_of(model)}
+    for name in requested:
+        if name not in known:
+            raise ValueError(f"unexpected inference output '{name}' for model '{model}'")
+    return {name: tensors[name] for name in dict.fromkeys(requested)}
+
+
+def _block_size(state: ServerState) -> int:
+    return int(getattr(getattr(state.engine.engine, "kv", None), "block_size", 16))
+
+
+async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.ndarray]:
+    """Run every batch item to completion (concurrently) and build the single response's tensors."""
+    async def one(req: TritonRequest) -> Chunk:
+        last = None
+        async with aclosing(generate(state, req)) as outputs:
+            async for out in outputs:
+                last = out
+        return Chunk(full_text(state.engine.tokenizer, last, req.exclude_input), last, 0, req.return_log_probs)
+
+    if len(reqs) == 1:
+        chunks = [await one(reqs[0])]
+    else:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(r)) for r in reqs]
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
+        chunks = [t.result() for t in tasks]
+    return make_outputs(chunks, reqs[0].model, _block_size(state))
+
+
+async def stream(state: ServerState, req: TritonRequest, accumulate: bool = False
+                 ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+    """Responses of a decoupled model: (tensors, is_last). With `stream` true, one per new text piece
+    (only the new text, or all text so far when `accumulate`), the last one at finish; otherwise one
+    response with the full text."""
+    if not req.stream:
+        yield await infer(state, [req]), True
+        return
+    sent_chars = sent_tokens = 0
+    block_size = _block_size(state)
+    async with aclosing(generate(state, req)) as outputs:
+        async for out in outputs:
+            completion = out.outputs[0]
+            if len(completion.text) == sent_chars and not out.finished:
+                continue
+            piece = completion.text if accumulate else completion.text[sent_chars:]
+            chunk = Chunk(piece, out, sent_tokens, req.return_log_probs)
+            sent_chars, sent_tokens = len(completion.text), len(completion.token_ids)
+            yield make_outputs([chunk], req.model, block_size), out.finished

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible API of a real `mmserve serve`, driven by the official `openai` SDK."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.testing import image_to_data_uri, image_to_png_bytes, make_test_image
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llava_dir) -> LLM:
+    return LLM(tiny_llava_dir, device="cpu")
+
+
+def _image_message(*urls: str, text: str = "What is in this picture?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_models_lists_triton_names_and_checkpoint_name(client, server):
+    from pathlib import Path
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["ensemble", "tensorrt_llm_bls", Path(server.model_dir).name]
+    assert client.models.retrieve("ensemble").id == "ensemble"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_greedy_chat_with_data_uri_image_equals_offline_chat(client, offline):
+    messages = _image_message(image_to_data_uri(make_test_image(1)))
+    resp = client.chat.completions.create(model="ensemble", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    expected = offline.chat(messages, _greedy(), use_tqdm=False)[0]
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_with_image_url_and_several_images_equals_offline(client, offline, media_server):
+    base, root = media_server
+    (root / "oa-a.png").write_bytes(image_to_png_bytes(make_test_image(2)))
+    url = f"{base}/oa-a.png"
+    messages = _image_message(url, image_to_data_uri(make_test_image(3)), text="Compare the two pictures.")
+    resp = client.chat.completions.create(model="ensemble", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    expected = offline.chat(messages, _greedy(), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == expected.outputs[0].text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_deltas_concatenate_to_the_non_streamed_content(client):
+    messages = _image_message(image_to_data_uri(make_test_image(4)))
+    kw = dict(model="ensemble", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    usage = chunks[-1].usage   # cached_tokens may differ: the second request hits the prefix cache
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_raw_sse_stream_is_data_events_ending_in_done(server):
+    body = {"model": "ensemble", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.http_url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "usage" not in first
+
+
+def test_logprobs_have_openai_shape(client):
+    resp = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and tok.bytes == list(tok.token.encode())
+        assert len(tok.top_logprobs) == 3
+        lps = [t.logprob for t in tok.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob)   # greedy takes the top token
+    plain = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "Hi there"}],
+                                           max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_string_cuts_the_output_before_it(client):
+    kw = dict(model="ensemble", messages=_image_message(image_to_data_uri(make_test_image(5))),
+              max_tokens=24, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    starts = [i for i in range(2, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].strip()]
+    assert starts, f"no ASCII stop candidate in {full!r}"
+    stop = full[starts[0]:starts[0] + 2]
+    for value in (stop, [stop, "never-generated-string"]):
+        resp = client.chat.completions.create(**kw, stop=value)
+        assert resp.choices[0].message.content == full[:full.index(stop)]
+        assert resp.choices[0].finish_reason == "stop"
+
+
+def test_sampling_with_seed_repeats_and_extra_params_apply(client):
+    kw = dict(model="ensemble", messages=[{"role": "user", "content": "Tell me"}], max_completion_tokens=10,
+              temperature=1.0, top_p=0.9, seed=1234, extra_body={"top_k": 50, "min_p": 0.01,
+                                                               "repetition_penalty": 1.1})
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+    resp = client.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": "Go"}], max_tokens=20, temperature=0,
+        presence_penalty=0.5, frequency_penalty=0.5, extra_body={"ignore_eos": True, "min_tokens": 20})
+    assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
+
+
+def test_n_other_than_one_is_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "x"}], n=2)
+    assert err.value.status_code == 400 and err.value.body["param"] == "n"
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x")
+
+
+def test_bad_image_urls_are_bad_requests(client, media_server):
+    base, root = media_server
+    (root / "not-an-image.png").write_bytes(b"plain text, not a PNG")
+    for url in (f"{base}/missing.png", f"{base}/not-an-image.png", "data:image/png;base64,!!!"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="ensemble", messages=_image_message(url), max_tokens=2)
+        assert err.value.body["param"] == "messages"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0]"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_invalid_parameters_are_400_in_openai_error_shape(server, body, param):
+    resp = httpx.post(f"{server.http_url}/v1/chat/completions", json={"model": "ensemble", **body}, timeout=30)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_invalid_json_is_400_in_openai_error_shape(server):
+    resp = httpx.post(f"{server.http_url}/v1/completions", content=b"{not json", timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_completions_plain_and_streaming_equal_offline(client, offline):
+    expected = offline.generate("Once upon a time", _greedy(8), use_tqdm=False)[0]
+    resp = client.completions.create(model="ensemble", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == expected.outputs[0].text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    chunks = list(client.completions.create(model="ensemble", prompt="Once upon a time", max_tokens=8,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    echoed = client.completions.create(model="ensemble", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + expected.outputs[0].text
+
+
+def test_completions_logprobs_and_token_prompt(client, offline):
+    ids = offline.tokenizer("Once upon a time").input_ids
+    resp = client.completions.create(model="ensemble", prompt=ids, max_tokens=5, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+@pytest.fixture
+def slow_server_url(tiny_llava_dir):
+    """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.http_server import build_app
+    from mmserve.entrypoints.server_config import ServerConfig
+    from mmserve.entrypoints.state import ServerState
+    from mmserve.multimodal.inputs import MediaConfig
+    from tests.server.conftest import free_port
+
+    media = MediaConfig()
+    engine = Engine(EngineConfig(ModelConfig(tiny_llava_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    port = free_port()
+    state = ServerState(AsyncEngine(engine), ServerConfig(http_port=port, grpc_port=-1), media, tiny_llava_dir,
+                        engine.hf_config.model_type)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        state.engine.shutdown()
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(slow_server_url):
+    import time
+    url, engine = slow_server_url
+    body = {"model": "ensemble", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as resp:
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+    closed = time.monotonic()
+    while engine.has_unfinished() or engine.kv.usage > 0:   # 400 steps of >= 20 ms would take 8 s
+        assert time.monotonic() - closed < 3, "the request kept running after the client went away"
+        time.sleep(0.02)
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "ensemble", "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert resp.status_code == 200
+
+
+def test_client_gone_before_a_non_streaming_answer_aborts_the_request(slow_server_url):
+    import time
+    url, engine = slow_server_url
+    body = {"model": "ensemble", "prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    gone = time.monotonic()
+    while engine.has_unfinished() or engine.kv.usage > 0:
+        assert time.monotonic() - gone < 3, "the request kept running after the client went away"
+        time.sleep(0.02)

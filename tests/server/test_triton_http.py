@@ -1,0 +1,174 @@
+"""Triton HTTP against a real `mmserve serve`: tritonclient.http (JSON and binary tensors), the seed's curl
+requests to /generate and /generate_stream, metadata/config/ready/index; greedy text equals the offline LLM."""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import np_to_triton_dtype
+
+from mmserve import LLM, SamplingParams
+from mmserve.testing import image_to_data_uri, make_test_image
+
+QUESTION = "What is in the picture?"
+SEED_KEYS = ["batch_index", "context_logits", "cum_log_probs", "generation_logits", "id", "model_name",
+             "model_version", "output_log_probs", "sequence_end", "sequence_id", "sequence_index",
+             "sequence_start", "text_output"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llava_dir):
+    return LLM(tiny_llava_dir, device="cpu")
+
+
+def expected(offline, prompt: dict, **params):
+    out = offline.generate(prompt, SamplingParams(include_stop_str_in_output=True, **params), use_tqdm=False)[0]
+    with_prompt = offline.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True) + out.outputs[0].text
+    return out, with_prompt
+
+
+@pytest.fixture(scope="module")
+def image_url(media_server):
+    base, root = media_server
+    make_test_image(7).save(Path(root) / "seven.png")
+    return f"{base}/seven.png"
+
+
+def infer_input(name: str, arr: np.ndarray, binary: bool) -> httpclient.InferInput:
+    inp = httpclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+    inp.set_data_from_numpy(arr, binary_data=binary)
+    return inp
+
+
+def seed_tensors(text: str, max_tokens: int) -> dict[str, np.ndarray]:
+    """What the seed client always sends (its defaults), minus the image tensor."""
+    return {"text_input": np.array([[text.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], np.int32),
+            "beam_width": np.array([[1]], np.int32), "temperature": np.array([[1.0]], np.float32),
+            "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[1]], np.int32),
+            "top_k": np.array([[1]], np.int32), "top_p": np.array([[0.0]], np.float32),
+            "stream": np.array([[False]]), "repetition_penalty": np.array([[1.0]], np.float32)}
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_http_infer_matches_offline_greedy(server, offline, image_url, binary):
+    tensors = dict(seed_tensors(QUESTION, 12), image_url_input=np.array([[image_url.encode()]], dtype=object))
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    result = client.infer("ensemble", [infer_input(k, v, binary) for k, v in tensors.items()],
+                          outputs=[httpclient.InferRequestedOutput("text_output", binary_data=binary)])
+    _, want = expected(offline, {"prompt": f"USER:\n<image>{QUESTION} ASSISTANT:", "images": [make_test_image(7)]},
+                       max_tokens=12, top_k=1)
+    text = result.as_numpy("text_output")
+    value = text[0].decode() if binary else text[0]      # JSON outputs come back as str, as from Triton
+    assert text.shape == (1,) and value == want
+    response = result.get_response()
+    [entry] = response["outputs"]
+    assert ("binary_data_size" in entry.get("parameters", {})) is binary and ("data" in entry) is not binary
+    assert response["parameters"] == {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
+
+
+def test_http_infer_batch_logprobs_and_gzip(server, offline):
+    texts = ["a cat", "a dog"]
+    tensors = {"text_input": np.array([[t.encode()] for t in texts], dtype=object),
+               "max_tokens": np.array([[5], [5]], np.int32), "temperature": np.array([[0.0], [0.0]], np.float32),
+               "return_log_probs": np.array([[True], [True]])}
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    result = client.infer("tensorrt_llm_bls", [infer_input(k, v, True) for k, v in tensors.items()],
+                          request_compression_algorithm="gzip")
+    assert result.as_numpy("text_output").shape == (2,)
+    for i, text in enumerate(texts):
+        out, want = expected(offline, {"prompt": f"USER:\n{text} ASSISTANT:"}, max_tokens=5, temperature=0.0,
+                             logprobs=0)
+        assert result.as_numpy("text_output")[i].decode() == want
+        assert result.as_numpy("cum_log_probs")[i, 0] == pytest.approx(out.outputs[0].cumulative_logprob, abs=1e-3)
+        got = result.as_numpy("output_log_probs")[i, 0, :len(out.outputs[0].token_ids)]
+        assert got.tolist() == pytest.approx([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs,
+                                                                             out.outputs[0].token_ids)], abs=1e-3)
+    assert "parameters" not in result.get_response()     # only the ensemble has sequence parameters
+
+
+def _seed_curl_body(source: str) -> dict:
+    return {"id": "42", "text_input": "<|image|>If I had to write a haiku for this one", "image_url_input": source,
+            "parameters": {"max_tokens": 16, "beam_width": 1, "end_id": 128001, "pad_id": 128004, "top_k": 1,
+                           "top_p": 0, "stream": False, "temperature": 0}}
+
+
+@pytest.mark.parametrize("kind", ["url", "data_uri"])
+def test_seed_curl_request_on_generate_and_generate_stream(server, offline, image_url, kind):
+    if kind == "url":
+        source, image = image_url, make_test_image(7)
+    else:   # the seed's documented form: data:image/jpeg;base64,...
+        source = image_to_data_uri(make_test_image(7), "jpeg")
+        image = base64.b64decode(source.split(",", 1)[1])
+    _, want = expected(offline, {"prompt": "USER:\n<image><|image|>If I had to write a haiku for this one ASSISTANT:",
+                                 "images": [image]}, max_tokens=16, temperature=0.0, top_k=1, eos_token_id=128001)
+    r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate_stream", json=_seed_curl_body(source), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.startswith("data: ") and r.text.endswith("\n\n") and r.text.count("data: ") == 1
+    payload = r.text[len("data: "):-2]
+    event = json.loads(payload)
+    assert list(event) == SEED_KEYS and payload.startswith('{"batch_index":0,"context_logits":0.0,')
+    assert event["id"] == "42" and event["model_name"] == "ensemble" and event["text_output"] == want
+    assert event["output_log_probs"] == [0.0] * 16 and event["sequence_id"] == 0
+    plain = httpx.post(f"{server.http_url}/v2/models/ensemble/generate", json=_seed_curl_body(source), timeout=60)
+    assert plain.headers["content-type"] == "application/json" and plain.json() == event
+
+
+def test_generate_stream_pieces_concatenate_to_the_completion(server):
+    body = {"text_input": QUESTION, "max_tokens": 10, "min_tokens": 10, "temperature": 0,
+            "image_url_input": image_to_data_uri(make_test_image(2))}
+    whole = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate",
+                       json={**body, "exclude_input_in_output": True}, timeout=60).json()["text_output"]
+    r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate_stream", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(chunk[len("data: "):]) for chunk in r.text.split("\n\n") if chunk]
+    assert len(events) >= 3 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == whole and len(whole) > 0
+    assert not any(e["text_output"].startswith("USER:") for e in events)      # pieces carry only new text
+
+
+def test_generate_accepts_a_batch_of_json_arrays(server, offline):
+    r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate",
+                   json={"text_input": ["a cat", "a dog"], "max_tokens": [4, 4], "temperature": [0, 0]}, timeout=60)
+    assert r.status_code == 200, r.text
+    wants = [expected(offline, {"prompt": f"USER:\n{t} ASSISTANT:"}, max_tokens=4, temperature=0.0)[1]
+             for t in ("a cat", "a dog")]
+    assert r.json()["text_output"] == wants and r.json()["batch_index"] == [0, 1]
+
+
+def test_own_model_name_takes_the_text_as_the_whole_prompt(server, offline):
+    name = Path(server.model_dir).name
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    r = httpx.post(f"{server.http_url}/v2/models/{name}/versions/1/generate",
+                   json={"text_input": prompt, "image_url_input": image_to_data_uri(make_test_image(4)),
+                         "parameters": {"max_tokens": 8, "temperature": 0, "exclude_input_in_output": True}})
+    out, _ = expected(offline, {"prompt": prompt, "images": [make_test_image(4)]}, max_tokens=8, temperature=0.0)
+    assert r.status_code == 200 and r.json()["text_output"] == out.outputs[0].text
+    assert r.json()["model_name"] == name and "sequence_id" not in r.json()
+
+
+def test_metadata_config_ready_and_repository_index(server):
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")
+    assert not client.is_model_ready("nope") and client.is_model_ready("tensorrt_llm_bls", "1")
+    meta = client.get_model_metadata("ensemble")
+    inputs = {t["name"]: (t["datatype"], t["shape"]) for t in meta["inputs"]}
+    assert inputs["text_input"] == ("BYTES", [-1, 1]) and inputs["max_tokens"] == ("INT32", [-1, 1])
+    assert inputs["image_input"] == ("FP16", [-1, -1, -1, -1, -1]) and inputs["seed"] == ("UINT64", [-1, 1])
+    assert inputs["prompt_table_extra_id"] == ("UINT64", [-1, 1]) and meta["platform"] == "ensemble"
+    outputs = {t["name"]: (t["datatype"], t["shape"]) for t in meta["outputs"]}
+    assert outputs["text_output"] == ("BYTES", [-1, -1]) and outputs["output_log_probs"] == ("FP32", [-1, -1, -1])
+    config = client.get_model_config("tensorrt_llm_bls")
+    image = next(i for i in config["input"] if i["name"] == "image_input")
+    assert image["dims"] == [-1, 3, -1, -1] and image["data_type"] == "TYPE_FP16" and config["backend"] == "python"
+    assert "kv_cache_reused_blocks" in {o["name"] for o in config["output"]}
+    index = client.get_model_repository_index()
+    assert {m["name"] for m in index} == {"ensemble", "tensorrt_llm_bls", Path(server.model_dir).name}
+    assert all(m["state"] == "READY" and m["version"] == "1" for m in index)
+    assert client.get_server_metadata()["extensions"]
+    assert httpx.get(f"{server.http_url}/v2/models/ensemble/versions/2").status_code == 404
+    assert httpx.get(f"{server.http_url}/v2/models/ensemble/generate").status_code == 405
