@@ -1,0 +1,90 @@
+"""The `transformers` baseline: `LlavaForConditionalGeneration.generate` (default attention, greedy,
+left-padded batches) on the same checkpoint, prompts, images and dtype as mmserve, timed with device syncs.
+
+Every timing starts before the HF processor call, as mmserve's start before `add_request` (which
+preprocesses), so both include image preprocessing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers.generation.streamers import BaseStreamer
+
+from mmserve.bench.workload import free_device_memory, now, sync, torch_dtype
+
+
+@dataclass
+class HFTiming:
+    """One `generate` call over a batch."""
+
+    batch_size: int
+    prompt_tokens: int          # per sequence, image placeholders included (after left padding)
+    new_tokens: int             # per sequence
+    total_s: float              # processor + generate, synced
+    first_token_s: float | None = None   # from the start until the first new token (when streamed)
+    token_times_s: list[float] = field(default_factory=list)  # since start, one per new token (when streamed)
+
+
+class _TokenClock(BaseStreamer):
+    """A generate() streamer that only timestamps: the first put() is the prompt, each later one a new token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(now())
+
+    def end(self) -> None:
+        pass
+
+
+class HFBaseline:
+    """A loaded transformers LLaVA model and its processor on one device."""
+
+    def __init__(self, model_dir: str, device: str, dtype: str, attn_implementation: str | None = None) -> None:
+        import torch
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        self.device = device
+        kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, **kwargs).to(device).eval()
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.processor.tokenizer.padding_side = "left"
+        tok = self.processor.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+        self._torch = torch
+
+    def _encode(self, prompts: list[str], images: list[Any]) -> Any:
+        enc = self.processor(text=prompts, images=images, padding=True, return_tensors="pt")
+        return enc.to(self.device)
+
+    def generate(self, prompts: list[str], images: list[Any], new_tokens: int, stream: bool = False) -> HFTiming:
+        """Greedy `generate(max_new_tokens=min_new_tokens=new_tokens)` of one left-padded batch."""
+        clock = _TokenClock() if stream else None
+        sync(self.device)
+        t0 = now()
+        enc = self._encode(prompts, images)
+        with self._torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      pad_token_id=self.pad_id, streamer=clock)
+        sync(self.device)
+        total = now() - t0
+        prompt_len = int(enc["input_ids"].shape[1])
+        got = int(out.shape[1]) - prompt_len
+        if got != new_tokens:
+            raise RuntimeError(f"transformers generated {got} tokens, expected {new_tokens}")
+        timing = HFTiming(len(prompts), prompt_len, got, total)
+        if clock is not None and len(clock.times) > 1:
+            timing.token_times_s = [t - t0 for t in clock.times[1:]]
+            timing.first_token_s = timing.token_times_s[0]
+        return timing
+
+    def close(self) -> None:
+        """Drop the model and give its device memory back (mmserve may run next in this process)."""
+        del self.model
+        free_device_memory(self.device)

@@ -1,0 +1,154 @@
+"""`mmserve bench throughput`: N requests (1 image + input_len text tokens, output_len tokens, ignore_eos)
+offline through `LLM.generate`; output tok/s and requests/s, and the same requests through transformers
+in left-padded batches of `hf_batch_size`.
+"""
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from mmserve.bench.workload import (
+    ModelSource,
+    PromptSpec,
+    environment,
+    free_device_memory,
+    image_size_of,
+    make_images,
+    make_prompt,
+    now,
+    sync,
+)
+
+
+@dataclass
+class ThroughputConfig:
+    """Settings of one offline throughput run."""
+
+    source: ModelSource
+    device: str
+    dtype: str
+    num_requests: int = 256
+    input_len: int = 128                 # text tokens per prompt (besides the image's placeholders)
+    output_len: int = 128                # tokens generated per request (EOS ignored)
+    warmup: int = 1                      # untimed warmup rounds (a few short requests each)
+    iters: int = 1                       # timed rounds; the best (shortest) is reported
+    baseline: str = "hf"                 # hf | none
+    hf_batch_size: int = 32              # transformers batch (static, left-padded)
+    max_num_seqs: int = 64               # mmserve: requests running at once
+    max_num_batched_tokens: int = 2048   # mmserve: token budget per step
+    prefix_caching: bool = True          # mmserve default; images are distinct, so no hits either way
+    kv_cache_memory_fraction: float = 0.9
+    hf_attn: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.output_len < 1 or self.input_len < 0:
+            raise ValueError("need num_requests >= 1, output_len >= 1, input_len >= 0")
+        if self.warmup < 0 or self.iters < 1 or self.hf_batch_size < 1:
+            raise ValueError("need warmup >= 0, iters >= 1, hf_batch_size >= 1")
+        if self.baseline not in ("hf", "none"):
+            raise ValueError(f"baseline must be hf or none, got {self.baseline!r}")
+
+
+def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: float) -> dict[str, float]:
+    return {"elapsed_s": elapsed, "num_requests": num_requests, "output_tokens": output_tokens,
+            "prompt_tokens": prompt_tokens, "requests_per_s": num_requests / elapsed,
+            "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + prompt_tokens) / elapsed}
+
+
+def _run_mmserve(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: list[Any]) -> dict[str, float]:
+    from mmserve.llm import LLM
+    from mmserve.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=cfg.max_num_seqs,
+              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
+              kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, seed=cfg.seed)
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    try:
+        for w in range(cfg.warmup):
+            warm = make_images(min(4, cfg.num_requests), images[0].width, seed=10_000 + w)
+            llm.generate([{"prompt": spec.text, "images": [im]} for im in warm],
+                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        best: dict[str, float] | None = None
+        for _ in range(cfg.iters):
+            prompts = [{"prompt": spec.text, "images": [im]} for im in images]
+            sync(cfg.device)
+            t0 = now()
+            outs = llm.generate(prompts, params)
+            sync(cfg.device)
+            elapsed = now() - t0
+            out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            expected = cfg.num_requests * cfg.output_len
+            if out_tokens != expected:
+                raise RuntimeError(f"mmserve generated {out_tokens} tokens, expected {expected}")
+            res = _rates(len(outs), out_tokens, sum(len(o.prompt_token_ids) for o in outs), elapsed)
+            if best is None or res["elapsed_s"] < best["elapsed_s"]:
+                best = res
+        assert best is not None
+        return best
+    finally:
+        del llm
+        free_device_memory(cfg.device)
+
+
+def _run_hf(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: list[Any]) -> dict[str, Any]:
+    from mmserve.bench.hf_baseline import HFBaseline
+
+    hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
+    bs = cfg.hf_batch_size
+    try:
+        for w in range(cfg.warmup):
+            warm = make_images(min(bs, cfg.num_requests), images[0].width, seed=20_000 + w)
+            hf.generate([spec.text] * len(warm), warm, 4)
+        best: dict[str, Any] | None = None
+        for _ in range(cfg.iters):
+            out_tokens = prompt_tokens = 0
+            sync(cfg.device)
+            t0 = now()
+            for start in tqdm(range(0, len(images), bs), desc="transformers generate",
+                              total=math.ceil(len(images) / bs)):
+                batch = images[start:start + bs]
+                timing = hf.generate([spec.text] * len(batch), batch, cfg.output_len)
+                out_tokens += timing.new_tokens * len(batch)
+                prompt_tokens += timing.prompt_tokens * len(batch)
+            elapsed = now() - t0
+            res = {**_rates(len(images), out_tokens, prompt_tokens, elapsed), "batch_size": bs,
+                   "attn_implementation": hf.attn_implementation}
+            if best is None or res["elapsed_s"] < best["elapsed_s"]:
+                best = res
+        assert best is not None
+        return best
+    finally:
+        hf.close()
+
+
+def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run mmserve (and the baseline) over the same requests; return the result record."""
+    from transformers import AutoTokenizer
+
+    model_dir = cfg.source.resolve()
+    spec = make_prompt(AutoTokenizer.from_pretrained(model_dir), cfg.input_len)
+    images = make_images(cfg.num_requests, image_size_of(model_dir), seed=cfg.seed)
+    results: dict[str, Any] = {}
+    errors: list[str] = []
+    try:
+        results["mmserve"] = _run_mmserve(cfg, model_dir, spec, images)
+    except Exception:
+        errors.append("mmserve: " + traceback.format_exc())
+    if cfg.baseline == "hf":
+        try:
+            results["hf"] = _run_hf(cfg, model_dir, spec, images)
+        except Exception:
+            errors.append("hf: " + traceback.format_exc())
+    if "mmserve" in results and "hf" in results:
+        m, h = results["mmserve"], results["hf"]
+        results["ratio"] = {"output_tok_s": m["output_tok_s"] / h["output_tok_s"],
+                            "requests_per_s": m["requests_per_s"] / h["requests_per_s"]}
+    return {"schema": "mmserve-bench/1", "bench": "throughput", "env": environment(cfg.device, argv),
+            "config": asdict(cfg), "model": {"path": model_dir, "preset": cfg.source.preset, "dtype": cfg.dtype,
+                                             "text_tokens": spec.text_tokens},
+            "results": results, "errors": errors}
