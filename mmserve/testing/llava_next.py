@@ -1,0 +1,298 @@
+"""Random llava-hf style LLaVA-NeXT (llava-v1.6) checkpoints (CLIP + Mistral/Llama) written offline.
+
+Presets: "tiny" (CPU tests: 42 px tiles of 6x6 patches, a mosaic of at most 3 tiles) and
+"llava-v1.6-mistral-7b" (real shapes, random fp16, written tensor by tensor). The weight writer here
+(`write_weights`) also serves LLaVA-OneVision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmserve.testing.llava import (
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    _make_tensor,
+    _natural_key,
+    _plan_shards,
+    _write_safetensors,
+    checkpoint_key,
+)
+
+if TYPE_CHECKING:
+    from transformers import LlavaNextConfig, PreTrainedConfig
+
+IMAGE_TOKEN = "<image>"
+
+# llava-v1.6-mistral prompt format: "[INST] <image>\nWhat is shown? [/INST]" (BOS comes from the tokenizer)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- if content is string -%}{{- content + '\\n\\n' -}}"
+    "{%- else -%}{%- for part in content if part['type'] == 'text' -%}{{- part['text'] + '\\n\\n' -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- '[INST] ' -}}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}"
+    "{%- for part in content if part['type'] in ('image', 'image_url', 'input_image') -%}"
+    "{{- '<image>\\n' -}}{%- endfor -%}"
+    "{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') -}}"
+    "{%- endif -%}"
+    "{{- ' [/INST]' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- if content is string -%}{{- ' ' + content -}}"
+    "{%- else -%}{{- ' ' + content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') -}}"
+    "{%- endif -%}"
+    "{{- '__EOS__' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def _scaled_pinpoints(tile: int, shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((r * tile, c * tile) for r, c in shapes)
+
+
+NEXT_MOSAICS = ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))   # llava-v1.6 pinpoints, in tiles
+
+
+@dataclass(frozen=True)
+class LlavaNextSizes:
+    """Every size a preset fixes; any field can be overridden by keyword."""
+
+    text_model: str  # "mistral" | "llama"
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    text_vocab: int  # base BPE vocab; "<image>" and "<pad>" come right after it
+    vocab_multiple: int
+    max_position: int
+    text_init_std: float
+    rope_theta: float
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    vision_projection_dim: int
+    image_size: int
+    patch_size: int
+    vision_init_std: float
+    vision_feature_layer: int | tuple[int, ...]
+    grid_pinpoints: tuple[tuple[int, int], ...]
+    dtype: str
+    vision_act: str = "quick_gelu"
+    projector_act: str = "gelu"
+    rms_norm_eps: float = 1e-5
+
+
+PRESETS: dict[str, LlavaNextSizes] = {
+    "tiny": LlavaNextSizes(
+        text_model="mistral", text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136,
+        text_vocab=400, vocab_multiple=8, max_position=1024, text_init_std=0.2, rope_theta=10000.0,
+        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, vision_projection_dim=32,
+        image_size=42, patch_size=7, vision_init_std=0.2, vision_feature_layer=-2,
+        grid_pinpoints=_scaled_pinpoints(42, NEXT_MOSAICS), dtype="float32",
+    ),
+    "llava-v1.6-mistral-7b": LlavaNextSizes(
+        text_model="mistral", text_hidden=4096, text_layers=32, text_heads=32, text_kv_heads=8,
+        text_intermediate=14336, text_vocab=32000, vocab_multiple=64, max_position=32768, text_init_std=0.02,
+        rope_theta=1_000_000.0, vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096,
+        vision_projection_dim=768, image_size=336, patch_size=14, vision_init_std=0.02, vision_feature_layer=-2,
+        grid_pinpoints=_scaled_pinpoints(336, NEXT_MOSAICS), dtype="float16",
+    ),
+}
+PRESETS["tiny-llama"] = dataclasses.replace(PRESETS["tiny"], text_model="llama", text_kv_heads=4,
+                                            vision_feature_layer=(-2, -1))
+
+
+def replace_sizes(presets: dict, preset: str, family: str, overrides: dict) -> object:
+    """presets[preset] with dataclass-field overrides; clear errors for unknown names."""
+    if preset not in presets:
+        raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
+    base = presets[preset]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown {family} overrides {unknown}; allowed: {sorted(fields)}")
+    overrides = {k: tuple(map(tuple, v)) if k == "grid_pinpoints" else
+                 tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    return dataclasses.replace(base, **overrides)
+
+
+def llava_next_sizes(preset: str = "tiny", **overrides: object) -> LlavaNextSizes:
+    return replace_sizes(PRESETS, preset, "llava_next", overrides)
+
+
+def token_ids(s: LlavaNextSizes) -> dict[str, int]:
+    return {"unk": 0, "bos": 1, "eos": 2, "image": s.text_vocab, "pad": s.text_vocab + 1}
+
+
+def _config_from_sizes(s: LlavaNextSizes) -> LlavaNextConfig:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, MistralConfig
+
+    ids = token_ids(s)
+    vocab = -(-(s.text_vocab + 2) // s.vocab_multiple) * s.vocab_multiple
+    common = dict(
+        vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,
+        head_dim=s.text_hidden // s.text_heads, max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
+        tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+    )
+    if s.text_model == "mistral":
+        text = MistralConfig(sliding_window=None, **common)
+    elif s.text_model == "llama":
+        text = LlamaConfig(**common)
+    else:
+        raise ValueError(f"text_model must be 'mistral' or 'llama', got {s.text_model!r}")
+    vision = CLIPVisionConfig(
+        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
+        projection_dim=s.vision_projection_dim, hidden_act=s.vision_act, layer_norm_eps=1e-5,
+        initializer_range=s.vision_init_std,
+    )
+    layer = s.vision_feature_layer
+    cfg = LlavaNextConfig(
+        vision_config=vision, text_config=text, image_token_index=ids["image"],
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], projector_hidden_act=s.projector_act,
+        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_select_strategy="default", image_seq_length=(s.image_size // s.patch_size) ** 2,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlavaNextForConditionalGeneration"]
+    for c in (cfg, text, vision):
+        c.dtype = s.dtype
+    return cfg
+
+
+def llava_next_config(preset: str = "tiny", **overrides: object) -> LlavaNextConfig:
+    """The ``LlavaNextConfig`` that :func:`make_llava_next_checkpoint` writes for this preset (no weights built)."""
+    return _config_from_sizes(llava_next_sizes(preset, **overrides))
+
+
+def next_checkpoint_key(name: str, layout: str = "hub") -> str:
+    """transformers-5 parameter name -> on-disk key ("hub": published llava-hf layout; "transformers": 5.23's)."""
+    if name == "model.image_newline":
+        return "image_newline"
+    return checkpoint_key(name, layout)
+
+
+def param_specs(model_cls: type, config: PreTrainedConfig,
+                std_of: Callable[[str], float]) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """(name, shape, kind, std) of every saved tensor, from a meta-device model (no memory used)."""
+    with torch.device("meta"):
+        model = model_cls(config)
+    norm_params = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
+            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    tied = getattr(config, "tie_word_embeddings", False)
+    specs = []
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name in norm_params:
+            kind = "zeros" if name.endswith(".bias") else "ones"
+        else:
+            kind = "zeros" if name.endswith(".bias") else "normal"
+        specs.append((name, tuple(t.shape), kind, std_of(name)))
+    return specs
+
+
+def write_weights(out: Path, specs: list, key_of: Callable[[str], str], dtype_name: str, seed: int,
+                  max_shard_bytes: int) -> None:
+    """Stream random tensors into (sharded) safetensors files: one tensor in RAM at a time."""
+    dtype = getattr(torch, dtype_name)
+    specs = sorted(specs, key=lambda sp: _natural_key(key_of(sp[0])))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = [itemsize * math.prod(sp[1]) for sp in specs]
+    shards = _plan_shards(nbytes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for k, idx in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        entries = [(key_of(specs[i][0]), specs[i][1]) for i in idx]
+        _write_safetensors(out / fname, entries, dtype, lambda j, idx=idx: _make_tensor(*specs[idx[j]], seed, dtype))
+        weight_map.update({key: fname for key, _ in entries})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def prepare_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
+    return out
+
+
+def make_llava_next_checkpoint(
+    out_dir: str | Path,
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    layout: str = "hub",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    **overrides: object,
+) -> Path:
+    """Write a complete random llava-hf style LLaVA-NeXT checkpoint into ``out_dir`` and return its path.
+
+    ``overrides`` are :class:`LlavaNextSizes` fields. Weights: N(0, std) for matrices and embeddings
+    (vision_init_std for CLIP, text_init_std for the rest, 1/sqrt(hidden) for image_newline as HF inits
+    it), ones/zeros for norms, zeros for biases; seeded per tensor. ``layout``: "hub" (published
+    llava-hf names) or "transformers" (5.23 ``save_pretrained`` names). The tokenizer is the small BPE,
+    padded with filler tokens to ``text_vocab`` base ids (so ``<image>`` = 32000 for the 7B preset).
+    """
+    from transformers import GenerationConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, \
+        LlavaNextProcessor
+
+    from mmserve.testing.tokenizer import build_bpe_tokenizer
+
+    if layout not in ("hub", "transformers"):
+        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    s = llava_next_sizes(preset, **overrides)
+    config = _config_from_sizes(s)
+    ids = token_ids(s)
+    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=s.text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
+    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
+           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "pad": tok.pad_token_id}
+    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
+
+    out = prepare_dir(out_dir)
+    template = CHAT_TEMPLATE.replace("__EOS__", tok.eos_token)
+    tok.chat_template = template
+    image_processor = LlavaNextImageProcessor(
+        size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        do_pad=True,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=template,
+    )
+    processor.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
+
+    def std_of(name: str) -> float:
+        if name == "model.image_newline":
+            return 1 / math.sqrt(s.text_hidden)
+        return s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
+
+    specs = param_specs(LlavaNextForConditionalGeneration, config, std_of)
+    write_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    return out

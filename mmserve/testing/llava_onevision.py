@@ -1,0 +1,207 @@
+"""Random llava-hf style LLaVA-OneVision checkpoints (SigLIP + Qwen2) with image and video processors.
+
+Presets: "tiny" (CPU tests: 42 px tiles of 6x6 patches, anyres_max_2 so downscaling shows up on small
+mosaics) and "llava-onevision-qwen2-7b-ov" (real shapes, random fp16, written tensor by tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mmserve.testing.llava import DEFAULT_MAX_SHARD_BYTES
+from mmserve.testing.llava_next import next_checkpoint_key, param_specs, prepare_dir, replace_sizes, write_weights
+
+if TYPE_CHECKING:
+    from transformers import LlavaOnevisionConfig
+
+IMAGE_TOKEN, VIDEO_TOKEN, IM_START, IM_END = "<image>", "<video>", "<|im_start|>", "<|im_end|>"
+SIGLIP_MEAN = SIGLIP_STD = [0.5, 0.5, 0.5]
+
+# Qwen chat format of llava-onevision-qwen2-*-ov-hf: "<|im_start|>user <image>\ntext<|im_end|>\n<|im_start|>assistant\n"
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + ' ' -}}"
+    "{%- set content = message['content'] -%}"
+    "{%- if content is string -%}{{- '\\n' + content -}}"
+    "{%- else -%}"
+    "{%- for part in content if part['type'] in ('image', 'image_url', 'input_image') -%}"
+    "{{- '<image>' -}}{%- endfor -%}"
+    "{%- for part in content if part['type'] == 'video' -%}{{- '<video>' -}}{%- endfor -%}"
+    "{%- for part in content if part['type'] == 'text' -%}{{- '\\n' + part['text'] -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _pinpoints(tile: int, max_side: int) -> tuple[tuple[int, int], ...]:
+    """Every mosaic of 1..max_side tiles down and across, as OneVision lists them."""
+    return tuple((r * tile, c * tile) for r in range(1, max_side + 1) for c in range(1, max_side + 1))
+
+
+@dataclass(frozen=True)
+class LlavaOnevisionSizes:
+    """Every size a preset fixes; any field can be overridden by keyword."""
+
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    text_vocab: int  # base BPE vocab; <image>, <video>, <|im_start|>, <pad> come right after it
+    vocab_multiple: int
+    max_position: int
+    text_init_std: float
+    rope_theta: float
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    image_size: int
+    patch_size: int
+    vision_init_std: float
+    grid_pinpoints: tuple[tuple[int, int], ...]
+    vision_aspect_ratio: str
+    dtype: str
+    model_vocab: int | None = None  # model vocab size; None = tokenizer size rounded up to vocab_multiple
+    tie_word_embeddings: bool = False
+    vision_feature_layer: int | tuple[int, ...] = -1
+    vision_act: str = "gelu_pytorch_tanh"
+    projector_act: str = "gelu"
+    rms_norm_eps: float = 1e-6
+
+
+PRESETS: dict[str, LlavaOnevisionSizes] = {
+    "tiny": LlavaOnevisionSizes(
+        text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136, text_vocab=400,
+        vocab_multiple=8, max_position=1024, text_init_std=0.2, rope_theta=10000.0,
+        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, image_size=42, patch_size=7,
+        vision_init_std=0.2, grid_pinpoints=_pinpoints(42, 3), vision_aspect_ratio="anyres_max_2", dtype="float32",
+    ),
+    "llava-onevision-qwen2-7b-ov": LlavaOnevisionSizes(
+        text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
+        text_vocab=151646, vocab_multiple=64, max_position=32768, text_init_std=0.02, rope_theta=1_000_000.0,
+        vision_hidden=1152, vision_layers=26, vision_heads=16, vision_intermediate=4304, image_size=384,
+        patch_size=14, vision_init_std=0.02, grid_pinpoints=_pinpoints(384, 6), vision_aspect_ratio="anyres_max_9",
+        dtype="float16", model_vocab=152128,
+    ),
+}
+PRESETS["tiny-tied"] = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True, vision_feature_layer=(-2, -1))
+
+
+def llava_onevision_sizes(preset: str = "tiny", **overrides: object) -> LlavaOnevisionSizes:
+    return replace_sizes(PRESETS, preset, "llava_onevision", overrides)
+
+
+def token_ids(s: LlavaOnevisionSizes) -> dict[str, int]:
+    v = s.text_vocab
+    return {"unk": 0, "bos": 1, "eos": 2, "image": v, "video": v + 1, "im_start": v + 2, "pad": v + 3}
+
+
+def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
+    from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
+
+    ids = token_ids(s)
+    vocab = s.model_vocab or -(-(s.text_vocab + 4) // s.vocab_multiple) * s.vocab_multiple
+    if vocab < s.text_vocab + 4:
+        raise ValueError(f"model_vocab {vocab} is smaller than the tokenizer ({s.text_vocab + 4} tokens)")
+    text = Qwen2Config(
+        vocab_size=vocab, hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate, num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads, max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
+        tie_word_embeddings=s.tie_word_embeddings, use_sliding_window=False,
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
+        hidden_act=s.vision_act, layer_norm_eps=1e-6, vision_use_head=False,
+    )
+    layer = s.vision_feature_layer
+    cfg = LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=ids["image"], video_token_index=ids["video"],
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], vision_aspect_ratio=s.vision_aspect_ratio,
+        projector_hidden_act=s.projector_act, vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_select_strategy="full", tie_word_embeddings=s.tie_word_embeddings,
+    )
+    cfg.architectures = ["LlavaOnevisionForConditionalGeneration"]
+    for c in (cfg, text, vision):
+        c.dtype = s.dtype
+    return cfg
+
+
+def llava_onevision_config(preset: str = "tiny", **overrides: object) -> LlavaOnevisionConfig:
+    """The ``LlavaOnevisionConfig`` that :func:`make_llava_onevision_checkpoint` writes (no weights built)."""
+    return _config_from_sizes(llava_onevision_sizes(preset, **overrides))
+
+
+def make_llava_onevision_checkpoint(
+    out_dir: str | Path,
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    layout: str = "hub",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    **overrides: object,
+) -> Path:
+    """Write a complete random llava-hf style LLaVA-OneVision checkpoint into ``out_dir`` and return its path.
+
+    ``overrides`` are :class:`LlavaOnevisionSizes` fields; weights as in
+    :func:`~mmserve.testing.llava_next.make_llava_next_checkpoint`. The tokenizer is the small BPE with
+    ``<image>``, ``<video>``, ``<|im_start|>`` and ``<pad>`` after ``text_vocab`` base ids (so ``<image>``
+    = 151646 and ``<video>`` = 151647 for the 7B preset); EOS is ``<|im_end|>``.
+    """
+    from transformers import (
+        GenerationConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    from mmserve.testing.tokenizer import build_bpe_tokenizer
+
+    if layout not in ("hub", "transformers"):
+        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    s = llava_onevision_sizes(preset, **overrides)
+    config = _config_from_sizes(s)
+    ids = token_ids(s)
+    tok = build_bpe_tokenizer([IMAGE_TOKEN, VIDEO_TOKEN, IM_START], vocab_size=s.text_vocab, bos="<|endoftext|>",
+                              eos=IM_END, extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN})
+    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
+           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "video": tok.convert_tokens_to_ids(VIDEO_TOKEN),
+           "im_start": tok.convert_tokens_to_ids(IM_START), "pad": tok.pad_token_id}
+    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
+
+    out = prepare_dir(out_dir)
+    tok.chat_template = CHAT_TEMPLATE
+    size = {"height": s.image_size, "width": s.image_size}
+    image_processor = LlavaOnevisionImageProcessor(
+        size=size, image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=SIGLIP_MEAN,
+        image_std=SIGLIP_STD, do_pad=True,
+    )
+    video_processor = LlavaOnevisionVideoProcessor(size=size, image_mean=SIGLIP_MEAN, image_std=SIGLIP_STD)
+    processor = LlavaOnevisionProcessor(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+        num_image_tokens=(s.image_size // s.patch_size) ** 2, vision_feature_select_strategy="full",
+        vision_aspect_ratio=s.vision_aspect_ratio, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
+
+    def std_of(name: str) -> float:
+        if name == "model.image_newline":
+            return 1 / math.sqrt(s.text_hidden)
+        return s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
+
+    specs = param_specs(LlavaOnevisionForConditionalGeneration, config, std_of)
+    write_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    return out
