@@ -1,0 +1,179 @@
+"""Qwen2-VL / Qwen2.5-VL family: ViT tower with patch merger (qwen2_vl_vision) + Qwen2 backbone with M-RoPE.
+
+Images and videos become variable-length runs of `<|image_pad|>` / `<|video_pad|>` tokens (one per
+merged 2x2 patch block). M-RoPE gives every prompt token a (t, h, w) position: text advances all three
+together, vision tokens take their grid coordinates; decode token p sits at p + delta on all axes.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from mmserve.attention.metadata import AttentionMetadata
+from mmserve.engine.request import MultiModalItem
+from mmserve.layers.rotary import _rotate_half, rope_inv_freq
+from mmserve.models.llama import LlamaForCausalLM
+from mmserve.models.qwen2_vl_vision import Qwen2VisionTransformer
+from mmserve.models.weights import load_weights
+from mmserve.multimodal.processors import placeholder_runs
+
+# checkpoint prefix -> our module path; HF >= 5 layout first, then the published Qwen2-VL layout
+WEIGHT_RENAMES = [
+    ("model.visual.", "visual."),
+    ("model.language_model.", "language_model.model."),
+    ("model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+]
+
+TEXT, IMAGE, VIDEO = 0, 1, 2
+# modality -> (HF processor output with its patches, output with one (t, h, w) row per item)
+MM_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+GRID_KEYS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE: the head's rotary frequencies are split into (t, h, w) sections (`mrope_section`),
+    each section rotated by its own position axis."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, mrope_section: list[int],
+                 scaling: float = 1.0) -> None:
+        super().__init__()
+        if sum(mrope_section) != len(inv_freq):
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim // 2 = {len(inv_freq)}")
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)   # [max_pos, D/2]
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        self.register_buffer("axis", axis, persistent=False)                  # [D/2]: which position drives it
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [3, T] (or [T]: text only, all axes equal); q [T, H, D]; k [T, KVH, D]
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        idx = positions[self.axis].T                                          # [T, D/2]
+        cos = self.cos.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)   # [T, 1, D]
+        sin = self.sin.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """One image or video -> t*h*w / merge² embeddings that replace its pad tokens."""
+
+    uses_mrope = True
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = tc = config.text_config
+        if getattr(tc, "use_sliding_window", False):
+            raise ValueError("Qwen2-VL checkpoints with use_sliding_window=True are not supported")
+        self.merge = config.vision_config.spatial_merge_size
+        self.visual = Qwen2VisionTransformer(config.vision_config)
+        head_dim = tc.hidden_size // tc.num_attention_heads
+        inv_freq, scaling = rope_inv_freq(tc, head_dim)
+        rotary = MRotaryEmbedding(inv_freq, tc.max_position_embeddings, tc.rope_parameters["mrope_section"], scaling)
+        self.language_model = LlamaForCausalLM(tc, qkv_bias=True, rotary=rotary)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.language_model.lm_head.weight = self.language_model.model.embed_tokens.weight
+
+    @classmethod
+    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
+                       video_keys: list[str]) -> list[MultiModalItem]:
+        """Each image's / video's pad-token run and its encoder inputs: its rows of the processor's
+        patches [n, C * T * P * P] and its grid_thw [3]."""
+        merge2 = hf_config.vision_config.spatial_merge_size ** 2
+        items = []
+        for modality, keys, token_id in (("image", image_keys, hf_config.image_token_id),
+                                         ("video", video_keys, hf_config.video_token_id)):
+            if not keys:
+                continue
+            pix_key, grid_key = MM_KEYS[modality]
+            grids = enc[grid_key]                                   # [n, 3]
+            patches = grids.prod(-1).tolist()
+            lengths = [p // merge2 for p in patches]
+            offsets = placeholder_runs(ids, token_id, lengths)
+            starts = [0, *itertools.accumulate(patches)]
+            for k, key in enumerate(keys):
+                data = {"pixel_values": enc[pix_key][starts[k]:starts[k + 1]], "grid_thw": grids[k]}
+                items.append(MultiModalItem(modality, data, offsets[k], lengths[k], key))
+        return sorted(items, key=lambda it: it.offset)
+
+    @classmethod
+    def mrope_positions(cls, hf_config, enc, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """The prompt's (t, h, w) positions [3, P] and the decode offset delta, as transformers' get_rope_index:
+        a vision run starting at position s takes (s + t, s + h, s + w) over its merged grid, and the text
+        after it continues at s + max(h, w) (merged units). `enc` None (text only): positions p, delta 0.
+
+        transformers 5.23 advances by max(h, w) even when a video has more temporal patches (older versions
+        and vLLM take max(t, h, w)); we follow the oracle we are tested against.
+        """
+        merge = hf_config.vision_config.spatial_merge_size
+        grids = {kind: iter(enc[key].tolist()) for kind, key in GRID_KEYS.items() if enc is not None and key in enc}
+        token_kind = {hf_config.image_token_id: IMAGE, hf_config.video_token_id: VIDEO}
+        kinds = [token_kind[t] if token_kind.get(t) in grids else TEXT for t in ids]
+        parts, cur, k_video = [], 0, 0
+        for kind, run in itertools.groupby(kinds):
+            n = len(list(run))
+            if kind == TEXT:
+                parts.append(torch.arange(cur, cur + n).expand(3, -1))
+                cur += n
+                continue
+            t, h, w = next(grids[kind])
+            h, w = h // merge, w // merge
+            interval = cls.temporal_interval(hf_config, enc, k_video) if kind == VIDEO else 1
+            k_video += kind == VIDEO
+            tt = (torch.arange(t) * interval).long().view(-1, 1, 1).expand(t, h, w)
+            hh = torch.arange(h).view(1, -1, 1).expand(t, h, w)
+            ww = torch.arange(w).view(1, 1, -1).expand(t, h, w)
+            pos = torch.stack([tt, hh, ww]).reshape(3, -1) + cur
+            if pos.shape[1] != n:
+                raise ValueError(f"a run of {n} vision placeholder tokens does not match its grid {t}x{h}x{w}")
+            parts.append(pos)
+            cur += max(h, w)
+        positions = torch.cat(parts, dim=1)
+        return positions, int(positions.max()) + 1 - len(ids)
+
+    @classmethod
+    def temporal_interval(cls, hf_config, enc, k: int) -> float | torch.Tensor:
+        """Temporal position step between the temporal patches of the k-th video (Qwen2-VL: 1)."""
+        return 1
+
+    def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Encode images / videos in one packed sequence. Returns one [length, text_hidden] tensor per item."""
+        grids = [it.data["grid_thw"].tolist() for it in items]
+        for item, (t, h, w) in zip(items, grids):
+            if t * h * w // self.merge ** 2 != item.length:
+                raise ValueError(f"{item.modality} gives {t * h * w // self.merge ** 2} embeddings but the prompt "
+                                 f"has {item.length} placeholders")
+        feats = self.visual(torch.cat([it.data["pixel_values"] for it in items]), grids)
+        return list(feats.split([it.length for it in items]))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # positions [3, T] (t, h, w); [T] is taken as text-only
+        return self.language_model(inputs_embeds, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+                     ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if self.tied else ()))
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same backbone and M-RoPE; the tower windows its attention (qwen2_vl_vision), and a
+    video's temporal positions step by tokens_per_second * seconds per temporal patch."""
+
+    @classmethod
+    def temporal_interval(cls, hf_config, enc, k: int) -> float | torch.Tensor:
+        per_second = hf_config.vision_config.tokens_per_second
+        seconds = enc.get("second_per_grid_ts") if enc is not None else None
+        # a float32 0-d tensor like transformers', so truncating t * interval to int agrees to the bit
+        return per_second if seconds is None else per_second * torch.as_tensor(seconds)[k]

@@ -1,0 +1,188 @@
+"""Qwen2-VL / Qwen2.5-VL vision tower: Conv3d patch embedding, ViT blocks with 2D (h, w) rotary, 2x2 patch merger.
+
+Patches of all images in a batch are packed into one sequence; attention stays within each frame of
+each image or video (block-diagonal, like flash-attention's cu_seqlens). Qwen2.5-VL: RMSNorm, gated
+MLP, and all but `fullatt_block_indexes` attend within windows of the frame.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.layers.activation import get_act_fn
+from mmserve.layers.linear import ReplicatedLinear
+from mmserve.layers.norm import RMSNorm
+from mmserve.layers.rotary import _rotate_half
+
+
+def vision_rope_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
+    """(h, w) patch coordinates [N, 2] in the processor's patch order: frame, merge block row/col, in-block row/col."""
+    out = []
+    for t, h, w in grid_thw:
+        hh = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        ww = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        # [h/m, m, w/m, m] -> [h/m, w/m, m, m]: patches of one merge block are adjacent
+        hw = torch.stack([hh.transpose(1, 2).flatten(), ww.transpose(1, 2).flatten()], dim=-1)
+        out.append(hw.repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_order(grid_thw: list[list[int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL windows: merged-token order that groups each frame's tokens window by window (window x
+    window merged tokens, partial at the right/bottom edges), and the windows' lengths in patches."""
+    order, seqlens, base = [], [], 0
+    for t, h, w in grid_thw:
+        h, w = h // merge, w // merge
+        ph, pw = -h % window, -w % window
+        idx = F.pad(torch.arange(t * h * w).view(t, h, w), (0, pw, 0, ph), value=-1)
+        idx = idx.view(t, (h + ph) // window, window, (w + pw) // window, window).permute(0, 1, 3, 2, 4)
+        idx = idx.reshape(t, -1, window * window)                          # [t, windows, window²]
+        seqlens += [int(c) * merge * merge for c in (idx >= 0).sum(-1).flatten() if c]
+        idx = idx.flatten()
+        order.append(idx[idx >= 0] + base)
+        base += t * h * w
+    return torch.cat(order), seqlens
+
+
+class VisionRotary(nn.Module):
+    """2D RoPE: the first half of each head's rotary frequencies follows the row, the second the column."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        dim = head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+                             persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # pos [N, 2] -> cos, sin [N, head_dim] in float32
+        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)   # [N, 2 * dim/2]: h freqs, w freqs
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
+        self.proj = ReplicatedLinear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [N, dim]; seqlens: lengths of the packed attention segments (sum N)
+        n = len(x)
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)    # [N, H, D] each
+        cos, sin = cos[:, None], sin[:, None]
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        out, start = [], 0
+        for length, run in itertools.groupby(seqlens):   # consecutive equal segments attend as one batch
+            m = len(list(run))
+            qs, ks, vs = (t[start:start + m * length].view(m, length, self.num_heads, self.head_dim).transpose(1, 2)
+                          for t in (q, k, v))                                  # [m, H, length, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim ** -0.5)
+            out.append(o.transpose(1, 2).reshape(m * length, -1))
+            start += m * length
+        return self.proj(torch.cat(out))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = ReplicatedLinear(dim, hidden, bias=True)
+        self.act = get_act_fn(act)
+        self.fc2 = ReplicatedLinear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionGatedMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.up_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.act = get_act_fn(act)
+        self.down_proj = ReplicatedLinear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _is_qwen2_5(config) -> bool:
+    return config.model_type == "qwen2_5_vl_vision"
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config, dim: int) -> None:
+        super().__init__()
+        if _is_qwen2_5(config):
+            self.norm1, self.norm2 = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
+            self.mlp = VisionGatedMLP(dim, config.intermediate_size, config.hidden_act)
+        else:
+            self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+            self.mlp = VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
+        self.attn = VisionAttention(dim, config.num_heads)
+
+    def forward(self, x: torch.Tensor, seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Norm, then each merge x merge block of patches (adjacent rows) -> one text-sized embedding."""
+
+    def __init__(self, text_hidden: int, dim: int, merge: int, rms_norm: bool) -> None:
+        super().__init__()
+        self.in_dim = dim * merge * merge
+        self.ln_q = RMSNorm(dim, 1e-6) if rms_norm else nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(ReplicatedLinear(self.in_dim, self.in_dim, bias=True), nn.GELU(),
+                                 ReplicatedLinear(self.in_dim, text_hidden, bias=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.in_dim))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        qwen2_5 = _is_qwen2_5(config)
+        if qwen2_5:   # ViT width and text width: Qwen2.5-VL names them hidden_size / out_hidden_size
+            dim, text_hidden = config.hidden_size, config.out_hidden_size
+        else:         # Qwen2-VL: embed_dim / hidden_size
+            dim, text_hidden = config.embed_dim, config.hidden_size
+        self.merge = config.spatial_merge_size
+        self.in_channels, self.patch, self.temporal = config.in_channels, config.patch_size, config.temporal_patch_size
+        # Qwen2.5-VL: window side in merged tokens, and the blocks that still attend over the whole frame
+        self.window = config.window_size // self.merge // self.patch if qwen2_5 else None
+        self.full_blocks = set(config.fullatt_block_indexes) if qwen2_5 else set(range(config.depth))
+        kernel = (self.temporal, self.patch, self.patch)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(config.in_channels, dim, kernel, kernel, bias=False)
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.rotary = VisionRotary(dim // config.num_heads, theta)
+        self.blocks = nn.ModuleList(VisionBlock(config, dim) for _ in range(config.depth))
+        self.merger = PatchMerger(text_hidden, dim, self.merge, rms_norm=qwen2_5)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[list[int]]) -> torch.Tensor:
+        """pixel_values [N, C * T * P * P] (patches of all items, in order), grid_thw one (t, h, w) per item
+        -> [N / merge², text_hidden]."""
+        x = pixel_values.to(self.patch_embed.proj.weight.dtype)
+        x = self.patch_embed.proj(x.view(-1, self.in_channels, self.temporal, self.patch, self.patch))
+        x = x.view(len(x), -1)                                                  # [N, dim]
+        cos, sin = self.rotary(vision_rope_positions(grid_thw, self.merge).to(x.device))
+        seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]           # one segment per frame
+        if self.window is not None:   # reorder merge blocks window by window (frames stay contiguous)
+            order, window_seqlens = window_order(grid_thw, self.merge, self.window)
+            unit = self.merge ** 2
+            perm = (order[:, None] * unit + torch.arange(unit)).flatten().to(x.device)
+            x, cos, sin = x[perm], cos[perm], sin[perm]
+        for i, block in enumerate(self.blocks):
+            x = block(x, seqlens if i in self.full_blocks else window_seqlens, cos, sin)
+        x = self.merger(x)
+        return x if self.window is None else x[torch.argsort(order).to(x.device)]
