@@ -16,6 +16,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def small_gpu_kv_pools():
+    """Tests build many engines in one process (and kernel checks in child processes): on a GPU each
+    engine takes 3% of free memory for its KV pool instead of the serving default of 90%."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from mmserve.llm import LLM
+    defaults = LLM.__init__.__kwdefaults__
+    old = defaults["kv_cache_memory_fraction"]
+    defaults["kv_cache_memory_fraction"] = 0.03
+    yield
+    defaults["kv_cache_memory_fraction"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory) -> str:
     return str(make_llava_checkpoint(tmp_path_factory.mktemp("tiny_llava"), preset="tiny", seed=0))

@@ -42,7 +42,8 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
-        peak = self.runner.profile_peak_activation_bytes(config.scheduler.max_num_batched_tokens)
+        peak = self.runner.profile_peak_activation_bytes(min(config.scheduler.max_num_batched_tokens,
+                                                             self.max_model_len))
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
         if not mc.enforce_eager:

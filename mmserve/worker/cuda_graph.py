@@ -34,6 +34,11 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # pinned host staging, filled in place each step (every step syncs on its sampled tokens,
+        # so the previous step's copies are done before these are overwritten)
+        self._host_ints = torch.zeros(3, n, dtype=torch.int64).pin_memory()      # ids, slots, lens
+        self._host_pos = torch.zeros(self.positions.shape, dtype=torch.int64).pin_memory()
+        self._host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -76,22 +81,23 @@ class DecodeGraphs:
         """
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        width = self.block_tables.shape[1]
-        host = torch.zeros(3, b, dtype=torch.int64)
-        host[0, :n] = torch.tensor(input_ids)
-        host[1, :] = -1
-        host[1, :n] = torch.tensor(slots)
-        host[2, :n] = torch.tensor(seq_lens)
-        pos = torch.zeros(*positions.shape[:-1], b, dtype=torch.int64)
-        pos[..., :n] = positions
-        tables = torch.zeros(b, width, dtype=torch.int32)
+        ints = self._host_ints.numpy()
+        ints[0, :n] = input_ids
+        ints[1, :b] = -1
+        ints[1, :n] = slots
+        ints[2, :b] = 0
+        ints[2, :n] = seq_lens
+        pos = self._host_pos.numpy()
+        pos[..., :b] = 0
+        pos[..., :n] = positions.numpy()
+        tables = self._host_tables.numpy()
+        tables[:b] = 0
         for i, row in enumerate(block_tables):
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        host = host.pin_memory().to(self.device, non_blocking=True)
-        self.input_ids[:b].copy_(host[0])
-        self.positions[..., :b].copy_(pos.pin_memory().to(self.device, non_blocking=True))
-        self.slot_mapping[:b].copy_(host[1])
-        self.seq_lens[:b].copy_(host[2])
-        self.block_tables[:b].copy_(tables.pin_memory().to(self.device, non_blocking=True))
+            tables[i, : len(row)] = row
+        self.input_ids[:b].copy_(self._host_ints[0, :b], non_blocking=True)
+        self.slot_mapping[:b].copy_(self._host_ints[1, :b], non_blocking=True)
+        self.seq_lens[:b].copy_(self._host_ints[2, :b], non_blocking=True)
+        self.positions[..., :b].copy_(self._host_pos[..., :b], non_blocking=True)
+        self.block_tables[:b].copy_(self._host_tables[:b], non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

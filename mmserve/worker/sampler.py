@@ -203,7 +203,7 @@ class SamplingBatch:
             vocab_size=vocab_size,
             device=device,
             all_greedy=all_greedy,
-            greedy=_tensor(greedy, torch.bool, device) if any(greedy) else None,
+            greedy=_tensor(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
             temperature=None if all(t == 1.0 for t in temps) else _tensor(temps, torch.float32, device),
             top_k=_tensor(top_k, torch.int64, device) if any(top_k) else None,
             max_top_k=max(top_k, default=0),

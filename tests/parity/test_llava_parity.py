@@ -28,10 +28,12 @@ def _check(model_dir: str, prompt: dict, out, device: str) -> None:
     prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt["images"], N, device)
     assert out.prompt_token_ids == prompt_ids
     assert out.outputs[0].token_ids == ref_ids
-    # log-probs of the chosen and the top-5 tokens match the oracle's at every step
+    # log-probs of the chosen and the top-5 tokens match the oracle's at every step (GPU kernels sum
+    # in a different order than the oracle's, hence the looser bound there)
+    tol = 2e-3 if device == "cpu" else 1e-2
     for step, entry in enumerate(out.outputs[0].logprobs):
         for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < 2e-3, (step, tok)
+            assert abs(lp.logprob - ref_lp[step, tok].item()) < tol, (step, tok)
 
 
 @pytest.mark.parametrize("device", DEVICES)

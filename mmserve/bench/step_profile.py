@@ -1,0 +1,67 @@
+"""`python -m mmserve.bench.step_profile`: where one decode step's time goes (GPU graph vs host work).
+
+Prints wall ms/step, the CUDA-graph replay's GPU time alone, and the torch profiler's top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from mmserve.bench.workload import ModelSource, image_size_of, make_images, make_prompt
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="mmserve.bench.step_profile")
+    ap.add_argument("--model")
+    ap.add_argument("--preset")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--dtype", default="float16")
+    args = ap.parse_args(argv)
+    from mmserve import LLM, SamplingParams
+
+    model_dir = ModelSource(args.model, args.preset).resolve()
+    llm = LLM(model_dir, dtype=args.dtype, device="cuda", enable_prefix_caching=False)
+    engine = llm.engine
+    spec = make_prompt(engine.tokenizer, 24)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i, img in enumerate(make_images(args.batch_size, image_size_of(model_dir))):
+        engine.add_request(str(i), {"prompt": spec.text, "images": [img]}, params)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / args.steps * 1000
+
+    graphs = engine.runner.graphs
+    gpu = float("nan")
+    if graphs is not None:
+        b = min(x for x in graphs.buckets if x >= args.batch_size)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.steps):
+            graphs.graphs[b].replay()
+        end.record()
+        torch.cuda.synchronize()
+        gpu = start.elapsed_time(end) / args.steps
+    print(f"batch {args.batch_size}: wall {wall:.3f} ms/step, graph replay (GPU only) {gpu:.3f} ms/step, "
+          f"host + sampling {wall - gpu:.3f} ms/step")
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
