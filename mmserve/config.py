@@ -50,6 +50,7 @@ class ModelConfig:
     seed: int = 0                   # global sampling RNG seed
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     enforce_eager: bool = False     # True: no CUDA graphs for decode steps
+    preprocess_on_gpu: bool = True  # on CUDA, resize/normalise images on the GPU (decoding stays on CPU)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

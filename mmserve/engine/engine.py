@@ -37,7 +37,8 @@ class Engine:
                                    or getattr(self.hf_config, "torch_dtype", None))
         torch.manual_seed(mc.seed)
         self.model = build_model(mc.model, self.hf_config, self.device, self.dtype)
-        self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media)
+        preprocess_device = self.device if self.device.type == "cuda" and mc.preprocess_on_gpu else None
+        self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media, preprocess_device)
         self.tokenizer = self.inputs.tokenizer
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,

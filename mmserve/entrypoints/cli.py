@@ -37,6 +37,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate-tokens", action="store_true", help="BLS streaming sends all text so far")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--cpu-preprocess", action="store_true", help="resize/normalise images on the CPU even on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
 
@@ -45,7 +46,8 @@ def build_engine_config(args: argparse.Namespace):
     from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     return EngineConfig(
         model=ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager),
+                          seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                          preprocess_on_gpu=not args.cpu_preprocess),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, enable_prefix_caching=not args.no_prefix_caching),

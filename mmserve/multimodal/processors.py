@@ -66,8 +66,10 @@ class InputProcessor:
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values"}
 
-    def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None) -> None:
+    def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None,
+                 device: torch.device | None = None) -> None:
         self.hf_config = hf_config
+        self.device = device   # where the HF image processor resizes/normalises (None: CPU)
         self.model_cls = model_cls
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -130,6 +132,8 @@ class InputProcessor:
             frames = self._load_videos(videos, prompt.get("video_num_frames", 8))
             kwargs["videos"] = frames
             video_keys = [hash_video(f) for f in frames]
+        if self.device is not None:
+            kwargs["device"] = str(self.device)
         enc = self.processor(text=text, return_tensors="pt", **kwargs)
         if pixel_values is not None:
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
