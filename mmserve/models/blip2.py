@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.attention.metadata import AttentionMetadata
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
+from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.opt import OPTForCausalLM
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.processors import placeholder_runs
@@ -201,7 +201,7 @@ class Blip2QFormerModel(nn.Module):
 
 
 # ---- the family -------------------------------------------------------------------------------
-class Blip2ForConditionalGeneration(nn.Module):
+class Blip2ForConditionalGeneration(MultiModalCausalLM):
     """One image -> `num_query_tokens` embeddings that replace the image tokens the processor put in
     front of the prompt. The Q-Former and query tokens stay in fp32 whatever the model dtype, as in
     transformers (`_keep_in_fp32_modules`)."""
@@ -251,15 +251,6 @@ class Blip2ForConditionalGeneration(nn.Module):
             if len(emb) != item.length:
                 raise ValueError(f"image gives {len(emb)} embeddings but the prompt has {item.length} image tokens")
         return feats
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignore = ("position_ids",) + (("language_model.lm_head.",) if self.language_model.tied else ())

@@ -6,10 +6,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from mmserve.attention.metadata import AttentionMetadata
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
+from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.weights import load_weights
@@ -37,7 +37,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(MultiModalCausalLM):
     """One image -> `length` embeddings that replace its `<image>` placeholder tokens."""
 
     def __init__(self, config) -> None:
@@ -75,15 +75,6 @@ class LlavaForConditionalGeneration(nn.Module):
             if len(emb) != item.length:
                 raise ValueError(f"image gives {len(emb)} embeddings but the prompt has {item.length} placeholders")
         return out
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = getattr(self.text_config, "tie_word_embeddings", False) or getattr(self.config, "tie_word_embeddings", False)

@@ -10,9 +10,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from mmserve.attention.metadata import AttentionMetadata
 from mmserve.engine.request import MultiModalItem
 from mmserve.models.anyres import AnyresSpec
+from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.llava import LlavaProjector
@@ -49,7 +49,7 @@ def check_image_size(size: tuple[int, int], spec: AnyresSpec, index: int, tiled:
                          f"(no feature rows left after unpadding)")
 
 
-class LlavaNextForConditionalGeneration(nn.Module):
+class LlavaNextForConditionalGeneration(MultiModalCausalLM):
     """One image -> base tile + unpadded mosaic (rows ended by image_newline) embeddings."""
 
     def __init__(self, config) -> None:
@@ -100,15 +100,6 @@ class LlavaNextForConditionalGeneration(nn.Module):
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Returns one [length, text_hidden] tensor per item."""
         return check_lengths(items, self.embed_images(items))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.text_config))

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from mmserve.attention.metadata import AttentionMetadata
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.rotary import _rotate_half, rope_inv_freq
+from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import Qwen2VisionTransformer
 from mmserve.models.weights import load_weights
@@ -59,7 +59,7 @@ class MRotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
     """One image or video -> t*h*w / merge² embeddings that replace its pad tokens."""
 
     uses_mrope = True
@@ -151,16 +151,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                                  f"has {item.length} placeholders")
         feats = self.visual(torch.cat([it.data["pixel_values"] for it in items]), grids)
         return list(feats.split([it.length for it in items]))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # positions [3, T] (t, h, w); [T] is taken as text-only
-        return self.language_model(inputs_embeds, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,

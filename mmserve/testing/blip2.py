@@ -5,15 +5,21 @@ Presets: "tiny" for CPU tests and "blip2-opt-2.7b" (real shapes, random fp16) fo
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.testing.llava import DEFAULT_MAX_SHARD_BYTES, _make_tensor, _natural_key, _plan_shards, _write_safetensors
+from mmserve.testing.writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    check_token_ids,
+    make_tensor,
+    prepare_dir,
+    replace_sizes,
+    save_processor_and_config,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import Blip2Config
@@ -76,13 +82,7 @@ PRESETS: dict[str, Blip2Sizes] = {
 
 def blip2_sizes(preset: str = "tiny", **overrides: object) -> Blip2Sizes:
     """The preset's sizes with ``overrides`` (field names of :class:`Blip2Sizes`) applied."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown blip2 preset {preset!r}; known: {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Blip2Sizes)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown blip2 overrides {unknown}; allowed: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[preset], **overrides)
+    return replace_sizes(PRESETS, preset, "blip2", overrides)
 
 
 def token_ids(s: Blip2Sizes) -> dict[str, int]:
@@ -179,31 +179,12 @@ def _make(name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int
     # the tied head repeats the embedding matrix, so both layouts hold the same model
     source = "language_model.model.decoder.embed_tokens.weight" if name == "language_model.lm_head.weight" else name
     if kind.startswith("norm_"):
-        noise = _make_tensor(source, shape, "normal", s.norm_noise, seed, torch.float32)
+        noise = make_tensor(source, shape, "normal", s.norm_noise, seed, torch.float32)
         return (noise + (1.0 if kind == "norm_weight" else 0.0)).to(dtype)
-    t = _make_tensor(source, shape, "normal", _std(source, s), seed, dtype)
+    t = make_tensor(source, shape, "normal", _std(source, s), seed, dtype)
     if kind == "qv_bias":   # [q_bias, 0, v_bias]: the ViT has no key bias
         t[shape[0] // 3: 2 * shape[0] // 3] = 0
     return t
-
-
-def _write_weights(out: Path, config: Blip2Config, s: Blip2Sizes, seed: int, layout: str,
-                   max_shard_bytes: int) -> None:
-    dtype = getattr(torch, s.dtype)
-    specs = sorted(_param_specs(config, s, layout), key=lambda sp: _natural_key(sp[0]))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = [itemsize * int(torch.Size(sp[1]).numel()) for sp in specs]
-    shards = _plan_shards(nbytes, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for k, idx in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(specs[i][0], specs[i][1]) for i in idx]
-        _write_safetensors(out / fname, entries, dtype,
-                           lambda j, idx=idx: _make(*specs[idx[j]], s, seed, dtype))
-        weight_map.update({key: fname for key, _ in entries})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def make_blip2_checkpoint(
@@ -225,7 +206,7 @@ def make_blip2_checkpoint(
     The processor adds ``<image>`` to the tokenizer itself (a tokenizer already carrying an
     ``image_token`` breaks it), so the model vocab is sized after it is built.
     """
-    from transformers import BlipImageProcessor, Blip2Processor, GenerationConfig
+    from transformers import BlipImageProcessor, Blip2Processor
 
     from mmserve.testing.tokenizer import build_bpe_tokenizer
 
@@ -237,17 +218,11 @@ def make_blip2_checkpoint(
     tok = build_bpe_tokenizer([], vocab_size=s.text_vocab)
     image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
     processor = Blip2Processor(image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens)
-    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
-           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN)}
-    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
+    check_token_ids(tok, ids, {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)   # the standalone preprocessor_config.json the hub repos have
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
-    _write_weights(out, config, s, seed, layout, max_shard_bytes)
+    out = prepare_dir(out_dir)
+    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
+    dtype = getattr(torch, s.dtype)
+    write_sharded_weights(out, _param_specs(config, s, layout), lambda name: name, dtype, seed, max_shard_bytes,
+                          make_fn=lambda sp: _make(*sp, s, seed, dtype))
     return out

@@ -6,25 +6,30 @@ Presets: "tiny" / "tiny-mha" for CPU tests and "llava-1.5-7b" (real shapes, rand
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import struct
-import zlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from mmserve.testing.writer import (
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    ParamSpec,
+    check_layout,
+    check_token_ids,
+    param_specs,
+    prepare_dir,
+    replace_sizes,
+    save_processor_and_config,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
-    from transformers import LlavaConfig
+    from transformers import LlavaConfig, PreTrainedTokenizerFast
 
 IMAGE_TOKEN = "<image>"
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
-
 # llava-1.5 prompt format: images of a user turn first (one "<image>\n" each), then its text.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -108,15 +113,7 @@ PRESETS["tiny-mha"] = dataclasses.replace(
 
 def llava_sizes(preset: str = "tiny", **overrides: object) -> LlavaSizes:
     """The preset's sizes with ``overrides`` (field names of :class:`LlavaSizes`) applied."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown llava preset {preset!r}; known: {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(LlavaSizes)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown llava overrides {unknown}; allowed: {sorted(fields)}")
-    if isinstance(overrides.get("vision_feature_layer"), list):
-        overrides["vision_feature_layer"] = tuple(overrides["vision_feature_layer"])
-    return dataclasses.replace(PRESETS[preset], **overrides)
+    return replace_sizes(PRESETS, preset, "llava", overrides)
 
 
 def image_tokens_per_image(s: LlavaSizes) -> int:
@@ -127,7 +124,11 @@ def image_tokens_per_image(s: LlavaSizes) -> int:
 
 def token_ids(s: LlavaSizes) -> dict[str, int]:
     """Ids fixed by :func:`build_bpe_tokenizer`'s layout: unk, bos, eos first; image, pad after the base vocab."""
-    return {"unk": 0, "bos": 1, "eos": 2, "image": s.text_vocab, "pad": s.text_vocab + 1}
+    return _ids_after(s.text_vocab)
+
+
+def _ids_after(text_vocab: int) -> dict[str, int]:
+    return {"unk": 0, "bos": 1, "eos": 2, "image": text_vocab, "pad": text_vocab + 1}
 
 
 def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
@@ -187,95 +188,34 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     raise ValueError(f"unexpected llava parameter {name!r}")
 
 
-def _natural_key(name: str) -> list[object]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+def llava_std_of(text_hidden: int, vision_init_std: float, text_init_std: float) -> Callable[[str], float]:
+    """Init std by parameter name for the llava families: vision_init_std for the vision tower,
+    1/sqrt(text_hidden) for LLaVA-NeXT/OneVision's image_newline (as HF inits it), text_init_std otherwise."""
+    def std_of(name: str) -> float:
+        if name == "model.image_newline":
+            return 1 / math.sqrt(text_hidden)
+        return vision_init_std if name.startswith("model.vision_tower.") else text_init_std
+
+    return std_of
 
 
-def _param_specs(config: LlavaConfig, s: LlavaSizes) -> list[tuple[str, tuple[int, ...], str, float]]:
+def _param_specs(config: LlavaConfig, s: LlavaSizes) -> list[ParamSpec]:
     """(name, shape, kind, std) for every saved tensor, from a meta-device model (no memory used)."""
     from transformers import LlavaForConditionalGeneration
 
-    with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
-    specs = []
-    for name, t in model.state_dict().items():
-        if name in norm_params:
-            kind = "zeros" if name.endswith(".bias") else "ones"
-        elif name.endswith(".bias"):
-            kind = "zeros"
-        else:
-            kind = "normal"
-        std = s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
-        specs.append((name, tuple(t.shape), kind, std))
-    return specs
+    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
+    return param_specs(LlavaForConditionalGeneration, config, std_of)
 
 
-def _make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: int, dtype: torch.dtype):
-    if kind == "ones":
-        return torch.ones(shape, dtype=dtype)
-    if kind == "zeros":
-        return torch.zeros(shape, dtype=dtype)
-    # Seeded per tensor (by its canonical name), so values do not depend on layout or write order.
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return (torch.randn(shape, generator=g, dtype=torch.float32) * std).to(dtype)
+def build_llava_tokenizer(text_vocab: int, model_vocab: int, chat_template: str) -> PreTrainedTokenizerFast:
+    """The small BPE with ``<image>``, ``<pad>`` after ``text_vocab`` base ids (the ids of :func:`token_ids`)
+    and ``chat_template`` (its ``__EOS__`` replaced by the EOS token) set; shared with LLaVA-NeXT."""
+    from mmserve.testing.tokenizer import build_bpe_tokenizer
 
-
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                       make: Callable[[int], torch.Tensor]) -> None:
-    """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, shape in entries:
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for i in range(len(entries)):
-            t = make(i).contiguous()
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-
-
-def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
-    shards: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(sizes):
-        if shards[-1] and used + n > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += n
-    return shards
-
-
-def _write_weights(
-    out: Path, config: LlavaConfig, s: LlavaSizes, seed: int, layout: str, max_shard_bytes: int
-) -> None:
-    dtype = getattr(torch, s.dtype)
-    specs = sorted(_param_specs(config, s), key=lambda sp: _natural_key(checkpoint_key(sp[0], layout)))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = [itemsize * int(torch.Size(sp[1]).numel()) for sp in specs]
-    shards = _plan_shards(nbytes, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for k, idx in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(checkpoint_key(specs[i][0], layout), specs[i][1]) for i in idx]
-        _write_safetensors(out / fname, entries, dtype, lambda j, idx=idx: _make_tensor(*specs[idx[j]], seed, dtype))
-        weight_map.update({key: fname for key, _ in entries})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
+    check_token_ids(tok, _ids_after(text_vocab), {"image": IMAGE_TOKEN}, model_vocab)
+    tok.chat_template = chat_template.replace("__EOS__", tok.eos_token)
+    return tok
 
 
 def make_llava_checkpoint(
@@ -298,26 +238,14 @@ def make_llava_checkpoint(
     BPE; for "llava-1.5-7b" it is padded with unreachable filler tokens to 32000 base ids so that
     ``<image>`` = 32000, ``<pad>`` = 32001 and the model vocab (32064) exceed the tokenizer as in llava-hf.
     """
-    from transformers import CLIPImageProcessor, GenerationConfig, LlavaProcessor
+    from transformers import CLIPImageProcessor, LlavaProcessor
 
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
-    if layout not in ("hub", "transformers"):
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    check_layout(layout)
     s = llava_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     ids = token_ids(s)
-    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=s.text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
-    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
-           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "pad": tok.pad_token_id}
-    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    template = CHAT_TEMPLATE.replace("__EOS__", tok.eos_token)
-    tok.chat_template = template
+    tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
+    out = prepare_dir(out_dir)
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
         do_center_crop=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
@@ -326,13 +254,9 @@ def make_llava_checkpoint(
     processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
         vision_feature_select_strategy=s.vision_feature_select_strategy, num_additional_image_tokens=1,
-        chat_template=template,
+        chat_template=tok.chat_template,
     )
-    processor.save_pretrained(out)
-    # transformers 5 nests the image processor in processor_config.json; also write the standalone
-    # preprocessor_config.json that published llava-hf repos (and non-transformers loaders) have.
-    image_processor.save_pretrained(out)
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
-    _write_weights(out, config, s, seed, layout, max_shard_bytes)
+    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
+    write_sharded_weights(out, _param_specs(config, s), lambda n: checkpoint_key(n, layout), s.dtype, seed,
+                          max_shard_bytes)
     return out

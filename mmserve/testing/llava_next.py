@@ -1,35 +1,31 @@
 """Random llava-hf style LLaVA-NeXT (llava-v1.6) checkpoints (CLIP + Mistral/Llama) written offline.
 
 Presets: "tiny" (CPU tests: 42 px tiles of 6x6 patches, a mosaic of at most 3 tiles) and
-"llava-v1.6-mistral-7b" (real shapes, random fp16, written tensor by tensor). The weight writer here
-(`write_weights`) also serves LLaVA-OneVision.
+"llava-v1.6-mistral-7b" (real shapes, random fp16, written tensor by tensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from mmserve.testing.llava import (
+from mmserve.testing.llava import build_llava_tokenizer, checkpoint_key, llava_std_of
+from mmserve.testing.writer import (
     CLIP_MEAN,
     CLIP_STD,
     DEFAULT_MAX_SHARD_BYTES,
-    _make_tensor,
-    _natural_key,
-    _plan_shards,
-    _write_safetensors,
-    checkpoint_key,
+    check_layout,
+    param_specs,
+    prepare_dir,
+    replace_sizes,
+    save_processor_and_config,
+    write_sharded_weights,
 )
 
 if TYPE_CHECKING:
-    from transformers import LlavaNextConfig, PreTrainedConfig
+    from transformers import LlavaNextConfig
 
 IMAGE_TOKEN = "<image>"
 
@@ -118,20 +114,6 @@ PRESETS["tiny-llama"] = dataclasses.replace(PRESETS["tiny"], text_model="llama",
                                             vision_feature_layer=(-2, -1))
 
 
-def replace_sizes(presets: dict, preset: str, family: str, overrides: dict) -> object:
-    """presets[preset] with dataclass-field overrides; clear errors for unknown names."""
-    if preset not in presets:
-        raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
-    base = presets[preset]
-    fields = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown {family} overrides {unknown}; allowed: {sorted(fields)}")
-    overrides = {k: tuple(map(tuple, v)) if k == "grid_pinpoints" else
-                 tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
-    return dataclasses.replace(base, **overrides)
-
-
 def llava_next_sizes(preset: str = "tiny", **overrides: object) -> LlavaNextSizes:
     return replace_sizes(PRESETS, preset, "llava_next", overrides)
 
@@ -190,55 +172,6 @@ def next_checkpoint_key(name: str, layout: str = "hub") -> str:
     return checkpoint_key(name, layout)
 
 
-def param_specs(model_cls: type, config: PreTrainedConfig,
-                std_of: Callable[[str], float]) -> list[tuple[str, tuple[int, ...], str, float]]:
-    """(name, shape, kind, std) of every saved tensor, from a meta-device model (no memory used)."""
-    with torch.device("meta"):
-        model = model_cls(config)
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
-    tied = getattr(config, "tie_word_embeddings", False)
-    specs = []
-    for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        if name in norm_params:
-            kind = "zeros" if name.endswith(".bias") else "ones"
-        else:
-            kind = "zeros" if name.endswith(".bias") else "normal"
-        specs.append((name, tuple(t.shape), kind, std_of(name)))
-    return specs
-
-
-def write_weights(out: Path, specs: list, key_of: Callable[[str], str], dtype_name: str, seed: int,
-                  max_shard_bytes: int) -> None:
-    """Stream random tensors into (sharded) safetensors files: one tensor in RAM at a time."""
-    dtype = getattr(torch, dtype_name)
-    specs = sorted(specs, key=lambda sp: _natural_key(key_of(sp[0])))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = [itemsize * math.prod(sp[1]) for sp in specs]
-    shards = _plan_shards(nbytes, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for k, idx in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(key_of(specs[i][0]), specs[i][1]) for i in idx]
-        _write_safetensors(out / fname, entries, dtype, lambda j, idx=idx: _make_tensor(*specs[idx[j]], seed, dtype))
-        weight_map.update({key: fname for key, _ in entries})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def prepare_dir(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    return out
-
-
 def make_llava_next_checkpoint(
     out_dir: str | Path,
     *,
@@ -256,24 +189,14 @@ def make_llava_next_checkpoint(
     llava-hf names) or "transformers" (5.23 ``save_pretrained`` names). The tokenizer is the small BPE,
     padded with filler tokens to ``text_vocab`` base ids (so ``<image>`` = 32000 for the 7B preset).
     """
-    from transformers import GenerationConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, \
-        LlavaNextProcessor
+    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
 
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
-    if layout not in ("hub", "transformers"):
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    check_layout(layout)
     s = llava_next_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     ids = token_ids(s)
-    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=s.text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
-    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
-           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "pad": tok.pad_token_id}
-    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
-
+    tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
     out = prepare_dir(out_dir)
-    template = CHAT_TEMPLATE.replace("__EOS__", tok.eos_token)
-    tok.chat_template = template
     image_processor = LlavaNextImageProcessor(
         size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
         image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=CLIP_MEAN, image_std=CLIP_STD,
@@ -281,18 +204,10 @@ def make_llava_next_checkpoint(
     )
     processor = LlavaNextProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=template,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=tok.chat_template,
     )
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
-
-    def std_of(name: str) -> float:
-        if name == "model.image_newline":
-            return 1 / math.sqrt(s.text_hidden)
-        return s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
-
+    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
+    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
     specs = param_specs(LlavaNextForConditionalGeneration, config, std_of)
-    write_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    write_sharded_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
     return out

@@ -7,13 +7,22 @@ mosaics) and "llava-onevision-qwen2-7b-ov" (real shapes, random fp16, written te
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.llava import DEFAULT_MAX_SHARD_BYTES
-from mmserve.testing.llava_next import next_checkpoint_key, param_specs, prepare_dir, replace_sizes, write_weights
+from mmserve.testing.llava import llava_std_of
+from mmserve.testing.llava_next import next_checkpoint_key
+from mmserve.testing.writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    param_specs,
+    prepare_dir,
+    replace_sizes,
+    save_processor_and_config,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig
@@ -158,7 +167,6 @@ def make_llava_onevision_checkpoint(
     = 151646 and ``<video>`` = 151647 for the 7B preset); EOS is ``<|im_end|>``.
     """
     from transformers import (
-        GenerationConfig,
         LlavaOnevisionForConditionalGeneration,
         LlavaOnevisionImageProcessor,
         LlavaOnevisionProcessor,
@@ -167,17 +175,14 @@ def make_llava_onevision_checkpoint(
 
     from mmserve.testing.tokenizer import build_bpe_tokenizer
 
-    if layout not in ("hub", "transformers"):
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    check_layout(layout)
     s = llava_onevision_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     ids = token_ids(s)
     tok = build_bpe_tokenizer([IMAGE_TOKEN, VIDEO_TOKEN, IM_START], vocab_size=s.text_vocab, bos="<|endoftext|>",
                               eos=IM_END, extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN})
-    got = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id,
-           "image": tok.convert_tokens_to_ids(IMAGE_TOKEN), "video": tok.convert_tokens_to_ids(VIDEO_TOKEN),
-           "im_start": tok.convert_tokens_to_ids(IM_START), "pad": tok.pad_token_id}
-    assert got == ids and len(tok) <= config.text_config.vocab_size, (got, ids, len(tok))
+    check_token_ids(tok, ids, {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN, "im_start": IM_START},
+                    config.text_config.vocab_size)
 
     out = prepare_dir(out_dir)
     tok.chat_template = CHAT_TEMPLATE
@@ -192,16 +197,8 @@ def make_llava_onevision_checkpoint(
         num_image_tokens=(s.image_size // s.patch_size) ** 2, vision_feature_select_strategy="full",
         vision_aspect_ratio=s.vision_aspect_ratio, chat_template=CHAT_TEMPLATE,
     )
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
-
-    def std_of(name: str) -> float:
-        if name == "model.image_newline":
-            return 1 / math.sqrt(s.text_hidden)
-        return s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
-
+    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
+    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
     specs = param_specs(LlavaOnevisionForConditionalGeneration, config, std_of)
-    write_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    write_sharded_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
     return out

@@ -7,27 +7,31 @@ Presets: "tiny" / "tiny-2.5" for CPU tests (images of a few 14 px patches) and "
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from mmserve.testing.llava import _make_tensor, _natural_key, _plan_shards, _write_safetensors
+from mmserve.testing.writer import (
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    ParamSpec,
+    check_layout,
+    param_specs,
+    prepare_dir,
+    replace_sizes,
+    save_processor_and_config,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
-    from transformers import Qwen2VLConfig
+    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig
 
 # version -> transformers (config, model = architecture in config.json, processor) class names
 VERSIONS = {
     "2": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     "2.5": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
 }
-
-DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # Qwen2's special tokens, in the order (and, after a 151643-token base vocab, at the ids) of the real tokenizer.
 SPECIAL_TOKENS = [
@@ -127,16 +131,8 @@ PRESETS["qwen2.5-vl-7b"] = dataclasses.replace(
 
 def qwen2_vl_sizes(preset: str = "tiny", **overrides: object) -> Qwen2VLSizes:
     """The preset's sizes with ``overrides`` (field names of :class:`Qwen2VLSizes`) applied."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown qwen2_vl preset {preset!r}; known: {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Qwen2VLSizes)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown qwen2_vl overrides {unknown}; allowed: {sorted(fields)}")
-    for name in ("mrope_section", "fullatt_blocks"):
-        if name in overrides:
-            overrides[name] = tuple(overrides[name])
-    s = dataclasses.replace(PRESETS[preset], **overrides)
+    s = replace_sizes(PRESETS, preset, "qwen2_vl", overrides)
+    s = dataclasses.replace(s, mrope_section=tuple(s.mrope_section), fullatt_blocks=tuple(s.fullatt_blocks))
     if s.version not in VERSIONS:
         raise ValueError(f"version must be one of {sorted(VERSIONS)}, got {s.version!r}")
     head_dim = s.text_hidden // s.text_heads
@@ -208,50 +204,21 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     raise ValueError(f"unexpected qwen2_vl parameter {name!r}")
 
 
-def _param_specs(config: Qwen2VLConfig, s: Qwen2VLSizes) -> list[tuple[str, tuple[int, ...], str, float]]:
-    """(name, shape, kind, std) for every saved tensor, from a meta-device model (no memory used)."""
+def _param_specs(config: Qwen2VLConfig, s: Qwen2VLSizes) -> list[ParamSpec]:
+    """(name, shape, kind, std) for every saved tensor, from a meta-device model (no memory used).
+
+    The text model's q/k/v biases stay random (they must load correctly); other biases are zeros.
+    """
     import transformers
 
-    with torch.device("meta"):
-        model = getattr(transformers, VERSIONS[s.version][1])(config)
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
-    specs = []
-    for name, t in model.state_dict().items():
-        if s.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        if name in norm_params:
-            kind = "zeros" if name.endswith(".bias") else "ones"
-        elif name.endswith(".bias") and not name.startswith("model.language_model."):
-            kind = "zeros"       # the text model's q/k/v biases stay random: they must load correctly
-        else:
-            kind = "normal"
-        std = s.vision_init_std if name.startswith("model.visual.") else s.text_init_std
-        specs.append((name, tuple(t.shape), kind, std))
-    return specs
+    def std_of(name: str) -> float:
+        return s.vision_init_std if name.startswith("model.visual.") else s.text_init_std
+
+    model_cls = getattr(transformers, VERSIONS[s.version][1])
+    return param_specs(model_cls, config, std_of, random_bias=lambda name: name.startswith("model.language_model."))
 
 
-def _write_weights(out: Path, config: Qwen2VLConfig, s: Qwen2VLSizes, seed: int, layout: str,
-                   max_shard_bytes: int) -> None:
-    dtype = getattr(torch, s.dtype)
-    specs = sorted(_param_specs(config, s), key=lambda sp: _natural_key(checkpoint_key(sp[0], layout)))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = [itemsize * int(torch.Size(sp[1]).numel()) for sp in specs]
-    shards = _plan_shards(nbytes, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for k, idx in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(checkpoint_key(specs[i][0], layout), specs[i][1]) for i in idx]
-        _write_safetensors(out / fname, entries, dtype, lambda j, idx=idx: _make_tensor(*specs[idx[j]], seed, dtype))
-        weight_map.update({key: fname for key, _ in entries})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _build_tokenizer(s: Qwen2VLSizes):
+def _build_tokenizer(s: Qwen2VLSizes) -> PreTrainedTokenizerFast:
     from tokenizers import processors
 
     from mmserve.testing.tokenizer import build_bpe_tokenizer
@@ -286,19 +253,15 @@ def make_qwen2_vl_checkpoint(
     padded with unreachable fillers to 151643 so every special id matches the real checkpoint.
     """
     import transformers
-    from transformers import GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    if layout not in ("hub", "transformers"):
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+    check_layout(layout)
     s = qwen2_vl_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     tok = _build_tokenizer(s)
     tok.chat_template = CHAT_TEMPLATE
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
+    out = prepare_dir(out_dir)
     common = dict(patch_size=s.patch_size, temporal_patch_size=s.temporal_patch_size, merge_size=s.merge_size,
                   image_mean=CLIP_MEAN, image_std=CLIP_STD)
     image_processor = Qwen2VLImageProcessor(min_pixels=s.min_pixels, max_pixels=s.max_pixels, **common)
@@ -307,11 +270,9 @@ def make_qwen2_vl_checkpoint(
     processor_cls = getattr(transformers, VERSIONS[s.version][2])
     processor = processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                               chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)   # the standalone preprocessor_config.json of the published repos
-    config.save_pretrained(out)
     ids = token_ids(s)
-    GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                     pad_token_id=ids["<|endoftext|>"]).save_pretrained(out)
-    _write_weights(out, config, s, seed, layout, max_shard_bytes)
+    save_processor_and_config(out, processor, image_processor, config, ids["<|endoftext|>"], ids["<|im_end|>"],
+                              ids["<|endoftext|>"])
+    write_sharded_weights(out, _param_specs(config, s), lambda n: checkpoint_key(n, layout), s.dtype, seed,
+                          max_shard_bytes)
     return out

@@ -1,4 +1,5 @@
-"""transformers as the oracle: greedy ids and per-step log-probs of any supported checkpoint for one prompt."""
+"""transformers as the oracle: greedy ids and per-step log-probs of any supported checkpoint for one prompt,
+and the parity tests' shared checks of mmserve's outputs against it."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,10 @@ import functools
 import torch
 import transformers
 from transformers import AutoConfig, AutoProcessor
+
+from mmserve import SamplingParams
+from mmserve.engine.engine import Engine
+from mmserve.outputs import RequestOutput
 
 
 @functools.lru_cache(maxsize=4)
@@ -31,3 +36,43 @@ def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: 
     prompt_len = enc["input_ids"].shape[1]
     logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
     return enc["input_ids"][0].tolist(), out.sequences[0, prompt_len:].tolist(), logprobs
+
+
+def assert_matches_oracle(out: RequestOutput, oracle: tuple[list[int], list[int], torch.Tensor],
+                          tol: float = 2e-3) -> None:
+    """``out`` has the oracle's prompt ids and greedy ids, and the log-prob of every token it reports
+    (the chosen and the top-k) is within ``tol`` of the oracle's at every step.
+
+    ``oracle`` is (prompt ids, greedy ids, [n, V] log-probs), as :func:`hf_greedy` returns.
+    """
+    prompt_ids, ref_ids, ref_lp = oracle
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == ref_ids
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        for tok, lp in entry.items():
+            assert abs(lp.logprob - ref_lp[step, tok].item()) < tol, (step, tok)
+
+
+def check_against_hf(model_dir: str, prompt: dict, out: RequestOutput, n: int, device: str = "cpu",
+                     videos: list | None = None, tol: float = 2e-3) -> None:
+    """Run the oracle on ``prompt`` (an mmserve prompt dict: "prompt", optional "images" / "videos") for
+    ``n`` tokens and :func:`assert_matches_oracle`. ``videos``: the decoded frames HF should see
+    (default: the prompt's own "videos", e.g. when the prompt gives encoded bytes)."""
+    videos = videos if videos is not None else prompt.get("videos")
+    oracle = hf_greedy(model_dir, prompt["prompt"], prompt.get("images"), n, device, videos=videos)
+    assert_matches_oracle(out, oracle, tol)
+
+
+def run_staggered(engine: Engine, prompts: list, params: SamplingParams) -> list[RequestOutput]:
+    """Add one prompt to the running batch per engine step (request ids "0", "1", ...) and step until all
+    have finished; the final outputs in prompt order."""
+    done: dict[str, RequestOutput] = {}
+    step = 0
+    while len(done) < len(prompts):
+        if step < len(prompts):           # one new request joins the running batch each step
+            engine.add_request(str(step), prompts[step], params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    return [done[str(i)] for i in range(len(prompts))]

@@ -16,7 +16,7 @@ from mmserve.models.opt import OPTForCausalLM
 from mmserve.models.weights import load_weights
 from mmserve.testing import make_test_image
 from mmserve.testing.blip2 import make_blip2_checkpoint
-from tests.parity.hf_oracle import _load, hf_greedy
+from tests.parity.hf_oracle import _load, assert_matches_oracle, check_against_hf, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -47,14 +47,9 @@ def _hf_text_greedy(model_dir: str, prompt: str, n: int, device: str) -> tuple[l
 
 def _check(model_dir: str, prompt: dict, out, device: str = "cpu") -> None:
     if prompt["images"]:
-        prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt["images"], N, device)
+        check_against_hf(model_dir, prompt, out, N, device)
     else:
-        prompt_ids, ref_ids, ref_lp = _hf_text_greedy(model_dir, prompt["prompt"], N, device)
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == ref_ids
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < 2e-3, (step, tok)
+        assert_matches_oracle(out, _hf_text_greedy(model_dir, prompt["prompt"], N, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,16 +85,8 @@ def test_batch_mixing_image_and_text_requests_with_staggered_arrivals(blip2_dir,
     llm = LLM(blip2_dir, device=device, dtype="float32", enable_prefix_caching=False)
     engine = llm.engine
     prompts = [_prompt(i, with_image=i % 3 != 1) for i in range(6)]
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
-            engine.add_request(str(step), prompts[step], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-    for i, prompt in enumerate(prompts):
-        _check(blip2_dir, prompt, done[str(i)], device)
+    for prompt, out in zip(prompts, run_staggered(engine, prompts, GREEDY)):
+        _check(blip2_dir, prompt, out, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

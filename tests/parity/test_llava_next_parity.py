@@ -12,7 +12,7 @@ from PIL import Image
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
 from mmserve.testing.llava_next import make_llava_next_checkpoint
-from tests.parity.hf_oracle import hf_greedy
+from tests.parity.hf_oracle import check_against_hf, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -39,12 +39,7 @@ def _prompt(i: int, sizes: list[tuple[int, int]]) -> dict:
 
 
 def _check(model_dir: str, prompt: dict, out, device: str = "cpu") -> None:
-    prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt.get("images"), N, device)
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == ref_ids
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < 2e-3, (step, tok)
+    check_against_hf(model_dir, prompt, out, N, device)
 
 
 def _image_runs(llm: LLM, prompt: dict) -> list[tuple[int, int]]:
@@ -81,16 +76,8 @@ def test_batch_with_staggered_arrivals_matches_single_requests(next_dir, device)
     image_sets = [[], [SIZES[0]], [SIZES[1], SIZES[2]], [SIZES[3]], [], [SIZES[0], SIZES[1]]]
     prompts = [_prompt(i, s) if s else {"prompt": f"[INST] just text number {i} [/INST]"}
                for i, s in enumerate(image_sets)]
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
-            engine.add_request(str(step), prompts[step], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-    for i, prompt in enumerate(prompts):
-        _check(next_dir, prompt, done[str(i)], device)
+    for prompt, out in zip(prompts, run_staggered(engine, prompts, GREEDY)):
+        _check(next_dir, prompt, out, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -20,7 +20,7 @@ from mmserve.models.llava_onevision import LlavaOnevisionForConditionalGeneratio
 from mmserve.multimodal.video import decode_video
 from mmserve.testing import make_test_image
 from mmserve.testing.llava_onevision import make_llava_onevision_checkpoint
-from tests.parity.hf_oracle import hf_greedy
+from tests.parity.hf_oracle import check_against_hf, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -74,14 +74,7 @@ def _prompt(i: int, sizes: list[tuple[int, int]], videos: list | None = None) ->
 
 def _check(model_dir: str, prompt: dict, out, device: str = "cpu", videos: list | None = None) -> None:
     """videos: the decoded frames HF should see (default: the prompt's own arrays)."""
-    videos = videos if videos is not None else prompt.get("videos")
-    prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt.get("images"), N, device,
-                                            videos=videos)
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == ref_ids
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < 2e-3, (step, tok)
+    check_against_hf(model_dir, prompt, out, N, device, videos=videos)
 
 
 def _runs(llm: LLM, prompt: dict) -> dict[str, list[tuple[int, int]]]:
@@ -140,16 +133,8 @@ def test_batch_with_staggered_arrivals_matches_single_requests(ov_dir, device):
     prompts = [_prompt(0, [SIZES[0]]), {"prompt": "<|im_start|>user \njust text<|im_end|>\n<|im_start|>assistant\n"},
                _prompt(1, [], [_frames(3)]), _prompt(2, [SIZES[1], SIZES[0]]), _prompt(3, [], [_frames(4)]),
                _prompt(4, [SIZES[2]], [_frames(5, num_frames=2)])]
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
-            engine.add_request(str(step), prompts[step], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-    for i, prompt in enumerate(prompts):
-        _check(ov_dir, prompt, done[str(i)], device)
+    for prompt, out in zip(prompts, run_staggered(engine, prompts, GREEDY)):
+        _check(ov_dir, prompt, out, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -10,7 +10,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
-from tests.parity.hf_oracle import hf_greedy
+from tests.parity.hf_oracle import check_against_hf, hf_greedy, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -25,15 +25,8 @@ def _prompt(i: int, num_images: int) -> dict:
 
 
 def _check(model_dir: str, prompt: dict, out, device: str) -> None:
-    prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt["images"], N, device)
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == ref_ids
-    # log-probs of the chosen and the top-5 tokens match the oracle's at every step (GPU kernels sum
-    # in a different order than the oracle's, hence the looser bound there)
-    tol = 2e-3 if device == "cpu" else 1e-2
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < tol, (step, tok)
+    # GPU kernels sum in a different order than the oracle's, hence the looser bound there
+    check_against_hf(model_dir, prompt, out, N, device, tol=2e-3 if device == "cpu" else 1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,17 +48,10 @@ def test_batch_with_staggered_arrivals_matches_single_requests(tiny_llava_dir, d
     llm = LLM(tiny_llava_dir, device=device, dtype="float32", enable_prefix_caching=False)
     engine = llm.engine
     prompts = [_prompt(i, i % 4) for i in range(8)]
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
-            engine.add_request(str(step), prompts[step], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
+    outs = run_staggered(engine, prompts, GREEDY)
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    for i, prompt in enumerate(prompts):
-        _check(tiny_llava_dir, prompt, done[str(i)], device)
+    for prompt, out in zip(prompts, outs):
+        _check(tiny_llava_dir, prompt, out, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -19,7 +19,7 @@ from mmserve.multimodal.processors import InputProcessor
 from mmserve.multimodal.video import decode_video
 from mmserve.testing import make_test_image
 from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
-from tests.parity.hf_oracle import _load, hf_greedy
+from tests.parity.hf_oracle import _load, check_against_hf, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -63,13 +63,7 @@ def llm(qwen_dir) -> LLM:
 
 def _check(model_dir: str, prompt: dict, out, videos: list | None = None) -> None:
     """videos: the decoded frames HF should see (when the prompt gives encoded bytes)."""
-    prompt_ids, ref_ids, ref_lp = hf_greedy(model_dir, prompt["prompt"], prompt.get("images"), N,
-                                            videos=videos or prompt.get("videos"))
-    assert out.prompt_token_ids == prompt_ids
-    assert out.outputs[0].token_ids == ref_ids
-    for step, entry in enumerate(out.outputs[0].logprobs):
-        for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < 2e-3, (step, tok)
+    check_against_hf(model_dir, prompt, out, N, videos=videos)
 
 
 def _image_runs(llm: LLM, prompt: dict) -> list[tuple[int, int]]:
@@ -130,16 +124,8 @@ def test_batch_with_staggered_arrivals_and_text_only_requests(qwen_dir):
         {"prompt": _chat("Count to ten.")},
         {"prompt": _chat(f"{IMG}{IMG}two"), "images": [make_test_image(8, (28, 56)), make_test_image(9, (112, 84))]},
     ]
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
-            engine.add_request(str(step), prompts[step], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-    for i, prompt in enumerate(prompts):
-        _check(qwen_dir, prompt, done[str(i)])
+    for prompt, out in zip(prompts, run_staggered(engine, prompts, GREEDY)):
+        _check(qwen_dir, prompt, out)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -1,0 +1,66 @@
+"""The interface every multimodal family class (llava, llava_next, llava_onevision, qwen2_vl, blip2) offers.
+
+A family class wraps a vision encoder and a causal language model (``self.language_model``: our
+``LlamaForCausalLM`` or ``OPTForCausalLM``). Two parts of the server use it:
+
+* :class:`~mmserve.multimodal.processors.InputProcessor` (on the class, before any model exists):
+  ``build_mm_items`` cuts the HF processor's output into one ``MultiModalItem`` per image / video;
+  ``mrope_positions`` (optional classmethod, only on M-RoPE families: its presence is what the
+  processor checks) gives the prompt's (t, h, w) positions; ``placeholder_in_prompt`` says whether
+  the prompt text carries the placeholder tokens or the HF processor inserts them itself.
+* the model runner (on the instance): ``get_mm_embeddings`` encodes items, ``embed_input_ids`` embeds
+  the prompt (item embeddings are then written over the placeholders), ``forward`` runs the language
+  model, ``compute_logits`` gives logits; ``uses_mrope`` makes it pass positions as [3, T].
+  The loader calls ``load_weights`` with the checkpoint's (name, tensor) pairs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmserve.attention.metadata import AttentionMetadata
+from mmserve.engine.request import MultiModalItem
+
+
+class MultiModalCausalLM(nn.Module):
+    """Base of the family classes: the text path delegates to ``self.language_model``.
+
+    Subclasses set ``self.language_model`` in ``__init__`` and implement ``build_mm_items``,
+    ``get_mm_embeddings`` and ``load_weights``; M-RoPE families also set ``uses_mrope = True`` and
+    define the classmethod ``mrope_positions(hf_config, enc, ids) -> (positions [3, P], delta)``
+    (deliberately not defined here: the input processor looks for it with ``hasattr``).
+    """
+
+    language_model: nn.Module
+    uses_mrope: bool = False            # the runner passes positions [3, T] (t, h, w) instead of [T]
+    placeholder_in_prompt: bool = True  # False: the HF processor inserts the placeholder tokens itself
+
+    @classmethod
+    def build_mm_items(cls, hf_config: Any, enc: Any, ids: list[int], image_keys: list[str],
+                       video_keys: list[str]) -> list[MultiModalItem]:
+        """One ``MultiModalItem`` per image / video of the prompt: its placeholder run in ``ids`` (offset,
+        length), its encoder inputs taken from the HF processor output ``enc``, and its cache key."""
+        raise NotImplementedError
+
+    def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Encode ``items``; one [item.length, text_hidden] tensor per item, in order."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the checkpoint's (name, tensor) pairs, renaming them to our module paths."""
+        raise NotImplementedError
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, text_hidden]; ``positions`` [T], or [3, T] (t, h, w) with M-RoPE ([T] = text only)."""
+        return self.language_model(inputs_embeds, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] of hidden states [N, text_hidden]."""
+        return self.language_model.compute_logits(hidden)

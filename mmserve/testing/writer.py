@@ -1,0 +1,200 @@
+"""Shared pieces of the random-checkpoint writers in :mod:`mmserve.testing`.
+
+Every family (llava, llava_next, llava_onevision, qwen2_vl, blip2) builds a list of parameter specs
+``(name, shape, kind, std)`` from a meta-device transformers model and streams seeded random tensors
+into (sharded) safetensors files with :func:`write_sharded_weights`, one tensor in RAM at a time.
+A tensor's values depend only on its canonical name and the seed, never on layout or write order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+
+DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+LAYOUTS = ("hub", "transformers")
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+# (name, shape, kind, std): kind is "normal" (N(0, std)), "ones" or "zeros"
+ParamSpec = tuple[str, tuple[int, ...], str, float]
+SizesT = TypeVar("SizesT")
+
+
+def natural_key(name: str) -> list[object]:
+    """Sort key ordering embedded numbers numerically ("layers.2" before "layers.10")."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of one spec: ones, zeros, or N(0, std) seeded by ``seed`` and the tensor's name."""
+    if kind == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    # Seeded per tensor (by its canonical name), so values do not depend on layout or write order.
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * std).to(dtype)
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                      make: Callable[[int], torch.Tensor]) -> None:
+    """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, shape in entries:
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        header[key] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for i in range(len(entries)):
+            t = make(i).contiguous()
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Split item indices, in order, into shards of at most ``max_bytes`` (an oversized item gets its own)."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and used + n > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += n
+    return shards
+
+
+def write_sharded_weights(
+    out_dir: Path,
+    specs: Sequence[tuple[Any, ...]],
+    key_fn: Callable[[str], str],
+    dtype: torch.dtype | str,
+    seed: int,
+    max_shard_bytes: int,
+    make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
+) -> None:
+    """Write ``specs`` as ``model.safetensors`` or as numbered shards plus ``model.safetensors.index.json``.
+
+    A spec is ``(name, shape, ...)``; ``key_fn(name)`` is its on-disk key, and tensors are written
+    sorted by :func:`natural_key` of that key. ``make_fn(spec)`` builds a tensor; the default is
+    :func:`make_tensor` of a ``(name, shape, kind, std)`` spec with ``seed`` and ``dtype``.
+    """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if make_fn is None:
+        def make_fn(sp: tuple[Any, ...]) -> torch.Tensor:
+            return make_tensor(*sp, seed, dtype)
+    specs = sorted(specs, key=lambda sp: natural_key(key_fn(sp[0])))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = [itemsize * math.prod(sp[1]) for sp in specs]
+    shards = plan_shards(nbytes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for k, idx in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        entries = [(key_fn(specs[i][0]), specs[i][1]) for i in idx]
+        write_safetensors(out_dir / fname, entries, dtype, lambda j, idx=idx: make_fn(specs[idx[j]]))
+        weight_map.update({key: fname for key, _ in entries})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def param_specs(model_cls: type, config: PreTrainedConfig, std_of: Callable[[str], float],
+                random_bias: Callable[[str], bool] = lambda name: False) -> list[ParamSpec]:
+    """(name, shape, kind, std) of every saved tensor, from a meta-device model (no memory used).
+
+    Norm scales are ones and norm shifts zeros; other biases are zeros unless ``random_bias(name)``;
+    the rest is N(0, ``std_of(name)``). A tied ``lm_head.weight`` is not saved.
+    """
+    with torch.device("meta"):
+        model = model_cls(config)
+    norm_params = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
+            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    tied = getattr(config, "tie_word_embeddings", False)
+    specs = []
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if name in norm_params:
+            kind = "zeros" if name.endswith(".bias") else "ones"
+        else:
+            kind = "zeros" if name.endswith(".bias") and not random_bias(name) else "normal"
+        specs.append((name, tuple(t.shape), kind, std_of(name)))
+    return specs
+
+
+def replace_sizes(presets: dict[str, SizesT], preset: str, family: str, overrides: dict[str, object]) -> SizesT:
+    """presets[preset] with dataclass-field overrides (lists become tuples); clear errors for unknown names."""
+    if preset not in presets:
+        raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
+    base = presets[preset]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown {family} overrides {unknown}; allowed: {sorted(fields)}")
+    overrides = {k: tuple(map(tuple, v)) if k == "grid_pinpoints" else
+                 tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    return dataclasses.replace(base, **overrides)
+
+
+def check_layout(layout: str) -> None:
+    """Reject a ``layout`` other than "hub" (published repos' names) or "transformers" (save_pretrained's)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
+
+
+def check_token_ids(tok: PreTrainedTokenizerBase, expected: dict[str, int], tokens: dict[str, str],
+                    model_vocab: int) -> None:
+    """Assert the tokenizer's ids equal ``expected`` and fit the model vocab.
+
+    Keys "unk", "bos", "eos", "pad" are read from the tokenizer's special tokens; any other key
+    is the id of ``tokens[key]``.
+    """
+    specials = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id}
+    got = {k: specials[k] if k in specials else tok.convert_tokens_to_ids(tokens[k]) for k in expected}
+    assert got == expected and len(tok) <= model_vocab, (got, expected, len(tok))
+
+
+def prepare_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` and delete weight files of an earlier build in it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
+    return out
+
+
+def save_processor_and_config(out: Path, processor: Any, image_processor: Any, config: PreTrainedConfig,
+                              bos: int, eos: int, pad: int) -> None:
+    """Save the processor, the standalone image processor, the config and a GenerationConfig into ``out``.
+
+    transformers 5 nests the image processor in processor_config.json; the standalone
+    preprocessor_config.json is what published repos (and non-transformers loaders) have.
+    """
+    from transformers import GenerationConfig
+
+    processor.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
