@@ -26,7 +26,7 @@ def _prompt(i: int, num_images: int) -> dict:
 
 def _check(model_dir: str, prompt: dict, out, device: str) -> None:
     # GPU kernels sum in a different order than the oracle's, hence the looser bound there
-    check_against_hf(model_dir, prompt, out, N, device, tol=2e-3 if device == "cpu" else 1e-2)
+    check_against_hf(model_dir, prompt, out, N, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
