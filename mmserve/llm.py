@@ -69,12 +69,9 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to OpenAI-style messages (content parts text / image_url)."""
+        """Apply the model's chat template to OpenAI-style messages (content parts text, image_url, video_url)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = []
-        for conv in conversations:
-            text, images = self.engine.inputs.apply_chat_template(conv)
-            prompts.append({"prompt": text, "images": images})
+        prompts = [self.engine.inputs.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

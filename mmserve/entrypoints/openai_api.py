@@ -248,13 +248,13 @@ def _completion_params(req: CompletionRequest, state: ServerState) -> SamplingPa
 
 def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
     try:
-        text, images = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in req.messages])
+        prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in req.messages])
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # jinja2 TemplateError and the like: the template rejected these messages
         raise OpenAIError(400, f"messages: the chat template cannot render these messages: {e}",
                           param="messages") from None
-    return {"prompt": text, "images": images}
+    return prompt
 
 
 def _completion_prompt(req: CompletionRequest) -> dict[str, Any]:

@@ -42,7 +42,18 @@ class ImagePart(_Request):
     image_url: ImageURL | str
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Request):
+    url: str
+
+
+class VideoPart(_Request):
+    """vLLM-style extension: a video by URL or data URI (frames sampled server-side)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL | str
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Request):
@@ -58,6 +69,9 @@ class ChatMessage(_Request):
         for p in self.content:
             if isinstance(p, TextPart):
                 parts.append({"type": "text", "text": p.text})
+            elif isinstance(p, VideoPart):
+                url = p.video_url if isinstance(p.video_url, str) else p.video_url.url
+                parts.append({"type": "video_url", "video_url": {"url": url}})
             else:
                 url = p.image_url if isinstance(p.image_url, str) else p.image_url.url
                 parts.append({"type": "image_url", "image_url": {"url": url}})

@@ -29,6 +29,7 @@ FORMATS: dict[str, PromptFormat] = {
     "vila": PromptFormat("<image>", _VILA_SYSTEM, " ASSISTANT:", image_sep="\n"),
     "llava_onevision": PromptFormat("<image>", "<|im_start|>user ", "<|im_end|><|im_start|>assistant\n",
                                     image_sep="\n", video_token="<video>"),
+    "llava_next": PromptFormat("<image>", "[INST] ", " [/INST]", image_sep="\n"),   # the Mistral-based v1.6
     "mllama": PromptFormat("<|image|>", prepend_images=True),
     "qwen2_vl": PromptFormat("<|vision_start|><|image_pad|><|vision_end|>",
                              "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",

@@ -199,12 +199,17 @@ class InputProcessor:
             raise ValueError("pixel_values contain NaN or infinite values")
         return pv.float()
 
-    def apply_chat_template(self, messages: list[dict]) -> tuple[str, list[Any]]:
-        """OpenAI-style messages -> (prompt text, images in order). Content parts: text, image_url, image."""
-        hf_messages, images = [], []
-        for m in messages:
+    def apply_chat_template(self, messages: list[dict]) -> dict[str, Any]:
+        """OpenAI-style messages -> a prompt dict {"prompt", "images", "videos"} for process().
+
+        Content parts: text, image_url / image, video_url / video (URL, data URI, path, bytes or decoded
+        frames), in order; the checkpoint's chat template places their placeholders.
+        """
+        hf_messages: list[dict] = []
+        media: dict[str, list[Any]] = {"images": [], "videos": []}
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
-                raise ValueError("each message needs a 'role'")
+                raise ValueError(f"messages[{i}] needs a 'role'")
             content = m.get("content", "")
             if isinstance(content, str):
                 hf_messages.append({"role": m["role"], "content": [{"type": "text", "text": content}]})
@@ -214,15 +219,21 @@ class InputProcessor:
                 kind = part.get("type")
                 if kind == "text":
                     parts.append({"type": "text", "text": part.get("text", "")})
-                elif kind in ("image_url", "image"):
-                    src = part.get("image_url", part.get("image"))
-                    images.append(src["url"] if isinstance(src, dict) else src)
-                    parts.append({"type": "image"})
+                elif kind in _MEDIA_PARTS:
+                    modality, key = _MEDIA_PARTS[kind]
+                    src = part.get(kind)
+                    media[key].append(src["url"] if isinstance(src, dict) else src)
+                    parts.append({"type": modality})
                 else:
-                    raise ValueError(f"unsupported content part type {kind!r}")
+                    raise ValueError(f"messages[{i}]: unsupported content part type {kind!r}")
             hf_messages.append({"role": m["role"], "content": parts})
         prompt = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
-        return prompt, images
+        return {"prompt": prompt, **{k: v for k, v in media.items() if v}}
+
+
+# chat content part type -> (the HF chat template's part type, prompt dict key)
+_MEDIA_PARTS = {"image_url": ("image", "images"), "image": ("image", "images"),
+                "video_url": ("video", "videos"), "video": ("video", "videos")}
 
 
 def _as_list(value) -> list:

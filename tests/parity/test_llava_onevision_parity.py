@@ -6,6 +6,7 @@ cutting through image and video tokens, and refusal of unusable media.
 """
 from __future__ import annotations
 
+import base64
 import io
 
 import av
@@ -193,3 +194,22 @@ def test_unusable_media_are_refused_with_a_clear_error(ov_dir):
     with pytest.raises(ValueError, match=r"too many video frames: 2 video\(s\) of 64 frames need 1154 tokens"):
         llm.generate([_prompt(0, [], [long_clip, long_clip])], GREEDY)
     assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+
+
+def test_chat_with_a_video_part_equals_the_direct_prompt(ov_dir):
+    """OpenAI-style chat content `video_url` (a data URI here) goes through the chat template like an image."""
+    llm = LLM(ov_dir, device="cpu", dtype="float32")
+    mp4 = _encode_mp4()
+    uri = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    chat = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert "<video>" in chat.prompt
+    direct = llm.generate([{"prompt": chat.prompt, "videos": [mp4]}],
+                          SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    video_id = llm.engine.hf_config.video_token_index
+    assert chat.prompt_token_ids.count(video_id) > 0
+    with pytest.raises(ValueError, match="unsupported content part type 'audio_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": uri}}]}])

@@ -254,3 +254,8 @@ def test_errors_map_to_triton_http_statuses():
     from mmserve.entrypoints.state import ServerBusy
     assert [tp.http_status(e) for e in (tp.ModelNotFound("m"), ServerBusy("b"), EngineOverloaded("o"),
                                         ValueError("v"), RuntimeError("r"))] == [404, 503, 503, 400, 500]
+
+
+def test_llava_next_ensemble_prompt_uses_the_mistral_instruction_format():
+    from mmserve.entrypoints.triton_prompts import build_prompt
+    assert build_prompt("llava_next", "What is it?", 1) == "[INST] <image>\nWhat is it? [/INST]"
