@@ -23,12 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     from mmserve import LLM, SamplingParams
 
     model_dir = ModelSource(args.model, args.preset).resolve()
-    llm = LLM(model_dir, dtype=args.dtype, device="cuda", enable_prefix_caching=False)
+    llm = LLM(model_dir, dtype=args.dtype, device="cuda")   # distinct images below: no prefix hits in decode
     engine = llm.engine
     spec = make_prompt(engine.tokenizer, 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for seed in (98, 99):   # the first run warms up kernels; the second is reported
         _ttft_breakdown(engine, spec.text, make_images(1, image_size_of(model_dir), seed=seed)[0])
+    _prefix_hit_ttft(engine, spec.text, make_images(1, image_size_of(model_dir), seed=97)[0])
     for i, img in enumerate(make_images(args.batch_size, image_size_of(model_dir))):
         engine.add_request(str(i), {"prompt": spec.text, "images": [img]}, params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -87,6 +88,25 @@ def _ttft_breakdown(engine, prompt: str, image) -> None:
     print(f"TTFT breakdown (1 image + {len(inputs.prompt_token_ids)} tokens): preprocess {t_pre:.2f} ms ({t_pre_cpu:.2f} ms on CPU), "
           f"vision encoder alone {t_enc:.2f} ms, engine steps to first token (encoder + prefill + sample) "
           f"{t_first:.2f} ms")
+
+
+def _prefix_hit_ttft(engine, prompt: str, image) -> None:
+    """TTFT of a request, then of the same image + prompt again (prefix-cache and encoder-cache hit)."""
+    from mmserve import SamplingParams
+
+    def ttft(rid: str, img) -> tuple[float, int]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        req = engine.add_request(rid, {"prompt": prompt, "images": [img]}, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1000, req.num_cached_tokens
+
+    miss, _ = ttft("miss", image)
+    hit, cached = ttft("hit", image.copy())
+    print(f"prefix-cache TTFT: miss {miss:.2f} ms, hit {hit:.2f} ms ({cached} of the prompt's tokens cached), "
+          f"hit/miss {hit / miss:.0%}")
 
 
 if __name__ == "__main__":
