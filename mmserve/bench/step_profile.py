@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 
-    model_dir = ModelSource(args.model, args.preset).resolve()
+    model_dir = ModelSource(model=args.model, preset=args.preset).resolve()
     llm = LLM(model_dir, dtype=args.dtype, device="cuda")   # distinct images below: no prefix hits in decode
     engine = llm.engine
     spec = make_prompt(engine.tokenizer, 24)
