@@ -29,6 +29,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)     # token sequences never generated
     logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
     include_stop_str_in_output: bool = False
+    return_context_logits: bool = False      # fp32 logits of every prompt position, on the final output
+    return_generation_logits: bool = False   # fp32 logits of every generated step, on the final output
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

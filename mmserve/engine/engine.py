@@ -125,6 +125,7 @@ class Engine:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens = s.end
+            self._store_context_logits(req, result)
             token = result.token_ids.get(req.request_id)
             if token is not None:
                 self._append_token(req, token, result)
@@ -140,8 +141,21 @@ class Engine:
                 outputs.append(self._make_output(req))
         return outputs
 
+    @staticmethod
+    def _store_context_logits(req: Request, result: RunnerOutput) -> None:
+        """Keep prompt-position logits once (a preempted request recomputes positions it already has)."""
+        if req.request_id not in result.context_logits:
+            return
+        start, chunk = result.context_logits[req.request_id]
+        skip = req.num_context_logits - start
+        if 0 <= skip < len(chunk):
+            req.context_logits.append(chunk[skip:])
+            req.num_context_logits += len(chunk) - skip
+
     def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
         req.output_token_ids.append(token)
+        if req.request_id in result.generation_logits:
+            req.generation_logits.append(result.generation_logits[req.request_id])
         self._detok[req.request_id].push(token)
         if req.params.logprobs is not None and req.request_id in result.logprobs:
             lp = result.logprobs[req.request_id]
@@ -177,7 +191,12 @@ class Engine:
             stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  time.time() if req.finished else None, req.num_cached_tokens)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, metrics)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, metrics)
+        if req.finished and req.params.return_context_logits and req.context_logits:
+            out.context_logits = torch.cat(req.context_logits)        # [P, V] fp32
+        if req.finished and req.params.return_generation_logits and req.generation_logits:
+            out.generation_logits = torch.stack(req.generation_logits)   # [G, V] fp32
+        return out
 
     def _finish_output(self, req: Request) -> RequestOutput:
         detok = self._detok.pop(req.request_id)

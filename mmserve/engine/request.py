@@ -71,6 +71,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []   # chained hashes of this request's full blocks
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+        self.context_logits: list[torch.Tensor] = []      # [n, V] fp32 chunks of prompt-position logits
+        self.num_context_logits = 0                        # prompt positions whose logits are stored
+        self.generation_logits: list[torch.Tensor] = []   # [V] fp32 per generated token
         self.mrope_positions: torch.Tensor | None = None  # [3, P] prompt positions of M-RoPE families
         self.mrope_delta = 0                               # generated token at p sits at p + delta
 

@@ -94,8 +94,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = [], 0
-            if req.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.num_computed_tokens == 0 and not req.params.return_context_logits:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)   # cached positions yield no logits
             remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:

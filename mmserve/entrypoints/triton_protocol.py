@@ -151,13 +151,12 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
                          f"got {g.scalar('beam_width')}")
     if g.scalar("num_return_sequences", 1) != 1:
         raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
-    for name in ("return_context_logits", "return_generation_logits"):
-        if g.scalar(name, False):
-            raise ValueError(f"{name}: returning logits is not supported yet by mmserve")
     for name in UNSUPPORTED_INPUTS:
         if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
             raise ValueError(f"{name}: this input is not supported yet by mmserve")
     kw: dict[str, Any] = {"include_stop_str_in_output": True}   # TensorRT-LLM keeps the stop word
+    for name in ("return_context_logits", "return_generation_logits"):
+        kw[name] = bool(g.scalar(name, False))
     if max_tokens is not None:
         kw["max_tokens"] = int(max_tokens)
     for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -299,7 +298,9 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
 
 def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[str, np.ndarray]:
     """Output tensors of one response. Shapes follow the seeds: text_output [batch] (one string per item),
-    cum_log_probs [batch, 1], output_log_probs [batch, 1, tokens]; logits are zero placeholders."""
+    cum_log_probs [batch, 1], output_log_probs [batch, 1, tokens]; context_logits [batch, prompt, vocab] and
+    generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the response that
+    finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1]."""
     n = len(chunks)
     text = np.empty(n, dtype=np.object_)
     text[:] = [c.text.encode("utf-8") for c in chunks]
@@ -318,14 +319,26 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
         "text_output": text,
         "cum_log_probs": np.array(cum, dtype=np.float32).reshape(n, 1),
         "output_log_probs": out_lp,
-        "context_logits": np.zeros((n, 1, 1), dtype=np.float32),
-        "generation_logits": np.zeros((n, 1, 1, 1), dtype=np.float32),
+        "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
+        "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[:, None],
         "batch_index": np.arange(n, dtype=np.int32).reshape(n, 1),
         "sequence_index": np.zeros((n, 1), dtype=np.int32),
     }
     if model == BLS:
         tensors.update(_bls_metrics(chunks, block_size))
     return tensors
+
+
+def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
+    """[n, rows, vocab] fp32 from per-item [rows, vocab] tensors (None: no logits), zero-padded."""
+    arrays = [None if t is None else t.numpy() for t in items]
+    rows = max([a.shape[0] for a in arrays if a is not None] or [empty[0]])
+    vocab = max([a.shape[1] for a in arrays if a is not None] or [empty[1]])
+    out = np.zeros((len(items), rows, vocab), dtype=np.float32)
+    for i, a in enumerate(arrays):
+        if a is not None:
+            out[i, :a.shape[0], :a.shape[1]] = a
+    return out
 
 
 def select_outputs(tensors: dict[str, np.ndarray], requested: list[str] | None, model: str) -> dict[str, np.ndarray]:

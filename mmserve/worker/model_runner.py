@@ -27,6 +27,9 @@ class RunnerOutput:
     logprobs: dict[str, float] = field(default_factory=dict)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     ranks: dict[str, int | None] = field(default_factory=dict)   # rank of the sampled id (1 = most likely)
+    # prompt positions [start, start + n) of requests that asked for context logits: (start, [n, V] fp32 cpu)
+    context_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    generation_logits: dict[str, torch.Tensor] = field(default_factory=dict)   # [V] fp32 cpu
 
 
 class ModelRunner:
@@ -137,7 +140,9 @@ class ModelRunner:
         positions = _cat_positions(positions)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled])
-            return self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
+            out = self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
+            self._context_logits(sched, list(range(len(input_ids) + 1)), out, logits=logits)
+            return out
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
         dev = self.device
@@ -153,10 +158,25 @@ class ModelRunner:
         self._merge_mm_embeddings(sched, qsl, embeds)
         hidden = self.model(embeds, positions.to(dev, non_blocking=True), meta)
 
-        if not sampling:
-            return RunnerOutput()
-        last = torch.tensor([qsl[i + 1] - 1 for i, _ in sampling], device=dev)
-        return self._sample([s.request for _, s in sampling], self.model.compute_logits(hidden[last]))
+        out = RunnerOutput()
+        if sampling:
+            last = torch.tensor([qsl[i + 1] - 1 for i, _ in sampling], device=dev)
+            out = self._sample([s.request for _, s in sampling], self.model.compute_logits(hidden[last]))
+        self._context_logits(sched, qsl, out, hidden=hidden)
+        return out
+
+    def _context_logits(self, sched: SchedulerOutput, qsl: list[int], out: RunnerOutput,
+                        hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        """Logits of this step's prompt positions for requests with return_context_logits (from the
+        hidden states, or from the step's logits when every row already has them)."""
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            end = min(s.end, req.num_prompt_tokens)
+            if not req.params.return_context_logits or s.start >= end:
+                continue
+            rows = slice(qsl[i], qsl[i] + end - s.start)
+            chunk = logits[rows] if logits is not None else self.model.compute_logits(hidden[rows])
+            out.context_logits[req.request_id] = (s.start, chunk.float().cpu())
 
     def _sample(self, reqs: list, logits: torch.Tensor) -> RunnerOutput:
         """logits [B, V] of the requests that sample this step -> their new tokens."""
@@ -165,7 +185,11 @@ class ModelRunner:
             [r.generator for r in reqs], [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs],
             logits.shape[-1], self.device)
         sampled = self.sampler(logits, batch)
-        return self._to_output(reqs, sampled)
+        out = self._to_output(reqs, sampled)
+        for i, r in enumerate(reqs):
+            if r.params.return_generation_logits:
+                out.generation_logits[r.request_id] = logits[i].float().cpu()
+        return out
 
     def _merge_mm_embeddings(self, sched: SchedulerOutput, qsl: list[int], embeds: torch.Tensor) -> None:
         """Overwrite placeholder-token embeddings with the vision encoder's outputs for this chunk."""

@@ -107,3 +107,45 @@ def test_half_precision_runs_close_to_fp32(tiny_llava_dir):
     _, ref, _ = hf_greedy(tiny_llava_dir, prompt["prompt"], prompt["images"], 4)
     assert out.outputs[0].token_ids[0] == ref[0]
     assert llm.engine.model.language_model.lm_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_context_and_generation_logits_match_transformers(tiny_llava_dir, device):
+    """Triton's return_context_logits / return_generation_logits: fp32 logits of every prompt position and
+    every generated step, also when the prompt is prefilled in chunks (one cut inside the image)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", max_num_batched_tokens=7)
+    prompt = _prompt(6, 1)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, return_context_logits=True,
+                            return_generation_logits=True)
+    out = llm.generate([prompt, prompt], params, use_tqdm=False)[1]   # the 2nd would hit the cache: it must not
+    processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).to(device).eval()
+    kw = {"device": device} if device != "cpu" else {}
+    enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt", **kw).to(device)
+    with torch.no_grad():
+        ref_context = hf(**enc).logits[0].float().cpu()
+        gen = hf.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    ref_generation = torch.stack(gen.logits)[:, 0].float().cpu()
+    assert out.metrics.num_cached_tokens == 0
+    assert out.context_logits.shape == ref_context.shape == (len(out.prompt_token_ids), ref_context.shape[1])
+    assert out.generation_logits.shape == ref_generation.shape
+    tol = 1e-3 if device == "cpu" else 2e-2
+    torch.testing.assert_close(out.context_logits, ref_context, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.generation_logits, ref_generation, atol=tol, rtol=tol)
+
+
+def test_context_logits_survive_preemption_without_duplicates(tiny_llava_dir):
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=40,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0, return_context_logits=True)
+    prompts = [_prompt(i, 1) for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert out.context_logits.shape[0] == len(out.prompt_token_ids)
+    # the latest arrival is preempted first; its logits equal those of a run without preemption
+    single = LLM(tiny_llava_dir, device="cpu", dtype="float32", enable_prefix_caching=False)
+    ref = single.generate(prompts[3:], params, use_tqdm=False)[0]
+    torch.testing.assert_close(outs[3].context_logits, ref.context_logits, atol=1e-4, rtol=1e-4)

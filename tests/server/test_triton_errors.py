@@ -33,8 +33,6 @@ BAD_GENERATE = [
     ({**GOOD, "min_tokens": 99}, "min_tokens"),
     ({**GOOD, "seed": -1}, "seed"),
     ({**GOOD, "parameters": {"beam_width": 2}}, "beam_width"),
-    ({**GOOD, "return_context_logits": True}, "return_context_logits"),
-    ({**GOOD, "return_generation_logits": True}, "return_generation_logits"),
     ({**GOOD, "stop_words": [["a"]]}, "stop_words"),
     ({**GOOD, "image_url_input": "data:image/png;base64,@@@"}, "image_url_input"),
     ({**GOOD, "image_url_input": "data:image/png;base64," + base64.b64encode(b"not an image").decode()},

@@ -172,3 +172,18 @@ def test_metadata_config_ready_and_repository_index(server):
     assert client.get_server_metadata()["extensions"]
     assert httpx.get(f"{server.http_url}/v2/models/ensemble/versions/2").status_code == 404
     assert httpx.get(f"{server.http_url}/v2/models/ensemble/generate").status_code == 405
+
+
+def test_context_and_generation_logits_over_http_infer(server, offline, image_url):
+    tensors = dict(seed_tensors(QUESTION, 4), image_url_input=np.array([[image_url.encode()]], dtype=object),
+                   return_context_logits=np.array([[True]]), return_generation_logits=np.array([[True]]))
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    result = client.infer("ensemble", [infer_input(k, v, True) for k, v in tensors.items()])
+    out = offline.generate({"prompt": f"USER:\n<image>{QUESTION} ASSISTANT:", "images": [make_test_image(7)]},
+                           SamplingParams(max_tokens=4, top_k=1, return_context_logits=True,
+                                          return_generation_logits=True), use_tqdm=False)[0]
+    context, generation = result.as_numpy("context_logits"), result.as_numpy("generation_logits")
+    assert context.shape == (1, len(out.prompt_token_ids), out.context_logits.shape[1])
+    assert generation.shape == (1, 1, 4, out.generation_logits.shape[1])
+    np.testing.assert_allclose(context[0], out.context_logits.numpy(), atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(generation[0, 0], out.generation_logits.numpy(), atol=1e-3, rtol=1e-3)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints.triton_models import inputs_of, model_config_json, model_metadata
@@ -160,8 +161,6 @@ def test_sampling_inputs_map_to_sampling_params_with_trtllm_conventions():
     ({"max_tokens": np.array([[[8]]], np.int32)}, "max_tokens"),
     ({"temperature": _scalar(-1.0, np.float32)}, "temperature"),
     ({"top_p": _scalar(1.5, np.float32)}, "top_p"),
-    ({"return_context_logits": _scalar(True, bool)}, "return_context_logits"),
-    ({"return_generation_logits": _scalar(True, bool)}, "return_generation_logits"),
     ({"num_return_sequences": _scalar(2, np.int32)}, "num_return_sequences"),
     ({"prompt_embedding_table": np.zeros((1, 2, 2), np.float16)}, "prompt_embedding_table"),
     ({"min_length": _scalar(1, np.int32), "min_tokens": _scalar(1, np.int32)}, "min_length"),
@@ -259,3 +258,15 @@ def test_errors_map_to_triton_http_statuses():
 def test_llava_next_ensemble_prompt_uses_the_mistral_instruction_format():
     from mmserve.entrypoints.triton_prompts import build_prompt
     assert build_prompt("llava_next", "What is it?", 1) == "[INST] <image>\nWhat is it? [/INST]"
+
+
+def test_logits_flags_reach_sampling_params_and_logits_fill_the_outputs():
+    [req] = parse(return_context_logits=_scalar(True, bool), return_generation_logits=_scalar(True, bool))
+    assert req.params.return_context_logits and req.params.return_generation_logits
+    out = _output([5, 6])
+    out.context_logits, out.generation_logits = torch.ones(3, 10), torch.full((2, 10), 2.0)
+    other = _output([7])
+    tensors = tp.make_outputs([tp.Chunk("a", out), tp.Chunk("b", other)], "ensemble")
+    assert tensors["context_logits"].shape == (2, 3, 10) and tensors["generation_logits"].shape == (2, 1, 2, 10)
+    assert tensors["context_logits"][0].min() == 1.0 and tensors["context_logits"][1].max() == 0.0
+    assert tensors["generation_logits"][0, 0].min() == 2.0
