@@ -154,6 +154,10 @@ class KVCacheManager:
         Returns:
             False (and changes nothing) when the pool has too few free blocks.
         """
+        table = self._tables.get(req.request_id)
+        if table and not computed_blocks and \
+                req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True   # fits in the blocks it already holds (most decode steps)
         computed_blocks = computed_blocks or []
         table = self._tables.setdefault(req.request_id, [])
         num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -173,11 +177,11 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register req's full blocks whose KV is now computed, so later requests can hit them."""
-        if not self.enable_prefix_caching:
-            return
+        done = self._num_registered.get(req.request_id, 0)
+        if not self.enable_prefix_caching or req.num_computed_tokens // self.block_size <= done:
+            return   # no block became full since the last call (the common decode step)
         self._extend_hashes(req)
         table = self._tables.get(req.request_id, [])
-        done = self._num_registered.get(req.request_id, 0)
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(table))
         for i in range(done, num_full):
             self.pool.register(table[i], req.block_hashes[i])
