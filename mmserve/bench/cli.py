@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mmserve.bench.workload import DEFAULT_WORK_DIR, PRESETS, ModelSource
+from mmserve.bench.workload import DEFAULT_FAMILY, DEFAULT_WORK_DIR, ModelSource
 
 
 def _ints(text: str) -> list[int]:
@@ -24,13 +24,18 @@ def _common(p: argparse.ArgumentParser, *, input_len: int, output_len: int, warm
             baseline: str) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF checkpoint directory")
-    g.add_argument("--preset", default=None, choices=PRESETS, help="write a random checkpoint of this shape")
+    g.add_argument("--family", default=None, help=f"model family of --preset (default {DEFAULT_FAMILY}): llava | "
+                   "llava_next | llava_onevision | qwen2_vl | blip2")
+    g.add_argument("--preset", default=None, help="write a random checkpoint of this shape of --family (tiny, "
+                   "llava-1.5-7b, qwen2-vl-7b, ...; docs/benchmarks.md lists them)")
     g.add_argument("--work-dir", default=DEFAULT_WORK_DIR, help="where --preset checkpoints live (reused)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default float16 on cuda, else float32)")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=int, default=input_len, help="text tokens per prompt, besides the image's")
     w.add_argument("--output-len", type=int, default=output_len)
+    w.add_argument("--image-size", type=int, default=None,
+                   help="side of the square images (default: the vision tower's input size, else 336)")
     w.add_argument("--warmup", type=int, default=warmup)
     if iters is not None:
         w.add_argument("--iters", type=int, default=iters)
@@ -78,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-requests", type=int, default=64, help="per sweep point")
     srv.add_argument("--max-duration", type=float, default=120.0, help="seconds per point before it stops sending")
     srv.add_argument("--request-timeout", type=float, default=300.0)
-    srv.add_argument("--image-size", type=int, default=None, help="default: the model's, else 336")
     srv.add_argument("--same-image", action="store_true", help="one image for all requests (cache hits)")
     return parser
 
@@ -92,8 +96,10 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
 
 def _source(args: argparse.Namespace, required: bool) -> ModelSource | None:
     if not required and args.model is None and args.preset is None:
+        if args.family is not None:
+            raise ValueError("--family goes with --preset")
         return None
-    return ModelSource(args.model, args.preset, args.work_dir)
+    return ModelSource(model=args.model, preset=args.preset, work_dir=args.work_dir, family=args.family)
 
 
 def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any]:
@@ -101,13 +107,15 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
     device, dtype = _device_dtype(args)
     common = dict(device=device, dtype=dtype, input_len=args.input_len, output_len=args.output_len,
                   warmup=args.warmup, baseline=args.baseline, hf_attn=args.hf_attn, seed=args.seed)
+    if args.image_size is not None and args.image_size < 1:
+        raise ValueError(f"--image-size must be >= 1, got {args.image_size}")
     if args.bench == "latency":
         from mmserve.bench.latency import LatencyConfig, run_latency
 
         cfg = LatencyConfig(source=_source(args, True), batch_sizes=args.batch_sizes, iters=args.iters,
                             prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                            bandwidth_mib=args.bandwidth_mib, **common)
+                            bandwidth_mib=args.bandwidth_mib, image_size=args.image_size, **common)
         return run_latency, cfg
     if args.bench == "throughput":
         from mmserve.bench.throughput import ThroughputConfig, run_throughput
@@ -115,13 +123,14 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
         cfg = ThroughputConfig(source=_source(args, True), num_requests=args.num_requests, iters=args.iters,
                                hf_batch_size=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               kv_cache_memory_fraction=args.kv_cache_memory_fraction, **common)
+                               kv_cache_memory_fraction=args.kv_cache_memory_fraction, image_size=args.image_size,
+                               **common)
         return run_throughput, cfg
     from mmserve.bench.serve import ServeConfig, run_serve
-    from mmserve.bench.workload import image_size_of
+    from mmserve.bench.workload import DEFAULT_IMAGE_SIZE, image_size_of
 
     source = _source(args, args.baseline == "hf")
-    image_size = args.image_size or (image_size_of(source.resolve()) if source else 336)
+    image_size = args.image_size or (image_size_of(source.resolve()) if source else DEFAULT_IMAGE_SIZE)
     cfg = ServeConfig(url=args.url, protocol=args.protocol, model_name=args.model_name,
                       request_rates=args.request_rates, concurrencies=args.concurrency,
                       num_requests=args.num_requests, max_duration_s=args.max_duration,

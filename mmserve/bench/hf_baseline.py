@@ -1,5 +1,7 @@
-"""The `transformers` baseline: `LlavaForConditionalGeneration.generate` (default attention, greedy,
-left-padded batches) on the same checkpoint, prompts, images and dtype as mmserve, timed with device syncs.
+"""The `transformers` baseline: `generate` of the checkpoint's own architecture (`config.architectures[0]`,
+e.g. `LlavaForConditionalGeneration`, `Qwen2VLForConditionalGeneration`, `Blip2ForConditionalGeneration`;
+default attention, greedy, left-padded batches) on the same checkpoint, prompts, images and dtype as
+mmserve, timed with device syncs.
 
 Every timing starts before the HF processor call, as mmserve's start before `add_request` (which
 preprocesses), so both include image preprocessing.
@@ -40,18 +42,28 @@ class _TokenClock(BaseStreamer):
         pass
 
 
+def model_class(model_dir: str) -> Any:
+    """The transformers class named by the checkpoint's `config.architectures[0]` (else the image-text Auto class)."""
+    import transformers
+
+    archs = transformers.AutoConfig.from_pretrained(model_dir).architectures or []
+    if archs and hasattr(transformers, archs[0]):
+        return getattr(transformers, archs[0])
+    return transformers.AutoModelForImageTextToText
+
+
 class HFBaseline:
-    """A loaded transformers LLaVA model and its processor on one device."""
+    """A loaded transformers vision-language model and its processor on one device."""
 
     def __init__(self, model_dir: str, device: str, dtype: str, attn_implementation: str | None = None) -> None:
         import torch
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        from transformers import AutoProcessor
 
         self.device = device
         kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, **kwargs).to(device).eval()
+        self.model = model_class(model_dir).from_pretrained(model_dir, **kwargs).to(device).eval()
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.processor.tokenizer.padding_side = "left"
         tok = self.processor.tokenizer

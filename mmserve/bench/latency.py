@@ -19,11 +19,13 @@ from mmserve.bench.roofline import decode_roofline, lm_shape, measure_copy_bandw
 from mmserve.bench.workload import (
     ModelSource,
     PromptSpec,
+    PromptTemplate,
     environment,
     free_device_memory,
     image_size_of,
     make_images,
     make_prompt,
+    model_record,
     now,
     sync,
 )
@@ -47,6 +49,7 @@ class LatencyConfig:
     kv_cache_memory_fraction: float = 0.9
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default
+    image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -169,16 +172,14 @@ def _summary(samples: list[dict], batch: int) -> dict[str, Any]:
 
 def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep and return the result record (see docs/benchmarks.md for its keys)."""
-    from transformers import AutoTokenizer
-
     model_dir = cfg.source.resolve()
     errors: list[str] = []
     mib = cfg.bandwidth_mib or (1024 if cfg.device.startswith("cuda") else 64)
     bandwidth = measure_copy_bandwidth(cfg.device, mib * 2**20)
     free_device_memory(cfg.device)  # the probe's buffers must not shrink mmserve's KV pool
     shape = lm_shape(model_dir, cfg.dtype)
-    spec = make_prompt(AutoTokenizer.from_pretrained(model_dir), cfg.input_len)
-    size = image_size_of(model_dir)
+    spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
+    size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}
     hf_attn = None
     try:
@@ -208,6 +209,7 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     config = asdict(cfg)
     config["hf_attn_used"] = hf_attn
     return {"schema": "mmserve-bench/1", "bench": "latency", "env": environment(cfg.device, argv),
-            "config": config, "model": {"path": model_dir, "preset": cfg.source.preset, "dtype": cfg.dtype,
-                                        "text_tokens": spec.text_tokens, "lm": shape_record(shape)},
+            "config": config, "model": {**model_record(cfg.source, model_dir), "dtype": cfg.dtype,
+                                        "image_size": size, "text_tokens": spec.text_tokens,
+                                        "lm": shape_record(shape)},
             "bandwidth": bandwidth, "results": results, "errors": errors}

@@ -35,7 +35,11 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 def _preamble(result: dict[str, Any]) -> list[str]:
     env, model = result["env"], result.get("model", {})
-    where = f"random `{model['preset']}` checkpoint" if model.get("preset") else f"`{model.get('path')}`"
+    if model.get("preset"):
+        family = f"`{model['family']}` " if model.get("family") else ""
+        where = f"random {family}`{model['preset']}` checkpoint"
+    else:
+        where = f"`{model.get('path')}`"
     return [f"### `mmserve bench {result['bench']}` — {env['date']}", "",
             f"- command: `{env['command']}`",
             f"- device: {env.get('device_name')} (`{env['device']}`), torch {env.get('torch')}, "

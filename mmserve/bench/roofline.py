@@ -13,7 +13,12 @@ from mmserve.bench.workload import now, sync, torch_dtype
 
 @dataclass(frozen=True)
 class LMShape:
-    """Sizes of the language model that a decode step reads (the vision tower is not run in decode)."""
+    """Sizes of the language model that a decode step reads (the vision tower is not run in decode).
+
+    Llama-style decoders (llava's Llama/Mistral, Qwen2, Qwen2-VL's text model) keep the defaults but for
+    Qwen2's q/k/v biases; OPT (BLIP-2) has biases on every linear, a two-matrix ReLU MLP, LayerNorms with a
+    shift, and optionally a word-embedding width other than `hidden` (project_in/out, lm_head of that width).
+    """
 
     hidden: int
     intermediate: int
@@ -23,31 +28,58 @@ class LMShape:
     head_dim: int
     vocab: int
     dtype_bytes: int
+    mlp_matrices: int = 3          # gate/up/down (SwiGLU) or fc1/fc2
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    layer_norm: bool = False       # LayerNorm (scale + shift) instead of RMSNorm (scale)
+    final_norm: bool = True
+    embed_dim: int | None = None   # word-embedding width when it differs from hidden (OPT-350m style)
 
     @property
     def weight_bytes(self) -> int:
-        """Every LM matrix is read once per step; of the embedding table only B rows (ignored)."""
+        """Every LM matrix, bias and norm is read once per step; of the embedding tables only B rows (ignored)."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h  # q, k, v, o, gate/up/down, 2 norms
-        return (self.layers * per_layer + h + self.vocab * h) * self.dtype_bytes  # + final norm + lm_head
+        norm = 2 * h if self.layer_norm else h
+        per_layer = h * q + 2 * h * kv + q * h + self.mlp_matrices * h * i + 2 * norm  # q, k, v, o, MLP, 2 norms
+        per_layer += (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
+        e = self.embed_dim or h
+        head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
+        return (self.layers * per_layer + head) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config.json: `text_config` (llava*, qwen2_vl, blip2's OPT), else itself."""
+    return cfg.get("text_config") or cfg
+
+
 def lm_shape(model_dir: str, dtype: str) -> LMShape:
-    """Read the text model's sizes from a llava-style (or plain decoder) config.json."""
+    """Read the text model's sizes from a vision-language (or plain decoder) config.json."""
     import torch
 
-    cfg: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
+    text = text_config(json.loads((Path(model_dir) / "config.json").read_text()))
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
-    return LMShape(hidden=hidden, intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]),
-                   heads=heads, kv_heads=int(text.get("num_key_value_heads") or heads),
-                   head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
-                   dtype_bytes=torch.finfo(torch_dtype(dtype)).bits // 8)
+    common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
+                  head_dim=int(text.get("head_dim") or hidden // heads),
+                  dtype_bytes=torch.finfo(torch_dtype(dtype)).bits // 8)
+    if text.get("model_type") == "opt":
+        bias = bool(text.get("enable_bias", True))
+        return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,
+                       o_bias=bias, mlp_bias=bias, layer_norm=True,
+                       final_norm=bool(text.get("do_layer_norm_before", True))
+                       and not text.get("_remove_final_layer_norm", False),
+                       embed_dim=int(text.get("word_embed_proj_dim") or hidden))
+    attention_bias = bool(text.get("attention_bias", False))
+    return LMShape(**common, intermediate=int(text["intermediate_size"]),
+                   kv_heads=int(text.get("num_key_value_heads") or heads),
+                   qkv_bias=attention_bias or "qwen2" in str(text.get("model_type", "")), o_bias=attention_bias,
+                   mlp_bias=bool(text.get("mlp_bias", False)))
 
 
 def measure_copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:

@@ -5,7 +5,8 @@ completions stream). Sweeps Poisson request rates and closed-loop concurrencies;
 `num_requests` requests and launches none after `max_duration_s` (each request is cut at `request_timeout_s`).
 Per point: TTFT, inter-token latency (gaps between streamed chunks), TPOT and end-to-end p50/p99, output
 tok/s and requests/s. The transformers baseline, when asked for, runs in this process as a static-batching
-server emulation: for concurrency C, the same requests go through `generate` in batches of C.
+server emulation: for concurrency C, the same requests go through `generate` in batches of C, each prompt the
+user text in the checkpoint's own chat template (as the OpenAI frontend builds it).
 """
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from mmserve.bench.workload import ModelSource, environment, make_filler, make_images, now
+from mmserve.bench.workload import (
+    ModelSource,
+    PromptTemplate,
+    environment,
+    make_filler,
+    make_images,
+    model_record,
+    now,
+)
 
 PROTOCOLS = ("triton-http", "triton-grpc", "openai")
 
@@ -306,13 +315,11 @@ def _point_images(cfg: ServeConfig, index: int) -> list[Any]:
 
 def run_serve(cfg: ServeConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Warm up, run the rate sweep then the concurrency sweep; return the result record."""
-    tokenizer = model_dir = None
+    template = model_dir = None
     if cfg.source is not None:
-        from transformers import AutoTokenizer
-
         model_dir = cfg.source.resolve()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    text = make_filler(tokenizer, cfg.input_len)
+        template = PromptTemplate(model_dir)
+    text = make_filler(template.tokenizer if template else None, cfg.input_len)
     cfg.model_name = cfg.model_name or asyncio.run(_resolve_model_name(cfg))
     errors: list[str] = []
     warm = [_data_uri(im) for im in make_images(cfg.warmup, cfg.image_size, seed=cfg.seed + 999_983)]
@@ -332,22 +339,21 @@ def run_serve(cfg: ServeConfig, argv: list[str] | None = None) -> dict[str, Any]
         (rate_sweep if conc is None else conc_sweep).append(row)
     if cfg.baseline == "hf" and conc_sweep:
         try:
-            _hf_sweep(cfg, model_dir, text, conc_sweep, first_index=len(cfg.request_rates))
+            assert model_dir is not None and template is not None
+            _hf_sweep(cfg, model_dir, template.wrap(text), conc_sweep, first_index=len(cfg.request_rates))
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     env = environment(cfg.device, argv)  # the machine the load generator ran on
     return {"schema": "mmserve-bench/1", "bench": "serve", "env": env, "config": asdict(cfg),
-            "model": {"path": model_dir, "preset": cfg.source.preset if cfg.source else None,
-                      "served_name": cfg.model_name, "input_len_exact": tokenizer is not None},
+            "model": {**model_record(cfg.source, model_dir), "served_name": cfg.model_name,
+                      "input_len_exact": template is not None},
             "results": {"rate_sweep": rate_sweep, "concurrency_sweep": conc_sweep}, "errors": errors}
 
 
-def _hf_sweep(cfg: ServeConfig, model_dir: str | None, text: str, rows: list[dict], first_index: int) -> None:
+def _hf_sweep(cfg: ServeConfig, model_dir: str, prompt: str, rows: list[dict], first_index: int) -> None:
     from mmserve.bench.hf_baseline import HFBaseline
 
-    assert model_dir is not None
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
-    prompt = f"USER: <image>\n{text} ASSISTANT:"  # what the llava servers build around the user text
     try:
         hf.generate([prompt], make_images(1, cfg.image_size, seed=7), 2)  # warmup
         for k, row in enumerate(rows):

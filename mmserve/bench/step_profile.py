@@ -9,23 +9,24 @@ import time
 
 import torch
 
-from mmserve.bench.workload import ModelSource, image_size_of, make_images, make_prompt
+from mmserve.bench.workload import ModelSource, PromptTemplate, image_size_of, make_images, make_prompt
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="mmserve.bench.step_profile")
     ap.add_argument("--model")
     ap.add_argument("--preset")
+    ap.add_argument("--family", default=None, help="family of --preset (default llava)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--dtype", default="float16")
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 
-    model_dir = ModelSource(model=args.model, preset=args.preset).resolve()
+    model_dir = ModelSource(model=args.model, preset=args.preset, family=args.family).resolve()
     llm = LLM(model_dir, dtype=args.dtype, device="cuda")   # distinct images below: no prefix hits in decode
     engine = llm.engine
-    spec = make_prompt(engine.tokenizer, 24)
+    spec = make_prompt(PromptTemplate(model_dir), 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for seed in (98, 99):   # the first run warms up kernels; the second is reported
         _ttft_breakdown(engine, spec.text, make_images(1, image_size_of(model_dir), seed=seed)[0])

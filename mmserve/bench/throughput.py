@@ -14,11 +14,13 @@ from tqdm import tqdm
 from mmserve.bench.workload import (
     ModelSource,
     PromptSpec,
+    PromptTemplate,
     environment,
     free_device_memory,
     image_size_of,
     make_images,
     make_prompt,
+    model_record,
     now,
     sync,
 )
@@ -43,6 +45,7 @@ class ThroughputConfig:
     prefix_caching: bool = True          # mmserve default; images are distinct, so no hits either way
     kv_cache_memory_fraction: float = 0.9
     hf_attn: str | None = None
+    image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -128,11 +131,10 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: lis
 
 def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run mmserve (and the baseline) over the same requests; return the result record."""
-    from transformers import AutoTokenizer
-
     model_dir = cfg.source.resolve()
-    spec = make_prompt(AutoTokenizer.from_pretrained(model_dir), cfg.input_len)
-    images = make_images(cfg.num_requests, image_size_of(model_dir), seed=cfg.seed)
+    spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
+    size = cfg.image_size or image_size_of(model_dir)
+    images = make_images(cfg.num_requests, size, seed=cfg.seed)
     results: dict[str, Any] = {}
     errors: list[str] = []
     try:
@@ -149,6 +151,6 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
         results["ratio"] = {"output_tok_s": m["output_tok_s"] / h["output_tok_s"],
                             "requests_per_s": m["requests_per_s"] / h["requests_per_s"]}
     return {"schema": "mmserve-bench/1", "bench": "throughput", "env": environment(cfg.device, argv),
-            "config": asdict(cfg), "model": {"path": model_dir, "preset": cfg.source.preset, "dtype": cfg.dtype,
-                                             "text_tokens": spec.text_tokens},
+            "config": asdict(cfg), "model": {**model_record(cfg.source, model_dir), "dtype": cfg.dtype,
+                                             "image_size": size, "text_tokens": spec.text_tokens},
             "results": results, "errors": errors}

@@ -1,11 +1,15 @@
-"""What every bench shares: the model source (checkpoint dir or preset), the prompts (1 image + N text
-tokens), distinct synthetic images, device timing, and the environment record of a run.
+"""What every bench shares: the model source (checkpoint dir, or a family's preset), the prompts (1 image +
+N text tokens in the checkpoint's own chat template), distinct synthetic images, device timing, and the
+environment record of a run.
 
-Imports only torch/transformers/PIL lazily, so `mmserve bench serve` runs without a model stack.
+Imports only torch/transformers/PIL (and the checkpoint writers of `mmserve.testing`) lazily, so
+`mmserve bench serve` runs without a model stack.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
+import json
 import os
 import platform
 import shlex
@@ -16,26 +20,46 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny", "tiny-mha", "llava-1.5-7b")
+DEFAULT_FAMILY = "llava"
 DEFAULT_WORK_DIR = "/tmp/mmserve-bench"
+DEFAULT_IMAGE_SIZE = 336     # families without a fixed vision input size (qwen2_vl's dynamic resolution)
 FILLER_WORDS = (" the", " a", " image", " is", " and", " of")
+
+
+def family_presets(family: str) -> tuple[str, ...]:
+    """The preset names of a family of `mmserve.testing.FAMILIES`; ValueError naming the known families."""
+    from mmserve.testing import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}")
+    module = importlib.import_module(FAMILIES[family].split(":")[0])
+    return tuple(module.PRESETS)
 
 
 @dataclass
 class ModelSource:
-    """A checkpoint directory, or a preset whose random checkpoint is written once into work_dir."""
+    """A checkpoint directory, or a family's preset whose random checkpoint is written once into
+    `work_dir/<family>-<preset>`."""
 
-    model: str | None = None        # HF checkpoint directory
-    preset: str | None = None       # tiny | tiny-mha | llava-1.5-7b
+    model: str | None = None        # HF checkpoint directory (its config.json names the family)
+    preset: str | None = None       # a preset of `family`, e.g. tiny | qwen2-vl-7b | blip2-opt-2.7b
     work_dir: str = DEFAULT_WORK_DIR
+    family: str | None = None       # with preset: a key of mmserve.testing.FAMILIES (None = llava)
 
     def __post_init__(self) -> None:
         if self.model is None and self.preset is None:
             raise ValueError("give --model DIR or --preset NAME")
         if self.model is not None and self.preset is not None:
             raise ValueError("give either --model or --preset, not both")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+        if self.model is not None:
+            if self.family is not None:
+                raise ValueError("--family goes with --preset; a --model checkpoint's family is in its config.json")
+            return
+        self.family = self.family or DEFAULT_FAMILY
+        presets = family_presets(self.family)
+        if self.preset not in presets:
+            raise ValueError(f"unknown {self.family} preset {self.preset!r}; {self.family} presets: "
+                             f"{', '.join(presets)}")
 
     def resolve(self) -> str:
         """The checkpoint directory; a preset's checkpoint is built on first use and reused after."""
@@ -43,19 +67,30 @@ class ModelSource:
             if not (Path(self.model) / "config.json").is_file():
                 raise FileNotFoundError(f"{self.model} has no config.json")
             return self.model
-        target = Path(self.work_dir) / self.preset
+        assert self.preset is not None and self.family is not None
+        target = Path(self.work_dir) / f"{self.family}-{self.preset}"
         if (target / ".complete").is_file():
             return str(target)
-        from mmserve.testing import make_llava_checkpoint
+        from mmserve.testing import make_checkpoint
 
         tmp = Path(f"{target}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"writing a random {self.preset} checkpoint to {target} (once) ...", file=sys.stderr, flush=True)
-        make_llava_checkpoint(tmp, preset=self.preset)
+        print(f"writing a random {self.family} {self.preset} checkpoint to {target} (once) ...", file=sys.stderr,
+              flush=True)
+        make_checkpoint(self.family, tmp, preset=self.preset)
         (tmp / ".complete").write_text("ok\n")
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp, target)
         return str(target)
+
+
+def model_record(source: ModelSource | None, model_dir: str | None) -> dict[str, Any]:
+    """What the result JSON says about the checkpoint: path, family, preset and HF architecture."""
+    arch = None
+    if model_dir is not None:
+        arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    return {"path": model_dir, "family": source.family if source else None,
+            "preset": source.preset if source else None, "architecture": arch}
 
 
 def default_device() -> str:
@@ -105,15 +140,11 @@ def free_device_memory(device: str) -> None:
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One llava-1.5 style prompt: `USER: <image>\\n` + filler + ` ASSISTANT:` with `text_tokens` text tokens."""
+    """One prompt: the user text wrapped by the checkpoint's chat template around one image."""
 
-    text: str            # full prompt with one <image> placeholder
+    text: str            # full prompt, with the image placeholder where the template puts it (none: BLIP-2)
     filler: str          # the user text alone (what a server request sends)
-    text_tokens: int     # tokens of `text` besides the image placeholder (BOS included)
-
-
-def _count_tokens(tokenizer: Any, text: str) -> int:
-    return len(tokenizer(text).input_ids)
+    text_tokens: int     # tokens of `text` besides the image placeholder (special tokens and template included)
 
 
 def _single_token_word(tokenizer: Any) -> str:
@@ -129,13 +160,50 @@ def make_filler(tokenizer: Any | None, n_tokens: int) -> str:
     return (word * max(n_tokens, 0)).strip()
 
 
-def make_prompt(tokenizer: Any, input_len: int, image_token: str = "<image>") -> PromptSpec:
+class PromptTemplate:
+    """How a checkpoint turns user text + one image into its prompt, from its own processor.
+
+    With a chat template (every family but BLIP-2): `apply_chat_template` of one user turn holding an image
+    part and a text part, plus the generation prompt. Without one: `Question: <text> Answer:`, with the
+    processor's image placeholder in front unless the processor inserts the image tokens itself (BLIP-2).
+    """
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.image_token: str = getattr(self.processor, "image_token", None) or "<image>"
+        self.chat_template = getattr(self.processor, "chat_template", None)
+        self.placeholder_in_prompt = True
+        if not self.chat_template:
+            from transformers import AutoConfig
+
+            from mmserve.models.registry import get_model_class
+
+            model_cls = get_model_class(AutoConfig.from_pretrained(model_dir))
+            self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
+
+    def wrap(self, text: str) -> str:
+        """The full prompt of one image + the user `text`."""
+        if self.chat_template:
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        image = f"{self.image_token}\n" if self.placeholder_in_prompt else ""
+        return f"{image}Question: {text} Answer:"
+
+    def text_tokens(self, prompt: str) -> int:
+        """Tokens of `prompt` as the processor tokenizes it (special tokens added), minus its image placeholders."""
+        placeholders = prompt.count(self.image_token) if self.placeholder_in_prompt else 0
+        return len(self.tokenizer(prompt).input_ids) - placeholders
+
+
+def make_prompt(template: PromptTemplate, input_len: int) -> PromptSpec:
     """The prompt whose text (all tokens but the image's) is `input_len` tokens, or as close as the template allows."""
-    template = "USER: " + image_token + "\n{} ASSISTANT:"
-    word = _single_token_word(tokenizer)
+    word = _single_token_word(template.tokenizer)
 
     def text_tokens(k: int) -> int:
-        return _count_tokens(tokenizer, template.format((word * k).strip())) - 1  # minus the <image> token
+        return template.text_tokens(template.wrap((word * k).strip()))
 
     k = max(0, input_len - text_tokens(0))
     for _ in range(8):  # a filler word is one token, so this settles in one or two tries
@@ -144,15 +212,14 @@ def make_prompt(tokenizer: Any, input_len: int, image_token: str = "<image>") ->
             break
         k = max(0, k + input_len - got)
     filler = (word * k).strip()
-    return PromptSpec(template.format(filler), filler, text_tokens(k))
+    return PromptSpec(template.wrap(filler), filler, text_tokens(k))
 
 
 def image_size_of(model_dir: str) -> int:
-    """The vision tower's input side (336 for llava-1.5), so images need no up/down-scaling cost surprises."""
-    import json
-
+    """The side of the square bench images: the vision tower's input size where the config fixes one (llava
+    336, llava_next 336 (its anyres then tiles it), llava_onevision 384, blip2 224), else 336 (qwen2_vl)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("vision_config", {}).get("image_size", 336))
+    return int((cfg.get("vision_config") or {}).get("image_size") or DEFAULT_IMAGE_SIZE)
 
 
 def make_images(n: int, size: int, seed: int = 0) -> list[Any]:

@@ -1,4 +1,5 @@
-"""`mmserve bench` end to end on CPU with the tiny checkpoint: JSON keys, positive numbers, markdown and plots.
+"""`mmserve bench` end to end on CPU with tiny checkpoints (llava, and `--family qwen2_vl` / `blip2` presets):
+JSON keys, positive numbers, markdown and plots.
 
 Timings here only have to exist and be positive; their values are never checked (DESIGN §5).
 """
@@ -15,7 +16,7 @@ from mmserve.bench.cli import main
 from mmserve.bench.report import write_outputs
 from mmserve.bench.roofline import lm_shape
 from mmserve.bench.serve import ServeConfig
-from mmserve.bench.workload import ModelSource, make_prompt
+from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_FRONTENDS = all(importlib.util.find_spec(f"mmserve.entrypoints.{m}") is not None
@@ -82,9 +83,82 @@ def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_ll
     assert _positive(res["ratio"]["output_tok_s"]) and _positive(res["ratio"]["requests_per_s"])
 
 
+# ---- other families: --family NAME --preset tiny, the transformers baseline by config.architectures ----
+
+# family -> (--input-len: at least its template's own tokens with the tiny BPE, HF architecture)
+FAMILY_CASES = {"qwen2_vl": (56, "Qwen2VLForConditionalGeneration"),
+                "blip2": (20, "Blip2ForConditionalGeneration")}
+
+
+@pytest.fixture(scope="module")
+def family_work_dir(tmp_path_factory) -> str:
+    """One --work-dir for the module, so each family's tiny preset is written once for both benches."""
+    return str(tmp_path_factory.mktemp("bench-families"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_latency_bench_runs_a_family_preset_against_its_transformers_class(family, family_work_dir, tmp_path):
+    input_len, arch = FAMILY_CASES[family]
+    rc = main(["latency", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir, "--device", "cpu",
+               "--batch-sizes", "1", "--input-len", str(input_len), "--output-len", "2", "--warmup", "0",
+               "--iters", "1", "--baseline", "hf", "--out", str(tmp_path / "r.json")])
+    assert rc == 0
+    result = _strict_json(tmp_path / "r.json")
+    assert result["errors"] == []
+    model = result["model"]
+    assert (model["family"], model["preset"], model["architecture"]) == (family, "tiny", arch)
+    assert Path(model["path"]).name == f"{family}-tiny" and model["text_tokens"] == input_len
+    assert [r["batch_size"] for r in result["results"]] == [1]  # batches of 2: the throughput test below
+    for row in result["results"]:
+        for engine in ("mmserve", "hf"):
+            assert all(_positive(row[engine][k]) for k in ("ttft_ms", "decode_ms_per_step", "decode_tok_s"))
+        assert row["mmserve"]["prompt_tokens"] == row["hf"]["prompt_tokens"] > input_len  # + the image's tokens
+        assert _positive(row["roofline"]["ms_per_step"])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(family, family_work_dir, tmp_path):
+    input_len, _ = FAMILY_CASES[family]
+    rc = main(["throughput", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir, "--device", "cpu",
+               "--num-requests", "2", "--input-len", str(input_len), "--output-len", "4", "--hf-batch-size", "2",
+               "--warmup", "0", "--baseline", "hf", "--out", str(tmp_path / "r.json")])
+    assert rc == 0
+    result = _strict_json(tmp_path / "r.json")
+    assert result["errors"] == [] and result["model"]["family"] == family
+    res = result["results"]
+    for engine in ("mmserve", "hf"):
+        assert res[engine]["num_requests"] == 2 and res[engine]["output_tokens"] == 8
+        assert _positive(res[engine]["output_tok_s"])
+    assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
+
+
+def test_unknown_preset_or_family_is_refused_naming_the_known_ones(capsys):
+    assert main(["latency", "--family", "qwen2_vl", "--preset", "llava-1.5-7b", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown qwen2_vl preset 'llava-1.5-7b'" in err and "qwen2-vl-7b" in err and "qwen2.5-vl-7b" in err
+    assert main(["throughput", "--family", "gpt2", "--preset", "tiny", "--device", "cpu"]) == 2
+    assert "unknown model family 'gpt2'" in capsys.readouterr().err
+    assert main(["latency", "--family", "blip2", "--model", "/nonexistent", "--device", "cpu"]) == 2
+    assert "--family goes with --preset" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="blip2 presets: tiny, blip2-opt-2.7b"):
+        ModelSource(family="blip2", preset="large")
+
+
+def test_prompts_follow_each_checkpoint_s_own_template(family_work_dir):
+    qwen = PromptTemplate(ModelSource(family="qwen2_vl", preset="tiny", work_dir=family_work_dir).resolve())
+    spec = make_prompt(qwen, 60)
+    assert spec.text.count("<|vision_start|><|image_pad|><|vision_end|>") == 1
+    assert spec.text.endswith("<|im_start|>assistant\n") and spec.text_tokens == 60
+    blip2 = PromptTemplate(ModelSource(family="blip2", preset="tiny", work_dir=family_work_dir).resolve())
+    spec = make_prompt(blip2, 24)
+    assert spec.text.startswith("Question: ") and spec.text.endswith(" Answer:") and "<image>" not in spec.text
+    assert spec.text_tokens == len(blip2.tokenizer(spec.text).input_ids) == 24
+
+
 def test_preset_checkpoint_is_written_once_then_reused(tmp_path):
     source = ModelSource(preset="tiny", work_dir=str(tmp_path))
     first = Path(source.resolve())
+    assert first.name == "llava-tiny" and source.family == "llava"
     stamp = (first / "config.json").stat().st_mtime_ns
     assert Path(source.resolve()) == first and (first / "config.json").stat().st_mtime_ns == stamp
     assert not Path(f"{first}.partial").exists()
@@ -94,20 +168,57 @@ def test_prompt_has_exactly_the_asked_text_tokens(tiny_llava_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    template = PromptTemplate(tiny_llava_dir)
     for n in (16, 40, 128):
-        spec = make_prompt(tok, n)
+        spec = make_prompt(template, n)
         assert spec.text_tokens == n and spec.text.count("<image>") == 1
+        assert spec.text == f"USER: <image>\n{spec.filler} ASSISTANT:"  # llava-1.5's own chat template
         assert len(tok(spec.text).input_ids) - 1 == n
 
 
-def test_roofline_weight_bytes_match_the_transformers_language_model(tiny_llava_dir):
-    from transformers import LlavaForConditionalGeneration
+def _all_presets() -> list[tuple[str, str]]:
+    from mmserve.bench.workload import family_presets
+    from mmserve.testing import FAMILIES
 
-    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir)
-    lm = [p for n, p in model.named_parameters()
-          if ("language_model" in n or n.startswith("lm_head")) and "embed_tokens" not in n]
-    assert lm_shape(tiny_llava_dir, "float32").weight_bytes == sum(p.numel() * 4 for p in lm)
-    assert lm_shape(tiny_llava_dir, "float16").weight_bytes == sum(p.numel() * 2 for p in lm)
+    return [(f, p) for f in FAMILIES for p in family_presets(f)]
+
+
+def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
+    """Bytes of the language model's parameters but its embedding tables (a tied lm_head counts once more)."""
+    return dtype_bytes * sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
+                             if (not vlm or "language_model" in n or n.startswith("lm_head"))
+                             and "embed_tokens" not in n and "embed_positions" not in n)
+
+
+@pytest.mark.parametrize(("family", "preset"), _all_presets())
+def test_roofline_weight_bytes_match_the_transformers_language_model(family, preset, tmp_path):
+    import importlib
+
+    import torch
+    import transformers
+
+    from mmserve.testing import FAMILIES
+
+    config = getattr(importlib.import_module(FAMILIES[family].split(":")[0]), f"{family}_config")(preset)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):  # shapes only: the 7B presets cost no memory
+        model = getattr(transformers, config.architectures[0])(config)
+    for dtype, nbytes in (("float32", 4), ("float16", 2)):
+        assert lm_shape(str(tmp_path), dtype).weight_bytes == _lm_bytes(model, nbytes, vlm=True), dtype
+
+
+@pytest.mark.parametrize("variant", [{"do_layer_norm_before": False},       # post-LN, no final norm
+                                     {"word_embed_proj_dim": 24, "tie_word_embeddings": False}])  # project_in/out
+def test_roofline_weight_bytes_of_opt_variants(variant, tmp_path):
+    import torch
+    import transformers
+
+    config = transformers.OPTConfig(vocab_size=96, hidden_size=36, num_hidden_layers=2, num_attention_heads=2,
+                                    ffn_dim=52, max_position_embeddings=64, **variant)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.OPTForCausalLM(config)
+    assert lm_shape(str(tmp_path), "float32").weight_bytes == _lm_bytes(model, 4, vlm=False)
 
 
 def test_markdown_file_gets_each_run_appended(tmp_path):
