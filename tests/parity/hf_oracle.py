@@ -54,7 +54,8 @@ def assert_matches_oracle(out: RequestOutput, oracle: tuple[list[int], list[int]
     assert out.outputs[0].token_ids == ref_ids
     for step, entry in enumerate(out.outputs[0].logprobs):
         for tok, lp in entry.items():
-            assert abs(lp.logprob - ref_lp[step, tok].item()) < tol, (step, tok)
+            ref = ref_lp[step, tok].item()
+            assert abs(lp.logprob - ref) < tol, f"step {step}, token {tok}: {lp.logprob:.6f} vs oracle {ref:.6f}"
 
 
 def check_against_hf(model_dir: str, prompt: dict, out: RequestOutput, n: int, device: str = "cpu",
