@@ -61,9 +61,9 @@ def llm(qwen_dir) -> LLM:
     return LLM(qwen_dir, device="cpu", dtype="float32", block_size=4)
 
 
-def _check(model_dir: str, prompt: dict, out, videos: list | None = None) -> None:
+def _check(model_dir: str, prompt: dict, out, videos: list | None = None, device: str = "cpu") -> None:
     """videos: the decoded frames HF should see (when the prompt gives encoded bytes)."""
-    check_against_hf(model_dir, prompt, out, N, videos=videos)
+    check_against_hf(model_dir, prompt, out, N, device, videos=videos)
 
 
 def _image_runs(llm: LLM, prompt: dict) -> list[tuple[int, int]]:
@@ -114,8 +114,10 @@ def test_real_video_matches_transformers(qwen_dir, llm):
     _check(qwen_dir, prompt, out, videos=[frames])
 
 
-def test_batch_with_staggered_arrivals_and_text_only_requests(qwen_dir):
-    llm = LLM(qwen_dir, device="cpu", dtype="float32", enable_prefix_caching=False)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batch_with_staggered_arrivals_and_text_only_requests(qwen_dir, device):
+    """On CUDA the decode steps replay CUDA graphs with 3-axis M-RoPE positions."""
+    llm = LLM(qwen_dir, device=device, dtype="float32", enable_prefix_caching=False)
     engine = llm.engine
     prompts = [
         {"prompt": _chat("Hello, who are you?")},
@@ -125,8 +127,9 @@ def test_batch_with_staggered_arrivals_and_text_only_requests(qwen_dir):
         {"prompt": _chat(f"{IMG}{IMG}two"), "images": [make_test_image(8, (28, 56)), make_test_image(9, (112, 84))]},
     ]
     for prompt, out in zip(prompts, run_staggered(engine, prompts, GREEDY)):
-        _check(qwen_dir, prompt, out)
+        _check(qwen_dir, prompt, out, device=device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert device == "cpu" or engine.runner.graphs is not None
 
 
 def test_same_image_hits_the_prefix_cache_with_right_positions(qwen_dir, llm):
