@@ -13,6 +13,7 @@ from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.clip import CLIPEncoderLayer
 from mmserve.models.opt import OPTForCausalLM
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.processors import placeholder_runs
@@ -70,30 +71,6 @@ class Blip2VisionAttention(nn.Module):
         return self.projection(_attend(q, k, v, self.num_heads))
 
 
-class Blip2MLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.fc1 = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc2 = ReplicatedLinear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = get_act_fn(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Blip2EncoderLayer(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.self_attn = Blip2VisionAttention(config)
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = Blip2MLP(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
 class _Stack(nn.Module):
     """Holds a ModuleList under the attribute name the checkpoint uses (`layers` or `layer`)."""
 
@@ -106,7 +83,7 @@ class Blip2VisionModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embeddings = Blip2VisionEmbeddings(config)
-        self.encoder = _Stack("layers", [Blip2EncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.encoder = _Stack("layers", [CLIPEncoderLayer(config, Blip2VisionAttention) for _ in range(config.num_hidden_layers)])
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,11 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    """Pre-LN ViT block; `attention` lets towers with another attention layout (BLIP-2's fused qkv) reuse it."""
+
+    def __init__(self, config, attention: type[nn.Module] = CLIPAttention) -> None:
         super().__init__()
-        self.self_attn = CLIPAttention(config)
+        self.self_attn = attention(config)
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = CLIPMLP(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

@@ -1,0 +1,155 @@
+"""OpenAI request -> engine prompt + SamplingParams: body parsing, validation and parameter mapping.
+
+Every problem is raised as an OpenAIError 400 (404 for an unknown model) naming the OpenAI parameter.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.entrypoints.state import ServerState
+from mmserve.sampling_params import SamplingParams
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(exc: ValidationError) -> OpenAIError:
+    """One 400 naming the most specific failing parameter (union branches add noise otherwise)."""
+    errors = [(_clean_loc(err["loc"]), err["msg"]) for err in exc.errors()]
+    # drop an error when another one points deeper into the same value
+    kept = [(loc, msg) for loc, msg in errors
+            if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in errors)]
+    seen: set[str] = set()
+    parts = []
+    for loc, msg in kept:
+        text = f"{_param_name(loc)}: {msg}" if loc else msg
+        if text not in seen:
+            seen.add(text)
+            parts.append(text)
+    return OpenAIError(400, "; ".join(parts) or "invalid request", param=_param_name(kept[0][0]) if kept else None)
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    """Drop pydantic's union-branch markers such as 'str' or 'list[tagged-union[...]]' from a location."""
+    keep = []
+    for part in loc:
+        if isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+                                      or part[:1].isupper()):
+            continue
+        keep.append(part)
+    return tuple(keep)
+
+
+def _param_name(loc: tuple) -> str:
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if not state.has_model(name):
+        raise OpenAIError(404, f"The model `{name}` does not exist. Served models: {', '.join(state.model_names)}",
+                          param="model", code="model_not_found")
+
+
+def _unsupported(value: Any, param: str, what: str) -> None:
+    if value:
+        raise OpenAIError(400, f"{param}: {what} is not supported by this server", param=param)
+
+
+def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    _unsupported(req.logit_bias, "logit_bias", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    kw: dict[str, Any] = dict(
+        n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        stop=req.stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _sampling_params(kw: dict[str, Any], param_names: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**kw); its ValueError becomes a 400 naming the OpenAI parameter."""
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        field = str(e).split(" ", 1)[0]
+        raise OpenAIError(400, str(e), param=param_names.get(field, field)) from None
+
+
+def _default_max_tokens(state: ServerState) -> int:
+    return state.engine.engine.max_model_len  # the engine clamps it to what is left after the prompt
+
+
+def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
+    _unsupported(req.tools, "tools", "tool calling")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    kw = _common_kwargs(req)
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    kw["max_tokens"] = given if given is not None else _default_max_tokens(state)
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
+    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+             "logprobs": "top_logprobs"}
+    return _sampling_params(kw, names)
+
+
+def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
+    _unsupported(req.suffix, "suffix", "suffix")
+    if req.best_of not in (None, 1):
+        raise OpenAIError(400, f"best_of must be 1, got {req.best_of}", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    kw = _common_kwargs(req)
+    kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
+    kw["logprobs"] = req.logprobs
+    return _sampling_params(kw, {})
+
+
+def chat_prompt(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
+    try:
+        prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in req.messages])
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(400, f"messages: {e}", param="messages") from None
+    except Exception as e:  # jinja2 TemplateError and the like: the template rejected these messages
+        raise OpenAIError(400, f"messages: the chat template cannot render these messages: {e}",
+                          param="messages") from None
+    return prompt
+
+
+def completion_prompt(req: CompletionRequest) -> dict[str, Any]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise OpenAIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", param="prompt")
+    return {"prompt_token_ids": list(prompt)}

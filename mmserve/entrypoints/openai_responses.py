@@ -1,0 +1,137 @@
+"""Pure building of OpenAI answers from engine outputs: error bodies, response bodies, SSE stream chunks,
+usage and logprobs. No I/O and no engine calls; openai_api.py runs the requests and sends these.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from mmserve.entrypoints.openai_protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, ErrorInfo, ErrorResponse,
+    PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+from mmserve.outputs import Logprob, RequestOutput
+
+_RETRY_AFTER_S = "1"
+
+
+class OpenAIError(Exception):
+    """An error answer in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": _RETRY_AFTER_S} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass
+class ResponseContext:
+    """What every chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    logprobs: bool
+    echo: str = ""         # completions with echo: the prompt text, sent first
+
+
+# ---- whole (non-streamed) responses --------------------------------------------------------
+
+def chat_response(ctx: ResponseContext, out: RequestOutput) -> ChatCompletionResponse:
+    comp = out.outputs[0]
+    choice = ChatChoice(message=AssistantMessage(content=comp.text), finish_reason=comp.finish_reason,
+                        logprobs=ChatLogprobs(content=chat_logprobs(comp.logprobs)) if ctx.logprobs else None)
+    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
+                                  usage=usage_of(out))
+
+
+def completion_response(ctx: ResponseContext, out: RequestOutput) -> CompletionResponse:
+    comp = out.outputs[0]
+    logprobs = completion_logprobs(comp.logprobs, len(ctx.echo)) if ctx.logprobs else None
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, usage=usage_of(out),
+                              choices=[CompletionChoice(text=ctx.echo + comp.text, logprobs=logprobs,
+                                                        finish_reason=comp.finish_reason)])
+
+
+# ---- stream chunks (SSE events) ------------------------------------------------------------
+
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def chat_chunk(ctx: ResponseContext, delta: Delta, logprobs: list | None = None, finish: str | None = None,
+               usage: Usage | None = None) -> str:
+    """One chat.completion.chunk event; with usage, the final usage-only chunk (no choices)."""
+    if usage is not None:
+        return sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[], usage=usage))
+    lp = ChatLogprobs(content=chat_logprobs(logprobs)) if ctx.logprobs and logprobs is not None else None
+    return sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+        ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)]))
+
+
+def completion_chunk(ctx: ResponseContext, text: str, logprobs: CompletionLogprobs | None = None,
+                     finish: str | None = None, usage: Usage | None = None) -> str:
+    """One text_completion event; with usage, the final usage-only chunk (no choices)."""
+    choices = [] if usage is not None else [CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)]
+    return sse(CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage))
+
+
+# ---- usage and logprobs --------------------------------------------------------------------
+
+def usage_of(out: RequestOutput) -> Usage:
+    prompt = len(out.prompt_token_ids)
+    completion = len(out.outputs[0].token_ids)
+    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _ranked(entry: dict[int, Logprob]) -> tuple[Logprob, list[Logprob]]:
+    """(chosen token, top-k in rank order) of one engine logprob entry; the chosen id is the first key."""
+    chosen = next(iter(entry.values()))
+    top = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+    return chosen, top
+
+
+def _token_text(lp: Logprob) -> str:
+    return lp.decoded_token or ""
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]] | None) -> list[TokenLogprob]:
+    result = []
+    for entry in entries or []:
+        chosen, top = _ranked(entry)
+        result.append(TokenLogprob(
+            token=_token_text(chosen), logprob=chosen.logprob, bytes=list(_token_text(chosen).encode()),
+            top_logprobs=[TopLogprob(token=_token_text(t), logprob=t.logprob, bytes=list(_token_text(t).encode()))
+                          for t in top]))
+    return result
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]] | None, offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for entry in entries or []:
+        chosen, top = _ranked(entry)
+        token = _token_text(chosen)
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        top_map: dict[str, float] = {}
+        for t in top:  # several ids can decode to the same text (byte tokens); keep the likeliest
+            top_map.setdefault(_token_text(t), t.logprob)
+        result.top_logprobs.append(top_map)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
