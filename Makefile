@@ -2,12 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# CPU machines: pinned torch/torchvision from the local wheel store. GPU machines: keep the system torch
-# (make TORCH_SPEC= ... with a venv created by --system-site-packages).
+# CPU machines: pinned torch/torchvision from the local wheel store. GPU machines: `make TORCH_SPEC= serve`
+# keeps the system's torch (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q $(TORCH_SPEC))
 	$(PY) -m pip install -q -e ".[test]"
