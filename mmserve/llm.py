@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm import tqdm
@@ -38,6 +39,7 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill))
         self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
         self._ids = itertools.count()
+        self._preprocess = ThreadPoolExecutor(4, thread_name_prefix="mmserve-llm-preprocess")
 
     @property
     def tokenizer(self):
@@ -55,11 +57,16 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        # media loading and the HF processor run on a few threads (they release the GIL in torch/PIL)
+        if len(prompts) == 1:
+            processed = [self.engine.inputs.process(prompts[0])]
+        else:
+            processed = list(self._preprocess.map(self.engine.inputs.process, prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, plist):
+            for inputs, p in zip(processed, plist):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_processed(rid, inputs, p)
                 ids.append(rid)
         except Exception:
             for rid in ids:
