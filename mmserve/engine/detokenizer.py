@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self._released = 0       # len of self._decoded exposed through .text
         self._stop_match: str | None = None
         self._finished = False
+        self._decode_fn = _fast_decode(tokenizer)
 
     @property
     def text(self) -> str:
@@ -76,7 +77,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._decode_fn(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _decode_step(self, final: bool) -> str:
         """New complete text from the window; moves the offsets when some was produced."""
@@ -139,3 +140,13 @@ class IncrementalDetokenizer:
                     longest = n
                     break
         return longest
+
+
+def _fast_decode(tokenizer):
+    """The Rust tokenizer's own decode when the HF wrapper would only add overhead (no space clean-up),
+    else the wrapper's: both give the same text; this runs twice per generated token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    is_rust = type(backend).__module__.split(".")[0] == "tokenizers"
+    if is_rust and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode
+    return tokenizer.decode

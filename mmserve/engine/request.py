@@ -21,7 +21,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self in _FINISHED_STATES
+
+
+_FINISHED_STATES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                              RequestStatus.FINISHED_ABORTED})
 
 
 @dataclass

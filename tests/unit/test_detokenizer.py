@@ -190,3 +190,16 @@ def test_earliest_ending_stop_wins_independent_of_tokenization(tok):
     for ids in (whole, chunked_ids(tok, "Hello")):
         det, _ = stream(tok, ids, params)
         assert det.check_stop() == "ell" and det.text == "H"
+
+
+def test_rust_decode_shortcut_only_without_space_cleanup(tok):
+    from mmserve.engine.detokenizer import _fast_decode
+    ids = chunked_ids(tok, "café 日本 x , y .")
+    fast = _fast_decode(tok)
+    assert fast == tok._tokenizer.decode   # the test tokenizer has no clean-up: the Rust decode is used
+    assert fast(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert _fast_decode(tok) == tok.decode   # clean-up rewrites spaces: keep the wrapper
+    finally:
+        tok.clean_up_tokenization_spaces = False
