@@ -66,7 +66,7 @@ class LLM:
         try:
             for inputs, p in zip(processed, plist):
                 rid = str(next(self._ids))
-                self.engine.add_processed(rid, inputs, p)
+                self.engine.add_processed(rid, inputs, p, stream=False)
                 ids.append(rid)
         except Exception:
             for rid in ids:

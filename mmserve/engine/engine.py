@@ -68,8 +68,12 @@ class Engine:
         """Validate and queue a request. Raises ValueError/TypeError for bad input, EngineOverloaded when full."""
         return self.add_processed(request_id, self.inputs.process(prompt), params)
 
-    def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> Request:
-        """add_request after InputProcessor.process (which servers run off the engine thread)."""
+    def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams,
+                      stream: bool = True) -> Request:
+        """add_request after InputProcessor.process (which servers run off the engine thread).
+
+        stream=False: step() reports this request only when it finishes (offline batches need no
+        per-token outputs)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
@@ -96,6 +100,7 @@ class Engine:
         self._max_tokens[request_id] = min(params.max_tokens, capacity - n)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         self.requests[request_id] = req
+        req.stream = stream
         self.scheduler.add(req)
         return req
 
@@ -138,7 +143,8 @@ class Engine:
                 self.scheduler.finish(req, status)
                 outputs.append(self._finish_output(req))
             else:
-                outputs.append(self._make_output(req))
+                if req.stream:
+                    outputs.append(self._make_output(req))
         return outputs
 
     @staticmethod

@@ -71,6 +71,7 @@ class Request:
         self.num_computed_tokens = 0     # tokens whose KV is in the cache
         self.num_cached_tokens = 0       # prompt tokens that came from the prefix cache (first schedule)
         self.num_preemptions = 0
+        self.stream = True               # False: the engine reports only the finished output
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []   # chained hashes of this request's full blocks

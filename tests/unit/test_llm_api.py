@@ -125,3 +125,15 @@ def test_bad_config_values(tiny_llava_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="FancyVisionModel.*supported architectures: .*LlavaForConditionalGeneration"):
         LLM(str(bad), device="cpu")
+
+
+def test_non_streaming_requests_are_reported_only_when_finished(llm):
+    engine = llm.engine
+    engine.add_processed("quiet", engine.inputs.process("USER: hi ASSISTANT:"), GREEDY, stream=False)
+    engine.add_request("loud", "USER: hi ASSISTANT:", GREEDY)
+    seen: dict[str, list[bool]] = {"quiet": [], "loud": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out.finished)
+    assert seen["quiet"] == [True]
+    assert len(seen["loud"]) == GREEDY.max_tokens and seen["loud"][-1]
