@@ -30,9 +30,10 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="mmserve-preprocess")
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
         self.dead_error: BaseException | None = None
+        self._current: tuple | None = None   # the command the engine thread is handling
+        self._thread.start()
 
     @property
     def tokenizer(self):
@@ -82,6 +83,25 @@ class AsyncEngine:
         self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        """The engine thread. If it ever dies, every waiting caller gets the error and health turns 503."""
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("the engine loop died")
+            self.dead_error = e
+            self._fail_all(e)
+            pending = [self._current] if self._current is not None else []
+            while True:   # the command being handled and callers still queued behind the failure
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in pending:
+                if cmd[0] == "add":
+                    loop, added = cmd[4], cmd[6]
+                    loop.call_soon_threadsafe(_set_exception, added, RuntimeError(f"the engine loop died: {e}"))
+
     def _loop(self) -> None:
         while not self._stopped.is_set():
             block = not self.engine.has_unfinished()
@@ -90,7 +110,9 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
             while cmd is not None:
+                self._current = cmd
                 self._handle(cmd)
+                self._current = None
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
@@ -131,10 +153,12 @@ class AsyncEngine:
             except RuntimeError:   # the consumer's loop is closed
                 pass
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._streams):
-            self.engine.abort(rid)
-            self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
+            try:
+                self.engine.abort(rid)
+            finally:
+                self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:
