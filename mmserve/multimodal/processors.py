@@ -5,6 +5,8 @@ token ids are exactly what `transformers` would feed the model.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,11 +67,14 @@ class InputProcessor:
     """
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values"}
+    RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
 
     def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None,
                  device: torch.device | None = None) -> None:
         self.hf_config = hf_config
         self.device = device   # where the HF image processor resizes/normalises (None: CPU)
+        self._recent: OrderedDict[tuple, ProcessedInputs] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self.model_cls = model_cls
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -125,13 +130,20 @@ class InputProcessor:
         elif images:
             kwargs["images"] = load_images(list(images), self.media)
             image_keys = [hash_image(im) for im in kwargs["images"]]
-        if ids_given is not None:
-            image_keys = [f"id:{i}" for i in ids_given]
         video_keys: list[str] = []
         if videos:
             frames = self._load_videos(videos, prompt.get("video_num_frames", 8))
             kwargs["videos"] = frames
             video_keys = [hash_video(f) for f in frames]
+        # the same text with the same pictures (by content) gives the same inputs: skip the HF processor
+        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None)
+        with self._recent_lock:   # servers preprocess on several threads
+            cached = self._recent.get(cache_key)
+            if cached is not None:
+                self._recent.move_to_end(cache_key)
+                return cached
+        if ids_given is not None:
+            image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
         enc = self.processor(text=text, return_tensors="pt", **kwargs)
@@ -142,7 +154,12 @@ class InputProcessor:
             enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
-        return self._with_mrope(ProcessedInputs(text, ids, items), enc)
+        out = self._with_mrope(ProcessedInputs(text, ids, items), enc)
+        with self._recent_lock:
+            self._recent[cache_key] = out   # shared read-only by the requests that hit it
+            while len(self._recent) > self.RECENT_INPUTS:
+                self._recent.popitem(last=False)
+        return out
 
     def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
         """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""

@@ -137,3 +137,16 @@ def test_non_streaming_requests_are_reported_only_when_finished(llm):
             seen[out.request_id].append(out.finished)
     assert seen["quiet"] == [True]
     assert len(seen["loud"]) == GREEDY.max_tokens and seen["loud"][-1]
+
+
+def test_exact_repeat_of_text_and_picture_reuses_the_processed_inputs(llm):
+    inputs = llm.engine.inputs
+    first = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)]})
+    again = inputs.process({"prompt": PROMPT, "images": [image_to_png_bytes(make_test_image(11))]})
+    assert again is first                                  # same text, same picture by content
+    other = inputs.process({"prompt": PROMPT, "images": [make_test_image(12)]})
+    assert other is not first and other.mm_items[0].content_hash != first.mm_items[0].content_hash
+    with_id = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)], "image_ids": [7]})
+    assert with_id is not first and with_id.mm_items[0].content_hash == "id:7"
+    outs = llm.generate([{"prompt": PROMPT, "images": [make_test_image(11)]}] * 2, GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
