@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
+# llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
+#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [serve]   (default: all)
+# Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
+set -uo pipefail
+OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+steps=${*:-tests profile latency throughput serve}
+bench="python3 -m mmserve.entrypoints.cli bench"
+for step in $steps; do
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
+    profile) for b in 1 32; do
+               python3 -m mmserve.bench.step_profile --preset llava-1.5-7b --batch-size $b > "$OUT/profile_b$b.txt" 2>&1
+               grep -E "^(batch|TTFT|prefix)" "$OUT/profile_b$b.txt"; done ;;
+    latency) $bench latency --preset llava-1.5-7b --batch-sizes 1,8,32,64 --input-len 24 --output-len 64 \
+               --out "$OUT/latency.json" --markdown "$OUT/latency.md" --plot-dir "$OUT/plots" 2> "$OUT/latency.err"
+             cat "$OUT/latency.md" ;;
+    throughput) $bench throughput --preset llava-1.5-7b --num-requests 256 --input-len 128 --output-len 128 \
+               --hf-batch-size 32 --max-num-seqs 128 --out "$OUT/throughput.json" --markdown "$OUT/throughput.md" \
+               2> "$OUT/throughput.err"
+             cat "$OUT/throughput.md" ;;
+    serve) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
+           python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 --http-port 8000 --grpc-port 8001 \
+             --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/server.log" 2>&1 & S=$!
+           for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+           $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline hf \
+             --request-rates 4,inf --concurrency 1,8,32 --num-requests 32 --input-len 24 --output-len 128 \
+             --max-duration 60 --request-timeout 120 --out "$OUT/serve.json" --markdown "$OUT/serve.md" \
+             --plot-dir "$OUT/plots" 2> "$OUT/serve.err"
+           kill $S; cat "$OUT/serve.md" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
