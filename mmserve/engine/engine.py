@@ -205,10 +205,10 @@ class Engine:
         return out
 
     def _finish_output(self, req: Request) -> RequestOutput:
-        detok = self._detok.pop(req.request_id)
+        """The final output (held-back text released), then forget the request."""
+        detok = self._detok[req.request_id]
         if not detok.finished:
             detok.flush()
-        self._detok[req.request_id] = detok
         out = self._make_output(req)
         for table in (self._detok, self._max_tokens, self._stop_ids, self.requests):
             table.pop(req.request_id, None)
