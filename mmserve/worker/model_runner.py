@@ -140,7 +140,9 @@ class ModelRunner:
         positions = _cat_positions(positions)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled])
-            out = self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
+            out = RunnerOutput()
+            if sampling:   # 1-token prompt chunks ride here too and sample nothing
+                out = self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
             self._context_logits(sched, list(range(len(input_ids) + 1)), out, logits=logits)
             return out
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
