@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.engine import EngineOverloaded
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
@@ -279,7 +280,7 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
     def ns(t):
         return int(t * 1e9) if t else 0
     ms = [c.out.metrics for c in chunks]
-    total = [-(-(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids)) // block_size) for c in chunks]
+    total = [cdiv(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids), block_size) for c in chunks]
     reused = [(m.num_cached_tokens if m else 0) // block_size for m in ms]
     zeros = [0] * len(chunks)
     return {

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmserve.testing.writer import (
+    round_up,
     DEFAULT_MAX_SHARD_BYTES,
     check_token_ids,
     make_tensor,
@@ -94,7 +95,7 @@ def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
     from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
 
     ids = token_ids(s)
-    vocab = -(-(s.text_vocab + 2) // s.vocab_multiple) * s.vocab_multiple
+    vocab = round_up(s.text_vocab + 2, s.vocab_multiple)
     text = OPTConfig(
         vocab_size=vocab, hidden_size=s.text_hidden, num_hidden_layers=s.text_layers, ffn_dim=s.text_ffn,
         num_attention_heads=s.text_heads, max_position_embeddings=s.max_position, word_embed_proj_dim=s.text_hidden,

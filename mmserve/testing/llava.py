@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.testing.writer import (
+    round_up,
     CLIP_MEAN,
     CLIP_STD,
     DEFAULT_MAX_SHARD_BYTES,
@@ -136,7 +137,7 @@ def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
 
     ids = token_ids(s)
     n_tok = s.text_vocab + 2
-    vocab = -(-n_tok // s.vocab_multiple) * s.vocab_multiple
+    vocab = round_up(n_tok, s.vocab_multiple)
     text = LlamaConfig(
         vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
         num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,

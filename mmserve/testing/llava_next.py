@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mmserve.testing.llava import build_llava_tokenizer, checkpoint_key, llava_std_of
 from mmserve.testing.writer import (
+    round_up,
     CLIP_MEAN,
     CLIP_STD,
     DEFAULT_MAX_SHARD_BYTES,
@@ -126,7 +127,7 @@ def _config_from_sizes(s: LlavaNextSizes) -> LlavaNextConfig:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, MistralConfig
 
     ids = token_ids(s)
-    vocab = -(-(s.text_vocab + 2) // s.vocab_multiple) * s.vocab_multiple
+    vocab = round_up(s.text_vocab + 2, s.vocab_multiple)
     common = dict(
         vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
         num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from mmserve.testing.llava import llava_std_of
 from mmserve.testing.llava_next import next_checkpoint_key
 from mmserve.testing.writer import (
+    round_up,
     DEFAULT_MAX_SHARD_BYTES,
     check_layout,
     check_token_ids,
@@ -116,7 +117,7 @@ def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
     from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
 
     ids = token_ids(s)
-    vocab = s.model_vocab or -(-(s.text_vocab + 4) // s.vocab_multiple) * s.vocab_multiple
+    vocab = s.model_vocab or round_up(s.text_vocab + 4, s.vocab_multiple)
     if vocab < s.text_vocab + 4:
         raise ValueError(f"model_vocab {vocab} is smaller than the tokenizer ({s.text_vocab + 4} tokens)")
     text = Qwen2Config(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.testing.writer import (
+    round_up,
     CLIP_MEAN,
     CLIP_STD,
     DEFAULT_MAX_SHARD_BYTES,
@@ -150,7 +151,7 @@ def _model_vocab(s: Qwen2VLSizes) -> int:
     if s.vocab_size is not None:
         return s.vocab_size
     n = s.text_vocab + len(SPECIAL_TOKENS)
-    return -(-n // s.vocab_multiple) * s.vocab_multiple
+    return round_up(n, s.vocab_multiple)
 
 
 def _config_from_sizes(s: Qwen2VLSizes) -> Qwen2VLConfig:

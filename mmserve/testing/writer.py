@@ -34,6 +34,11 @@ ParamSpec = tuple[str, tuple[int, ...], str, float]
 SizesT = TypeVar("SizesT")
 
 
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple (padded vocabulary sizes)."""
+    return -(-n // multiple) * multiple
+
+
 def natural_key(name: str) -> list[object]:
     """Sort key ordering embedded numbers numerically ("layers.2" before "layers.10")."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -12,6 +12,7 @@ from torch import nn
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
+from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.worker.cuda_graph import DecodeGraphs
@@ -60,7 +61,7 @@ class ModelRunner:
         """Record decode-step graphs (CUDA + Triton backend only); call after allocate_kv_cache."""
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = cdiv(max_model_len, self.block_size)
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
                                    mrope=getattr(self.model, "uses_mrope", False))
         self.graphs.capture()
@@ -70,7 +71,7 @@ class ModelRunner:
         """Run one text-only prefill of num_tokens through a scratch KV cache; return the activation peak."""
         if self.device.type != "cuda":
             return 0
-        blocks = -(-num_tokens // self.block_size) + 1
+        blocks = cdiv(num_tokens, self.block_size) + 1
         self.allocate_kv_cache(blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
