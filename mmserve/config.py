@@ -92,6 +92,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048      # token budget of one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True     # a prompt may be split across steps anywhere
     max_waiting: int = 4096                 # queued requests before add_request refuses (server: 503)
+    async_scheduling: bool = True           # schedule + launch step N+1 before reading step N's tokens
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

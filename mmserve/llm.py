@@ -28,7 +28,8 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_size_gb: float = 1.0, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 enforce_eager: bool = False, media: MediaConfig | None = None) -> None:
+                 enforce_eager: bool = False, async_scheduling: bool = True,
+                 media: MediaConfig | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               attention_backend=attention_backend, enforce_eager=enforce_eager),
@@ -36,7 +37,8 @@ class LLM:
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill))
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      async_scheduling=async_scheduling))
         self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
         self._ids = itertools.count()
         self._preprocess = ThreadPoolExecutor(4, thread_name_prefix="mmserve-llm-preprocess")

@@ -20,17 +20,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--prefill-batch", type=int, default=0, help="also profile the prefill of this many requests")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 
     model_dir = ModelSource(model=args.model, preset=args.preset, family=args.family).resolve()
-    llm = LLM(model_dir, dtype=args.dtype, device="cuda")   # distinct images below: no prefix hits in decode
+    llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens)   # distinct images below: no prefix hits in decode
     engine = llm.engine
     spec = make_prompt(PromptTemplate(model_dir), 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for seed in (98, 99):   # the first run warms up kernels; the second is reported
         _ttft_breakdown(engine, spec.text, make_images(1, image_size_of(model_dir), seed=seed)[0])
     _prefix_hit_ttft(engine, spec.text, make_images(1, image_size_of(model_dir), seed=97)[0])
+    if args.prefill_batch:
+        _prefill_profile(engine, spec.text, make_images(args.prefill_batch, image_size_of(model_dir), seed=96))
     for i, img in enumerate(make_images(args.batch_size, image_size_of(model_dir))):
         engine.add_request(str(i), {"prompt": spec.text, "images": [img]}, params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -89,6 +93,32 @@ def _ttft_breakdown(engine, prompt: str, image) -> None:
     print(f"TTFT breakdown (1 image + {len(inputs.prompt_token_ids)} tokens): preprocess {t_pre:.2f} ms ({t_pre_cpu:.2f} ms on CPU), "
           f"vision encoder alone {t_enc:.2f} ms, engine steps to first token (encoder + prefill + sample) "
           f"{t_first:.2f} ms")
+
+
+def _prefill_profile(engine, prompt: str, images: list) -> None:
+    """Preprocess a batch of requests, then profile the engine steps until each has its first token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mmserve import SamplingParams
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    inputs = [engine.inputs.process({"prompt": prompt, "images": [im]}) for im in images]
+    torch.cuda.synchronize()
+    t_pre = (time.perf_counter() - t0) * 1000
+    for i, inp in enumerate(inputs):
+        engine.add_processed(f"prefill-{i}", inp, SamplingParams(max_tokens=1, temperature=0.0))
+    tokens = sum(len(inp.prompt_token_ids) for inp in inputs)
+    steps = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1000
+    print(f"prefill of {len(images)} requests ({tokens} tokens): preprocess {t_pre:.1f} ms (serial), "
+          f"{steps} engine steps {wall:.1f} ms under the profiler = {tokens / wall * 1000:.0f} tok/s")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
 def _prefix_hit_ttft(engine, prompt: str, image) -> None:

@@ -17,7 +17,7 @@ from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
 from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.model_runner import ModelRunner, RunnerOutput
+from mmserve.worker.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._max_tokens: dict[str, int] = {}
         self._stop_ids: dict[str, set[int]] = {}
+        self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
         self.default_eos = self._eos_ids()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size)
@@ -97,7 +99,9 @@ class Engine:
         if not params.ignore_eos and eos is not None:
             stop_ids.add(eos)
         self._stop_ids[request_id] = stop_ids
-        self._max_tokens[request_id] = min(params.max_tokens, capacity - n)
+        self._max_tokens[request_id] = req.max_output_tokens = min(params.max_tokens, capacity - n)
+        if _needs_history(params, req.bad_words_ids):
+            self._needs_history.add(request_id)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         self.requests[request_id] = req
         req.stream = stream
@@ -113,26 +117,54 @@ class Engine:
         return self._finish_output(req)
 
     def has_unfinished(self) -> bool:
+        # a launched step whose requests all finished needs nothing more; the next step() drops it
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that produced a token or finished."""
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        result = self.runner.execute(sched)
-        return self._update(sched, result)
+        """Run one scheduling step; returns outputs of requests that produced a token or finished.
 
-    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        With async scheduling (the default) the step is queued on the device before the previous step's
+        tokens are read back, so this host work overlaps the GPU's; a sampled token then reaches its
+        request one call later. A request whose sampling reads its previous tokens on the host
+        (penalties, multi-token bad words) makes the engine wait for them first while it runs.
+        """
+        outputs = []
+        if self._inflight is not None and self._needs_history:
+            outputs = self._resolve(*self._inflight)
+            self._inflight = None
+        sched = self.scheduler.schedule()
+        launched = None
+        if not sched.empty:
+            launched = self.runner.launch(sched, self._inflight[1] if self._inflight else None)
+            row = 0
+            for s in sched.scheduled:
+                s.request.num_computed_tokens = s.end
+                if s.samples:
+                    s.request.add_pending(row)
+                    row += 1
+        if self._inflight is not None:
+            outputs += self._resolve(*self._inflight)
+        self._inflight = (sched, launched) if launched is not None else None
+        if self._inflight is not None and not self.config.scheduler.async_scheduling:
+            outputs += self._resolve(*self._inflight)
+            self._inflight = None
+        return outputs
+
+    def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens back and apply them: detokenize, finish, cache full blocks."""
+        result = launched.result()
         outputs = []
         now = time.time()
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens = s.end
+            if self.requests.get(req.request_id) is not req:
+                continue   # finished or aborted while the step ran; its tokens are dropped
             self._store_context_logits(req, result)
-            token = result.token_ids.get(req.request_id)
-            if token is not None:
+            token = None
+            if s.samples:
+                token = result.token_ids[req.request_id]
+                req.fill_pending(token)
                 self._append_token(req, token, result)
                 req.first_token_time = req.first_token_time or now
             self.kv.cache_computed_blocks(req)
@@ -159,7 +191,6 @@ class Engine:
             req.num_context_logits += len(chunk) - skip
 
     def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
-        req.output_token_ids.append(token)
         if req.request_id in result.generation_logits:
             req.generation_logits.append(result.generation_logits[req.request_id])
         self._detok[req.request_id].push(token)
@@ -174,7 +205,8 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok[req.request_id]
-        if token in self._stop_ids[req.request_id] and req.num_output_tokens >= req.params.min_tokens:
+        num_out = req.num_output_tokens - req.num_pending
+        if token in self._stop_ids[req.request_id] and num_out >= req.params.min_tokens:
             req.stop_reason = None if token == req.eos_token_id else token
             return RequestStatus.FINISHED_STOPPED
         if req.params.stop:
@@ -182,7 +214,7 @@ class Engine:
             if matched is not None:
                 req.stop_reason = matched
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= self._max_tokens[req.request_id]:
+        if num_out >= self._max_tokens[req.request_id]:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -190,7 +222,7 @@ class Engine:
     def _make_output(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
         completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=list(req.output_token_ids),
+            index=0, text=detok.text, token_ids=req.output_token_ids[:req.num_output_tokens - req.num_pending],
             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             finish_reason=req.status.value if req.finished else None,
@@ -209,9 +241,11 @@ class Engine:
         detok = self._detok[req.request_id]
         if not detok.finished:
             detok.flush()
+        req.drop_pending()
         out = self._make_output(req)
         for table in (self._detok, self._max_tokens, self._stop_ids, self.requests):
             table.pop(req.request_id, None)
+        self._needs_history.discard(req.request_id)
         return out
 
     # ---- introspection -------------------------------------------------------------------
@@ -226,3 +260,9 @@ class Engine:
             "encoder_cache_hit_rate": self.runner.encoder_cache.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def _needs_history(params: SamplingParams, bad_words_ids: list[list[int]]) -> bool:
+    """Whether sampling this request's next token reads its previous tokens on the host."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or any(len(w) > 1 for w in bad_words_ids))

@@ -121,7 +121,7 @@ class KVCacheManager:
     def _extend_hashes(self, req: Request) -> None:
         """Append hashes for every full block of req's known tokens not hashed yet."""
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
+        for i in range(len(req.block_hashes), req.num_known_tokens // bs):
             start, end = i * bs, (i + 1) * bs
             parent = req.block_hashes[i - 1] if i else None
             extra = tuple((m.content_hash, max(start, m.offset) - m.offset) for m in req.mm_items_in(start, end))

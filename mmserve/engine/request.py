@@ -11,6 +11,9 @@ from mmserve.outputs import Logprob
 from mmserve.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1   # an output token whose step is still running on the GPU (async scheduling)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -81,6 +84,11 @@ class Request:
         self.generation_logits: list[torch.Tensor] = []   # [V] fp32 per generated token
         self.mrope_positions: torch.Tensor | None = None  # [3, P] prompt positions of M-RoPE families
         self.mrope_delta = 0                               # generated token at p sits at p + delta
+        self.max_output_tokens = params.max_tokens         # the engine lowers it to what fits
+        # async scheduling: the last `num_pending` output ids are PLACEHOLDER until their step's tokens
+        # reach the host; `last_sample_row` is this request's row among the latest launched step's samples
+        self.num_pending = 0
+        self.last_sample_row = -1
 
     def positions(self, start: int, end: int) -> torch.Tensor | range:
         """Rotary positions of tokens [start, end): a range, or [3, n] for M-RoPE families."""
@@ -106,6 +114,28 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but the pending placeholders)."""
+        return self.num_tokens - self.num_pending
+
+    def add_pending(self, row: int) -> None:
+        """A launched step samples this request's next token into `row` of its output."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+        self.last_sample_row = row
+
+    def fill_pending(self, token: int) -> None:
+        """The oldest pending token arrived."""
+        self.output_token_ids[len(self.output_token_ids) - self.num_pending] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight (the request finished before they arrived)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

@@ -25,15 +25,11 @@ class ScheduledRequest:
     start: int
     num_tokens: int
     block_ids: list[int]
+    samples: bool = False   # the chunk reaches the request's last token, so a new token is sampled
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass
@@ -75,6 +71,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_tokens >= req.max_output_tokens:
+                i += 1     # its last token is still in flight; it finishes when that arrives
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -113,7 +112,8 @@ class Scheduler:
             budget -= n
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -26,6 +26,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens back before scheduling the next (no host/GPU overlap)")
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
     p.add_argument("--max-waiting", type=int, default=4096)
     p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
@@ -52,7 +54,8 @@ def build_engine_config(args: argparse.Namespace):
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting))
+                                  enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
+                                  async_scheduling=not args.no_async_scheduling))
 
 
 def _example_request(host: str, port: int) -> str:

@@ -34,11 +34,11 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # pinned host staging, filled in place each step (every step syncs on its sampled tokens,
-        # so the previous step's copies are done before these are overwritten)
-        self._host_ints = torch.zeros(3, n, dtype=torch.int64).pin_memory()      # ids, slots, lens
-        self._host_pos = torch.zeros(self.positions.shape, dtype=torch.int64).pin_memory()
-        self._host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        # pinned host staging in two sets used in turn: with async scheduling the host fills one set
+        # while the previous step's copies out of the other may still be queued; an event per set says
+        # when its copies ran
+        self._staging = [_Staging(n, self.positions.shape, max_blocks_per_seq) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -74,30 +74,51 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Replay the smallest bucket that fits; returns logits [len(input_ids), V] (a view).
+            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the smallest bucket that fits; returns logits [len(input_ids), V] (a view, valid until
+        the next replay).
 
-        positions: [n] or [3, n] (M-RoPE) int64 on the host.
+        positions: [n] or [3, n] (M-RoPE) int64 on the host. fill: (rows, ids) device tensors that
+        overwrite those rows' input ids on the device (tokens the host does not have yet).
         """
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        ints = self._host_ints.numpy()
+        st = self._staging[self._turn]
+        self._turn ^= 1
+        if st.copied is not None:
+            st.copied.synchronize()
+        ints = st.ints.numpy()
         ints[0, :n] = input_ids
+        ints[0, n:b] = 0
         ints[1, :b] = -1
         ints[1, :n] = slots
         ints[2, :b] = 0
         ints[2, :n] = seq_lens
-        pos = self._host_pos.numpy()
+        pos = st.pos.numpy()
         pos[..., :b] = 0
         pos[..., :n] = positions.numpy()
-        tables = self._host_tables.numpy()
+        tables = st.tables.numpy()
         tables[:b] = 0
         for i, row in enumerate(block_tables):
             tables[i, : len(row)] = row
-        self.input_ids[:b].copy_(self._host_ints[0, :b], non_blocking=True)
-        self.slot_mapping[:b].copy_(self._host_ints[1, :b], non_blocking=True)
-        self.seq_lens[:b].copy_(self._host_ints[2, :b], non_blocking=True)
-        self.positions[..., :b].copy_(self._host_pos[..., :b], non_blocking=True)
-        self.block_tables[:b].copy_(self._host_tables[:b], non_blocking=True)
+        self.input_ids[:b].copy_(st.ints[0, :b], non_blocking=True)
+        self.slot_mapping[:b].copy_(st.ints[1, :b], non_blocking=True)
+        self.seq_lens[:b].copy_(st.ints[2, :b], non_blocking=True)
+        self.positions[..., :b].copy_(st.pos[..., :b], non_blocking=True)
+        self.block_tables[:b].copy_(st.tables[:b], non_blocking=True)
+        st.copied = torch.cuda.Event()
+        st.copied.record()
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[b].replay()
         return self.logits[b][:n]
+
+
+class _Staging:
+    """Pinned host buffers of one step's graph inputs."""
+
+    def __init__(self, n: int, pos_shape: torch.Size, max_blocks_per_seq: int) -> None:
+        self.ints = torch.zeros(3, n, dtype=torch.int64).pin_memory()      # ids, slots, context lengths
+        self.pos = torch.zeros(pos_shape, dtype=torch.int64).pin_memory()
+        self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.copied: torch.cuda.Event | None = None

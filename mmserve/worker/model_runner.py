@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
@@ -17,7 +18,13 @@ from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_cache import EncoderCache
-from mmserve.worker.sampler import Sampler, SamplingBatch
+from mmserve.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from mmserve.worker.transfer import to_device
+
+
+# cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
+# eager vision tower host-bound (about 10 ms for one CLIP-L image); flash / memory-efficient launch in µs
+_VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -31,6 +38,51 @@ class RunnerOutput:
     # prompt positions [start, start + n) of requests that asked for context logits: (start, [n, V] fp32 cpu)
     context_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     generation_logits: dict[str, torch.Tensor] = field(default_factory=dict)   # [V] fp32 cpu
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device.
+
+    `tokens` (on the device) feeds the next step's placeholder inputs; `result()` waits only for this
+    step's sampled values to reach the host (the copies are queued right behind the sampler).
+    """
+
+    def __init__(self, reqs: list, sampled: SamplerOutput | None, out: RunnerOutput) -> None:
+        self.reqs = reqs
+        self.out = out
+        self.tokens = sampled.token_ids if sampled is not None else None
+        self._host: list[torch.Tensor | None] | None = None
+        self._event = None
+        if sampled is None:
+            return
+        fields = [sampled.token_ids]
+        if sampled.logprobs is not None and any(r.params.logprobs is not None for r in reqs):
+            fields += [sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids, sampled.ranks]
+        self._host = [t.to("cpu", non_blocking=True) if t is not None else None for t in fields]
+        if sampled.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> RunnerOutput:
+        if self._host is None:
+            return self.out
+        if self._event is not None:
+            self._event.synchronize()
+        host, self._host = self._host, None
+        token_ids = host[0].tolist()
+        lp = top_lp = top_ids = ranks = None
+        if len(host) > 1:
+            lp, top_lp, top_ids = host[1].tolist(), host[2].tolist(), host[3].tolist()
+            ranks = host[4].tolist() if host[4] is not None else None
+        for i, r in enumerate(self.reqs):
+            rid = r.request_id
+            self.out.token_ids[rid] = token_ids[i]
+            if lp is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                self.out.logprobs[rid] = lp[i]
+                self.out.ranks[rid] = ranks[i] if ranks else None
+                self.out.top_logprobs[rid] = list(zip(top_ids[i][:k], top_lp[i][:k]))
+        return self.out
 
 
 class ModelRunner:
@@ -125,48 +177,75 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
     # ---- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens (the synchronous form of launch)."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step's work on the device and return without waiting for it.
+
+        A request whose last input token is still PLACEHOLDER (sampled by `prev`, not yet on the host)
+        gets it on the device, from `prev.tokens[request.last_sample_row]`.
+        """
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        fill_dst, fill_src = [], []
         bs = self.block_size
         for s in sched.scheduled:
-            input_ids += s.request.token_ids(s.start, s.end)
-            positions.append(s.request.positions(s.start, s.end))
+            req = s.request
+            if s.end > req.num_known_tokens:
+                if prev is None or prev.tokens is None or s.end - req.num_known_tokens != 1:
+                    raise RuntimeError(f"{req.request_id}: its input tokens are not known yet")
+                fill_dst.append(len(input_ids) + s.num_tokens - 1)
+                fill_src.append(req.last_sample_row)
+            input_ids += req.token_ids(s.start, s.end)
+            positions.append(req.positions(s.start, s.end))
             slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.end)]
             qsl.append(qsl[-1] + s.num_tokens)
             seq_lens.append(s.end)
+        dev = self.device
+        fill = None
+        if fill_dst:
+            fill = (to_device(fill_dst, torch.int64, dev), prev.tokens[to_device(fill_src, torch.int64, dev)])
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
         decode_only = len(input_ids) == len(sched.scheduled) and not any(
             s.request.mm_items_in(s.start, s.end) for s in sched.scheduled)
         positions = _cat_positions(positions)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
-            logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled])
-            out = RunnerOutput()
-            if sampling:   # 1-token prompt chunks ride here too and sample nothing
-                out = self._sample([s.request for _, s in sampling], logits[[i for i, _ in sampling]])
-            self._context_logits(sched, list(range(len(input_ids) + 1)), out, logits=logits)
-            return out
+            logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled],
+                                     fill)
+            # 1-token prompt chunks ride here too and sample nothing
+            rows = [i for i, _ in sampling]
+            if rows == list(range(len(rows))):
+                picked = logits[: len(rows)]
+            else:
+                picked = logits[to_device(rows, torch.int64, dev)]
+            step = self._sample([s.request for _, s in sampling], picked)
+            self._context_logits(sched, list(range(len(input_ids) + 1)), step.out, logits=logits)
+            return step
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
-        dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=to_device(qsl, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens), block_size=bs)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = to_device(input_ids, torch.int64, dev)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
         embeds = self.model.embed_input_ids(ids)
         self._merge_mm_embeddings(sched, qsl, embeds)
-        hidden = self.model(embeds, positions.to(dev, non_blocking=True), meta)
+        hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
 
-        out = RunnerOutput()
+        logits = None
         if sampling:
-            last = torch.tensor([qsl[i + 1] - 1 for i, _ in sampling], device=dev)
-            out = self._sample([s.request for _, s in sampling], self.model.compute_logits(hidden[last]))
-        self._context_logits(sched, qsl, out, hidden=hidden)
-        return out
+            last = to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)
+            logits = self.model.compute_logits(hidden[last])
+        step = self._sample([s.request for _, s in sampling], logits)
+        self._context_logits(sched, qsl, step.out, hidden=hidden)
+        return step
 
     def _context_logits(self, sched: SchedulerOutput, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
@@ -181,18 +260,19 @@ class ModelRunner:
             chunk = logits[rows] if logits is not None else self.model.compute_logits(hidden[rows])
             out.context_logits[req.request_id] = (s.start, chunk.float().cpu())
 
-    def _sample(self, reqs: list, logits: torch.Tensor) -> RunnerOutput:
-        """logits [B, V] of the requests that sample this step -> their new tokens."""
+    def _sample(self, reqs: list, logits: torch.Tensor | None) -> LaunchedStep:
+        """logits [B, V] of the requests that sample this step -> their new tokens (queued)."""
+        if not reqs:
+            return LaunchedStep([], None, RunnerOutput())
         batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs],
             logits.shape[-1], self.device)
-        sampled = self.sampler(logits, batch)
-        out = self._to_output(reqs, sampled)
+        out = RunnerOutput()
         for i, r in enumerate(reqs):
             if r.params.return_generation_logits:
                 out.generation_logits[r.request_id] = logits[i].float().cpu()
-        return out
+        return LaunchedStep(reqs, self.sampler(logits, batch), out)
 
     def _merge_mm_embeddings(self, sched: SchedulerOutput, qsl: list[int], embeds: torch.Tensor) -> None:
         """Overwrite placeholder-token embeddings with the vision encoder's outputs for this chunk."""
@@ -225,26 +305,11 @@ class ModelRunner:
             moved = [MultiModalItem(it.modality, {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
                                                   for k, v in it.data.items()}, it.offset, it.length, it.content_hash)
                      for it in group]
-            for item, emb in zip(group, self.model.get_mm_embeddings(moved)):
+            with sdpa_kernel(_VISION_SDPA):
+                embeddings = self.model.get_mm_embeddings(moved)
+            for item, emb in zip(group, embeddings):
                 out[item.content_hash] = emb
                 self.encoder_cache.put(item.content_hash, emb)
-        return out
-
-    def _to_output(self, reqs, sampled) -> RunnerOutput:
-        out = RunnerOutput()
-        token_ids = sampled.token_ids.tolist()
-        want = any(r.params.logprobs is not None for r in reqs) and sampled.logprobs is not None
-        lp = sampled.logprobs.tolist() if want else None
-        top_lp = sampled.top_logprobs.tolist() if want else None
-        top_ids = sampled.top_token_ids.tolist() if want else None
-        ranks = sampled.ranks.tolist() if want and sampled.ranks is not None else None
-        for i, r in enumerate(reqs):
-            out.token_ids[r.request_id] = token_ids[i]
-            if want and r.params.logprobs is not None:
-                k = r.params.logprobs
-                out.logprobs[r.request_id] = lp[i]
-                out.ranks[r.request_id] = ranks[i] if ranks else None
-                out.top_logprobs[r.request_id] = list(zip(top_ids[i][:k], top_lp[i][:k]))
         return out
 
 

@@ -24,21 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.transfer import to_device
 
 _TEMP_EPS = 1e-5  # temperatures below this are treated as greedy: logits / 1e-30 would overflow fp32
-
-
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """Ragged id lists -> [B, L] int64 padded with -1 (an id outside [0, V) that the penalties ignore)."""
     width = max((len(r) for r in rows), default=0)
-    return _tensor([r + [-1] * (width - len(r)) for r in rows], torch.int64, device)
+    return to_device([r + [-1] * (width - len(r)) for r in rows], torch.int64, device)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor | None, output_ids: torch.Tensor,
@@ -203,21 +197,21 @@ class SamplingBatch:
             vocab_size=vocab_size,
             device=device,
             all_greedy=all_greedy,
-            greedy=_tensor(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
-            temperature=None if all(t == 1.0 for t in temps) else _tensor(temps, torch.float32, device),
-            top_k=_tensor(top_k, torch.int64, device) if any(top_k) else None,
+            greedy=to_device(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
+            temperature=None if all(t == 1.0 for t in temps) else to_device(temps, torch.float32, device),
+            top_k=to_device(top_k, torch.int64, device) if any(top_k) else None,
             max_top_k=max(top_k, default=0),
-            top_p=_tensor(top_p, torch.float32, device) if any(x < 1.0 for x in top_p) else None,
-            min_p=_tensor(min_p, torch.float32, device) if any(x > 0.0 for x in min_p) else None,
-            mask_rows=_tensor(mask_rows, torch.int64, device) if mask_rows else None,
-            mask_ids=_tensor(mask_ids, torch.int64, device) if mask_ids else None,
+            top_p=to_device(top_p, torch.float32, device) if any(x < 1.0 for x in top_p) else None,
+            min_p=to_device(min_p, torch.float32, device) if any(x > 0.0 for x in min_p) else None,
+            mask_rows=to_device(mask_rows, torch.int64, device) if mask_rows else None,
+            mask_ids=to_device(mask_ids, torch.int64, device) if mask_ids else None,
             prompt_ids=_pad([list(prompt_token_ids[i]) if rep[i] != 1.0 else [] for i in range(num_rows)],
                             device) if any_rep else None,
             output_ids=_pad([list(output_token_ids[i]) if penalised[i] else [] for i in range(num_rows)],
                             device) if any(penalised) else None,
-            repetition_penalty=_tensor(rep, torch.float32, device) if any_rep else None,
-            presence_penalty=_tensor(pres, torch.float32, device) if any_pres else None,
-            frequency_penalty=_tensor(freq, torch.float32, device) if any_freq else None,
+            repetition_penalty=to_device(rep, torch.float32, device) if any_rep else None,
+            presence_penalty=to_device(pres, torch.float32, device) if any_pres else None,
+            frequency_penalty=to_device(freq, torch.float32, device) if any_freq else None,
             seeded=seeded,
             any_unseeded=any_unseeded,
             max_num_logprobs=max(requested) if requested else None,

@@ -1,0 +1,135 @@
+"""Async scheduling (step N+1 launched before step N's tokens are read) gives exactly what the
+synchronous engine gives, and keeps its bookkeeping clean on every path (finish, stop, abort, preempt)."""
+from __future__ import annotations
+
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine.request import PLACEHOLDER
+from mmserve.testing import make_test_image
+
+
+def _llm(model_dir: str, async_scheduling: bool, **kw) -> LLM:
+    kw = {"num_kv_blocks": 256, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 6, **kw}
+    return LLM(model_dir, device="cpu", async_scheduling=async_scheduling, **kw)
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"prompt": f"USER: {'<image>' * (i % 3)}\nquestion {i} " + "word " * (i % 5) + "ASSISTANT:",
+             "images": [make_test_image(30 + i * 3 + k) for k in range(i % 3)]} for i in range(n)]
+
+
+def _mixed_params(stop_text: str) -> list[SamplingParams]:
+    """Greedy, seeded sampling, logprobs, stop strings, stop ids, min_tokens, short and long max_tokens."""
+    return [
+        SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_text], ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=11, min_tokens=4, stop_token_ids=[3, 4, 5]),
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, seed=2, ignore_eos=True, logprobs=1),
+    ]
+
+
+def _summary(outs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+             [sorted(lp) for lp in o.outputs[0].logprobs or []]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def stop_text(tiny_llava_dir) -> str:
+    llm = _llm(tiny_llava_dir, False)
+    text = llm.generate(_prompts(4)[3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert len(text) > 6
+    return text[4:6]
+
+
+def test_async_matches_sync_on_a_mixed_batch(tiny_llava_dir, stop_text):
+    prompts, params = _prompts(8), _mixed_params(stop_text)
+    sync = _llm(tiny_llava_dir, False).generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llava_dir, True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _summary(outs) == _summary(sync)
+    assert outs[3].outputs[0].finish_reason == "stop" and outs[3].outputs[0].stop_reason == stop_text
+    assert llm.engine.kv.usage == 0 and not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+def test_streamed_outputs_never_show_tokens_in_flight(tiny_llava_dir):
+    llm = _llm(tiny_llava_dir, True)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts(4)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seen: dict[str, list[list[int]]] = {}
+    inflight_steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.outputs[0].token_ids)
+        inflight_steps += engine._inflight is not None   # noqa: SLF001 - the overlap really happens
+    assert inflight_steps > 0
+    for rid, stream in seen.items():
+        final = stream[-1]
+        assert len(final) == 8 and PLACEHOLDER not in final
+        # every streamed state is a prefix of the final one, one token longer each time
+        assert [len(s) for s in stream] == list(range(1, 9))
+        assert all(final[:len(s)] == s for s in stream)
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llava_dir):
+    llm = _llm(tiny_llava_dir, True)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", _prompts(2)[1], params)
+    engine.add_request("b", _prompts(3)[2], params)
+    while not engine.requests["a"].output_token_ids or engine._inflight is None:   # noqa: SLF001
+        engine.step()
+    out = engine.abort("a")
+    assert out.finished and PLACEHOLDER not in out.outputs[0].token_ids
+    rest = []
+    while engine.has_unfinished():
+        rest += engine.step()
+    assert [o.request_id for o in rest if o.finished] == ["b"]
+    assert len(rest[-1].outputs[0].token_ids) == 30
+    engine.abort("b")  # unknown by now: no-op
+    assert engine.kv.usage == 0 and not engine.requests
+    # the engine serves on: same answer as a fresh synchronous engine
+    again = llm.generate(_prompts(3)[2], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == rest[-1].outputs[0].token_ids
+
+
+def test_preemption_under_a_small_pool_matches_sync(tiny_llava_dir):
+    # 24 blocks of 8 tokens cannot hold six prompts with images and their outputs at once
+    kw = {"num_kv_blocks": 24, "enable_prefix_caching": False}
+    prompts, params = _prompts(6), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    sync = _llm(tiny_llava_dir, False, **kw).generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llava_dir, True, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in sync]
+    assert llm.engine.kv.usage == 0
+
+
+def test_penalties_make_the_engine_wait_for_tokens_and_match_sync(tiny_llava_dir):
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, frequency_penalty=0.7),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, bad_words=["word question"])]
+    sync = _llm(tiny_llava_dir, False).generate(prompts, params, use_tqdm=False)
+    llm = _llm(tiny_llava_dir, True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _summary(outs) == _summary(sync)
+    assert not llm.engine._needs_history   # noqa: SLF001 - the set empties as requests finish
+
+
+def test_requests_at_the_model_length_limit(tiny_llava_dir):
+    prompt = _prompts(2)[1]
+    for async_scheduling in (False, True):
+        llm = _llm(tiny_llava_dir, async_scheduling, max_model_len=40)
+        n = len(llm.engine.inputs.process(prompt).prompt_token_ids)
+        out = llm.generate([prompt] * 3, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [40 - n] * 3
+        assert all(o.outputs[0].finish_reason == "length" for o in out)
