@@ -48,7 +48,8 @@ class Engine:
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
         if not mc.enforce_eager:
-            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
+                                            config.scheduler.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}

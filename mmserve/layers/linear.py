@@ -12,6 +12,15 @@ from torch import nn
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a single fp16/bf16 row on CUDA (batch-1 decode) may go to the Triton GEMV instead."""
+    if x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) \
+            and weight.dtype == x.dtype and weight.stride(-1) == 1:
+        from mmserve.kernels.gemv import linear_one_row
+        return linear_one_row(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
@@ -34,7 +43,7 @@ class _Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -105,5 +114,5 @@ class RowParallelLinear(_Linear):
         default_weight_loader(param, loaded.narrow(1, get_tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -182,6 +182,7 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     """One image -> `num_query_tokens` embeddings that replace the image tokens the processor put in
     front of the prompt. The Q-Former and query tokens stay in fp32 whatever the model dtype, as in
     transformers (`_keep_in_fp32_modules`)."""
+    encoder_cuda_graphs = True
 
     placeholder_in_prompt = False   # the HF processor inserts the image tokens itself
 

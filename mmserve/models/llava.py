@@ -39,6 +39,7 @@ class LlavaProjector(nn.Module):
 
 class LlavaForConditionalGeneration(MultiModalCausalLM):
     """One image -> `length` embeddings that replace its `<image>` placeholder tokens."""
+    encoder_cuda_graphs = True
 
     def __init__(self, config) -> None:
         super().__init__()

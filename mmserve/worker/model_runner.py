@@ -17,6 +17,8 @@ from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.worker.cuda_graph import DecodeGraphs
+from mmserve.worker.encoder_graphs import EncoderGraphs
+from mmserve.worker.prefill_graphs import PrefillGraphs
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from mmserve.worker.transfer import to_device
@@ -99,6 +101,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.backend_name = self._select_backend(attention_backend)
         self.graphs: DecodeGraphs | None = None
+        self.encoder_graphs: EncoderGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     def _select_backend(self, name: str) -> str:
         if name == "auto":
@@ -109,14 +113,22 @@ class ModelRunner:
                 layer.backend = triton_backend
         return name
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Record decode-step graphs (CUDA + Triton backend only); call after allocate_kv_cache."""
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Record decode-step and small-prefill graphs (CUDA + Triton backend only); call after
+        allocate_kv_cache."""
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
         max_blocks = cdiv(max_model_len, self.block_size)
+        mrope = getattr(self.model, "uses_mrope", False)
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
-                                   mrope=getattr(self.model, "uses_mrope", False))
+                                   mrope=mrope)
         self.graphs.capture()
+        hidden_size = self.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device=self.device)).shape[-1]
+        self.prefill_graphs = PrefillGraphs(self.model, self.device, self.dtype, hidden_size, max_num_batched_tokens,
+                                            max_blocks, self.block_size, max_model_len, mrope, pool=self.graphs.pool)
+        self.prefill_graphs.capture()
+        if getattr(self.model, "encoder_cuda_graphs", False):
+            self.encoder_graphs = EncoderGraphs(self.model, self.device)   # captured per shape on first use
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
@@ -223,6 +235,27 @@ class ModelRunner:
             step = self._sample([s.request for _, s in sampling], picked)
             self._context_logits(sched, list(range(len(input_ids) + 1)), step.out, logits=logits)
             return step
+        ids = to_device(input_ids, torch.int64, dev)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
+        embeds = self.model.embed_input_ids(ids)
+        self._merge_mm_embeddings(sched, qsl, embeds)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(sched.scheduled), len(input_ids)):
+            hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens,
+                                             [s.block_ids for s in sched.scheduled])
+        else:
+            hidden = self._forward_eager(sched, embeds, positions, slots, qsl, seq_lens)
+        logits = None
+        if sampling:
+            last = to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)
+            logits = self.model.compute_logits(hidden[last])
+        step = self._sample([s.request for _, s in sampling], logits)
+        self._context_logits(sched, qsl, step.out, hidden=hidden)
+        return step
+
+    def _forward_eager(self, sched: SchedulerOutput, embeds: torch.Tensor, positions: torch.Tensor,
+                       slots: list[int], qsl: list[int], seq_lens: list[int]) -> torch.Tensor:
+        dev, bs = self.device, self.block_size
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
         meta = AttentionMetadata(
@@ -232,20 +265,7 @@ class ModelRunner:
             slot_mapping=to_device(slots, torch.int64, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens), block_size=bs)
-        ids = to_device(input_ids, torch.int64, dev)
-        if fill is not None:
-            ids[fill[0]] = fill[1]
-        embeds = self.model.embed_input_ids(ids)
-        self._merge_mm_embeddings(sched, qsl, embeds)
-        hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
-
-        logits = None
-        if sampling:
-            last = to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)
-            logits = self.model.compute_logits(hidden[last])
-        step = self._sample([s.request for _, s in sampling], logits)
-        self._context_logits(sched, qsl, step.out, hidden=hidden)
-        return step
+        return self.model(embeds, to_device(positions, torch.int64, dev), meta)
 
     def _context_logits(self, sched: SchedulerOutput, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
@@ -306,7 +326,10 @@ class ModelRunner:
                                                   for k, v in it.data.items()}, it.offset, it.length, it.content_hash)
                      for it in group]
             with sdpa_kernel(_VISION_SDPA):
-                embeddings = self.model.get_mm_embeddings(moved)
+                if self.encoder_graphs is not None:
+                    embeddings = self.encoder_graphs.encode(moved)
+                else:
+                    embeddings = self.model.get_mm_embeddings(moved)
             for item, emb in zip(group, embeddings):
                 out[item.content_hash] = emb
                 self.encoder_cache.put(item.content_hash, emb)

@@ -18,3 +18,11 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def copy_into(dst: torch.Tensor, values: Sequence | torch.Tensor) -> None:
+    """dst.copy_(values) from host data of dst's shape, queued without a host sync on CUDA."""
+    t = values.to(dst.dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        t = t.pin_memory()
+    dst.copy_(t.view(dst.shape), non_blocking=dst.is_cuda)

@@ -267,6 +267,23 @@ def check_silu_and_mul_matches_layer(device):
         assert_close(silu_and_mul(x), SiluAndMul()(x), f"silu_and_mul {dtype}")
 
 
+@check
+def check_gemv_matches_linear(device):
+    import torch.nn.functional as F
+
+    from mmserve.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for n, k, bias in [(40, 96, False), (33, 1000, True), (7, 130, False)]:
+            w = torch.randn(n, k, generator=g).to(device=device, dtype=dtype)
+            x = torch.randn(1, k, generator=g).to(device=device, dtype=dtype)
+            b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
+            want = F.linear(x.float(), w.float(), b.float() if bias else None).to(dtype)
+            assert_close(gemv(x, w, b), want, f"gemv {n}x{k} {dtype}", tol=3e-2 if dtype != torch.float32 else None)
+            assert_close(gemv(x[0], w, b), want[0], f"gemv 1-d {n}x{k} {dtype}", tol=3e-2 if dtype != torch.float32 else None)
+
+
 # --------------------------------------------------------------------------------------------- runner
 
 
