@@ -23,7 +23,7 @@ for step in $steps; do
     latency) $bench latency --preset llava-1.5-7b --batch-sizes 1,8,32,64 --input-len 24 --output-len 64 \
                --out "$OUT/latency.json" --markdown "$OUT/latency.md" --plot-dir "$OUT/plots" 2> "$OUT/latency.err"
              cat "$OUT/latency.md" ;;
-    throughput) $bench throughput --preset llava-1.5-7b --num-requests 256 --input-len 128 --output-len 128 \
+    throughput) $bench throughput --preset llava-1.5-7b --num-requests 512 --input-len 128 --output-len 128 \
                --hf-batch-size 32 --max-num-seqs 128 --out "$OUT/throughput.json" --markdown "$OUT/throughput.md" \
                2> "$OUT/throughput.err"
              cat "$OUT/throughput.md" ;;
