@@ -73,6 +73,7 @@ class InputProcessor:
                  device: torch.device | None = None) -> None:
         self.hf_config = hf_config
         self.device = device   # where the HF image processor resizes/normalises (None: CPU)
+        self._streams = threading.local()   # one CUDA stream per preprocessing thread
         self._recent: OrderedDict[tuple, ProcessedInputs] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
@@ -146,7 +147,9 @@ class InputProcessor:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
-        enc = self.processor(text=text, return_tensors="pt", **kwargs)
+            enc = self._process_on_gpu(text, kwargs)
+        else:
+            enc = self.processor(text=text, return_tensors="pt", **kwargs)
         if pixel_values is not None:
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
                 raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
@@ -160,6 +163,22 @@ class InputProcessor:
             while len(self._recent) > self.RECENT_INPUTS:
                 self._recent.popitem(last=False)
         return out
+
+    def _process_on_gpu(self, text: str, kwargs: dict[str, Any]):
+        """The HF processor on this thread's own CUDA stream. Its uploads from pageable memory synchronize
+        their stream; on the engine's stream they would wait behind every step already queued there
+        (with async scheduling, always one), stalling each request's preprocessing by a step."""
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            enc = self.processor(text=text, return_tensors="pt", **kwargs)
+        stream.synchronize()
+        engine_stream = torch.cuda.default_stream(self.device)
+        for value in enc.values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(engine_stream)   # freed only after the engine's reads of it
+        return enc
 
     def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
         """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
