@@ -66,7 +66,7 @@ def test_encoder_graphs_match_the_eager_tower(tiny_llava_dir):
     runner = llm.engine.runner
     assert runner.encoder_graphs is not None
     items = []
-    for i in range(3):   # three images: padded to the bucket of 4
+    for i in range(9):   # nine images: padded to the bucket of 10
         inputs = llm.engine.inputs.process({"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(60 + i)]})
         items += inputs.mm_items
     moved = [type(it)(it.modality, {k: v.to("cuda", torch.float32) for k, v in it.data.items()}, it.offset, it.length,
