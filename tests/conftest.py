@@ -23,9 +23,8 @@ def small_gpu_kv_pools():
     if not torch.cuda.is_available():
         yield
         return
-    # cuDNN convolutions default to TF32 even for fp32 tensors, and pick their algorithm per batch size: a
-    # chunked prefill that encodes one image at a time then rounds the patch embeddings differently from the
-    # oracle's two-image batch, and fp32 log-probs drift by ~1e-2. Exact fp32 on both sides for parity.
+    # cuDNN convolutions default to TF32 even for fp32 tensors. mmserve turns that off for fp32 models
+    # (ModelRunner._encode); the transformers oracle gets exact fp32 convolutions too.
     torch.backends.cudnn.allow_tf32 = False
     from mmserve.llm import LLM
     defaults = LLM.__init__.__kwdefaults__

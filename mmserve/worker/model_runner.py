@@ -4,6 +4,7 @@ Owns the model, the KV cache tensors and the encoder cache; knows nothing about 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -325,7 +326,7 @@ class ModelRunner:
             moved = [MultiModalItem(it.modality, {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
                                                   for k, v in it.data.items()}, it.offset, it.length, it.content_hash)
                      for it in group]
-            with sdpa_kernel(_VISION_SDPA):
+            with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(self.dtype == torch.float32):
                 if self.encoder_graphs is not None:
                     embeddings = self.encoder_graphs.encode(moved)
                 else:
@@ -334,6 +335,21 @@ class ModelRunner:
                 out[item.content_hash] = emb
                 self.encoder_cache.put(item.content_hash, emb)
         return out
+
+
+@contextlib.contextmanager
+def _exact_fp32_convolutions(enabled: bool):
+    """cuDNN runs fp32 convolutions in TF32 by default and picks its algorithm per batch size, so an fp32
+    model's patch embeddings would depend on how many images share a step; fp32 means fp32 here."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
 
 
 def _cat_positions(parts: list) -> torch.Tensor:

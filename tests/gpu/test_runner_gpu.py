@@ -107,3 +107,23 @@ def test_prefill_graphs_match_eager(tiny_llava_dir):
         assert len(common) >= len(w) - 1   # a near-tie may swap the 5th-ranked token
         for tok in common:
             assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)
+
+
+def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir):
+    import torch
+
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True     # PyTorch's default, which the test session turns off
+    try:
+        llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=True)
+        runner = llm.engine.runner
+        items = [it for i in range(3) for it in llm.engine.inputs.process(
+            {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(80 + i)]}).mm_items]
+        together = runner._encode(items)   # noqa: SLF001 - one batch of three
+        runner.encoder_cache.clear()
+        for it in items:
+            alone = runner._encode([it])[it.content_hash]   # noqa: SLF001
+            torch.testing.assert_close(alone, together[it.content_hash], rtol=1e-5, atol=1e-5)
+        assert torch.backends.cudnn.allow_tf32 is True   # restored after each encode
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
