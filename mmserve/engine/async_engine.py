@@ -125,8 +125,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting the running requests")
                 self._fail_all(e)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out, last=out.finished)
+            self._deliver_all([(out.request_id, out, out.finished) for out in outputs])
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -145,11 +144,19 @@ class AsyncEngine:
                 self._deliver(cmd[1], out, last=True)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
-        entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
-        if entry is not None:
-            loop, stream = entry
+        self._deliver_all([(rid, item, last)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException, bool]]) -> None:
+        """Hand (request id, output or error, is last) to their streams: one wake-up per event loop for
+        the whole step, not one per token."""
+        by_loop: dict = {}
+        for rid, item, last in items:
+            entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(stream.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:   # the consumer's loop is closed
                 pass
 
@@ -159,6 +166,11 @@ class AsyncEngine:
                 self.engine.abort(rid)
             finally:
                 self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
+
+
+def _put_all(batch: list) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

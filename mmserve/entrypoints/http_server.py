@@ -9,23 +9,47 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from mmserve.entrypoints.state import ServerState
 
 
+class LimitsAndCounts:
+    """Pure ASGI middleware: 413 for bodies over max_request_bytes, and a count of every response by
+    route and status. (Starlette's `@app.middleware("http")` would relay each streamed chunk through an
+    extra task and memory stream: a cost per token on every stream.)"""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.state.config.max_request_bytes
+        length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > limit:
+            message = f"request body of {length} bytes exceeds the limit of {limit} bytes"
+            body = ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+                    if scope["path"].startswith("/v1/") else {"error": message})
+            await JSONResponse(body, status_code=413)(scope, receive, send)
+            self.state.metrics.count_request("unmatched", 413)
+            return
+        status = 500   # unless the app starts a response
+
+        async def send_and_note_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            self.state.metrics.count_request(getattr(scope.get("route"), "path", "unmatched"), status)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mmserve", version="0.1.0")
     app.state.mm = state
 
-    @app.middleware("http")
-    async def limits_and_counts(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.config.max_request_bytes:
-            message = f"request body of {length} bytes exceeds the limit of {state.config.max_request_bytes} bytes"
-            body = ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-                    if request.url.path.startswith("/v1/") else {"error": message})
-            response = JSONResponse(body, status_code=413)
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        state.metrics.count_request(getattr(route, "path", "unmatched"), response.status_code)
-        return response
+    app.add_middleware(LimitsAndCounts, state=state)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
