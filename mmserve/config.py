@@ -49,7 +49,7 @@ class ModelConfig:
     max_model_len: int | None = None  # prompt + output tokens; None = the checkpoint's limit
     seed: int = 0                   # global sampling RNG seed
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    enforce_eager: bool = False     # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False     # True: no CUDA graphs (decode steps, short prefills, vision towers)
     preprocess_on_gpu: bool = True  # on CUDA, resize/normalise images on the GPU (decoding stays on CPU)
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-fetch-timeout", type=float, default=10.0)
     p.add_argument("--accumulate-tokens", action="store_true", help="BLS streaming sends all text so far")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode steps, short prefills, vision towers)")
     p.add_argument("--cpu-preprocess", action="store_true", help="resize/normalise images on the CPU even on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
