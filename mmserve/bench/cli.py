@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(thr, input_len=128, output_len=128, warmup=1, iters=1, baseline="hf")
     thr.add_argument("--num-requests", type=int, default=256)
     thr.add_argument("--hf-batch-size", type=int, default=32)
+    thr.add_argument("--same-image", action="store_true",
+                     help="one image for all requests, each with its own text (prefix- and encoder-cache hits)")
     _engine_args(thr, max_num_seqs=True)
 
     srv = sub.add_parser("serve", help="load generator against a running server (rate and concurrency sweeps)")
@@ -124,7 +126,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                                hf_batch_size=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_memory_fraction=args.kv_cache_memory_fraction, image_size=args.image_size,
-                               **common)
+                               same_image=args.same_image, **common)
         return run_throughput, cfg
     from mmserve.bench.serve import ServeConfig, run_serve
     from mmserve.bench.workload import DEFAULT_IMAGE_SIZE, image_size_of

@@ -65,10 +65,17 @@ def _latency_md(result: dict[str, Any]) -> list[str]:
     return lines + _table(header, body) + ["", note]
 
 
+def _images_note(cfg: dict[str, Any], model: dict[str, Any]) -> str:
+    if not cfg.get("same_image"):
+        return " (a distinct image per request)"
+    return f" (one image shared by all requests, {model.get('distinct_texts', 1)} distinct texts)"
+
+
 def _throughput_md(result: dict[str, Any]) -> list[str]:
     cfg, res = result["config"], result["results"]
     lines = _preamble(result) + [
-        f"- {cfg['num_requests']} requests, each 1 image + {result['model']['text_tokens']} text tokens, "
+        f"- {cfg['num_requests']} requests, each 1 image + {result['model']['text_tokens']} text tokens"
+        f"{_images_note(cfg, result['model'])}, "
         f"{cfg['output_len']} output tokens (ignore_eos); mmserve max_num_seqs {cfg['max_num_seqs']}, "
         f"transformers batches of {cfg['hf_batch_size']} (left-padded)", ""]
     header = ["engine", "requests", "elapsed s", "requests/s", "output tok/s", "total tok/s"]

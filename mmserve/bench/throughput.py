@@ -13,13 +13,13 @@ from tqdm import tqdm
 
 from mmserve.bench.workload import (
     ModelSource,
-    PromptSpec,
     PromptTemplate,
     environment,
     free_device_memory,
     image_size_of,
     make_images,
     make_prompt,
+    prompt_variants,
     model_record,
     now,
     sync,
@@ -42,7 +42,8 @@ class ThroughputConfig:
     hf_batch_size: int = 32              # transformers batch (static, left-padded)
     max_num_seqs: int = 64               # mmserve: requests running at once
     max_num_batched_tokens: int = 2048   # mmserve: token budget per step
-    prefix_caching: bool = True          # mmserve default; images are distinct, so no hits either way
+    prefix_caching: bool = True          # mmserve default; distinct images give no hits
+    same_image: bool = False             # one image for all requests, each with its own text (cache hits)
     kv_cache_memory_fraction: float = 0.9
     hf_attn: str | None = None
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
@@ -63,7 +64,7 @@ def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: f
             "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + prompt_tokens) / elapsed}
 
 
-def _run_mmserve(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: list[Any]) -> dict[str, float]:
+def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, float]:
     from mmserve.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -74,11 +75,11 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images
     try:
         for w in range(cfg.warmup):
             warm = make_images(min(4, cfg.num_requests), images[0].width, seed=10_000 + w)
-            llm.generate([{"prompt": spec.text, "images": [im]} for im in warm],
+            llm.generate([{"prompt": texts[0], "images": [im]} for im in warm],
                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         best: dict[str, float] | None = None
         for _ in range(cfg.iters):
-            prompts = [{"prompt": spec.text, "images": [im]} for im in images]
+            prompts = [{"prompt": text, "images": [im]} for text, im in zip(texts, images)]
             sync(cfg.device)
             t0 = now()
             outs = llm.generate(prompts, params)
@@ -89,6 +90,7 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images
             if out_tokens != expected:
                 raise RuntimeError(f"mmserve generated {out_tokens} tokens, expected {expected}")
             res = _rates(len(outs), out_tokens, sum(len(o.prompt_token_ids) for o in outs), elapsed)
+            res["cached_prompt_tokens"] = sum(o.metrics.num_cached_tokens for o in outs)
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None
@@ -98,7 +100,7 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images
         free_device_memory(cfg.device)
 
 
-def _run_hf(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: list[Any]) -> dict[str, Any]:
+def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, Any]:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
@@ -106,7 +108,7 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: lis
     try:
         for w in range(cfg.warmup):
             warm = make_images(min(bs, cfg.num_requests), images[0].width, seed=20_000 + w)
-            hf.generate([spec.text] * len(warm), warm, 4)
+            hf.generate(texts[:len(warm)], warm, 4)
         best: dict[str, Any] | None = None
         for _ in range(cfg.iters):
             out_tokens = prompt_tokens = 0
@@ -115,7 +117,7 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, spec: PromptSpec, images: lis
             for start in tqdm(range(0, len(images), bs), desc="transformers generate",
                               total=math.ceil(len(images) / bs)):
                 batch = images[start:start + bs]
-                timing = hf.generate([spec.text] * len(batch), batch, cfg.output_len)
+                timing = hf.generate(texts[start:start + bs], batch, cfg.output_len)
                 out_tokens += timing.new_tokens * len(batch)
                 prompt_tokens += timing.prompt_tokens * len(batch)
             elapsed = now() - t0
@@ -134,16 +136,21 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
     model_dir = cfg.source.resolve()
     spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
-    images = make_images(cfg.num_requests, size, seed=cfg.seed)
+    if cfg.same_image:
+        images = make_images(1, size, seed=cfg.seed) * cfg.num_requests
+        texts = prompt_variants(PromptTemplate(model_dir), spec, cfg.num_requests)
+    else:
+        images = make_images(cfg.num_requests, size, seed=cfg.seed)
+        texts = [spec.text] * cfg.num_requests
     results: dict[str, Any] = {}
     errors: list[str] = []
     try:
-        results["mmserve"] = _run_mmserve(cfg, model_dir, spec, images)
+        results["mmserve"] = _run_mmserve(cfg, model_dir, texts, images)
     except Exception:
         errors.append("mmserve: " + traceback.format_exc())
     if cfg.baseline == "hf":
         try:
-            results["hf"] = _run_hf(cfg, model_dir, spec, images)
+            results["hf"] = _run_hf(cfg, model_dir, texts, images)
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     if "mmserve" in results and "hf" in results:
@@ -152,5 +159,6 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
                             "requests_per_s": m["requests_per_s"] / h["requests_per_s"]}
     return {"schema": "mmserve-bench/1", "bench": "throughput", "env": environment(cfg.device, argv),
             "config": asdict(cfg), "model": {**model_record(cfg.source, model_dir), "dtype": cfg.dtype,
-                                             "image_size": size, "text_tokens": spec.text_tokens},
+                                             "image_size": size, "text_tokens": spec.text_tokens,
+                                             "distinct_texts": len(set(texts))},
             "results": results, "errors": errors}

@@ -215,6 +215,33 @@ def make_prompt(template: PromptTemplate, input_len: int) -> PromptSpec:
     return PromptSpec(template.wrap(filler), filler, text_tokens(k))
 
 
+def prompt_variants(template: PromptTemplate, spec: PromptSpec, n: int) -> list[str]:
+    """n prompts like `spec` (same token count), each with its own user text: the last filler words spell
+    the prompt's index in a base of the tokenizer's one-token filler words (words after a space, as
+    the tokenizer saw them when they were counted). Prompts then share the template
+    and the image but not the text, as different questions about one picture do. Falls back to `spec.text`
+    for every prompt when the tokenizer has fewer than two such words or the text is too short."""
+    words = [w for w in FILLER_WORDS if len(template.tokenizer(w, add_special_tokens=False).input_ids) == 1]
+    filler = spec.filler.split(" ")
+    base = len(words)
+    digits = 1
+    while base > 1 and base ** digits < n:
+        digits += 1
+    if base < 2 or digits >= len(filler):   # the first word has no space before it
+        return [spec.text] * n
+    out = []
+    for i in range(n):
+        code, x = [], i
+        for _ in range(digits):
+            code.append(words[x % base].strip())
+            x //= base
+        text = template.wrap(" ".join(filler[:len(filler) - digits] + code))
+        if template.text_tokens(text) != spec.text_tokens:
+            return [spec.text] * n
+        out.append(text)
+    return out
+
+
 def image_size_of(model_dir: str) -> int:
     """The side of the square bench images: the vision tower's input size where the config fixes one (llava
     336, llava_next 336 (its anyres then tiles it), llava_onevision 384, blip2 224), else 336 (qwen2_vl)."""

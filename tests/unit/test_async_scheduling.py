@@ -133,3 +133,22 @@ def test_requests_at_the_model_length_limit(tiny_llava_dir):
                            use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in out] == [40 - n] * 3
         assert all(o.outputs[0].finish_reason == "length" for o in out)
+
+
+def test_blocks_of_a_launched_step_serve_the_next_admission(tiny_llava_dir):
+    """Under async scheduling the next step is scheduled before this one is read back; full blocks are
+    registered at launch, so a request with the same image and prefix admitted then still hits them."""
+    prompt = {"prompt": "USER: <image>\nquestion " + "word " * 30 + "ASSISTANT:", "images": [make_test_image(90)]}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    hits = []
+    for async_scheduling in (False, True):
+        engine = _llm(tiny_llava_dir, async_scheduling, max_num_batched_tokens=256).engine
+        engine.add_request("a", prompt, params)
+        engine.step()                       # a's whole prompt in one launched step
+        second = engine.add_request("b", prompt, params)
+        engine.step()
+        hits.append(second.num_cached_tokens)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv.usage == 0
+    assert hits[0] > 0 and hits[1] == hits[0]

@@ -283,3 +283,21 @@ def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
     assert rc == 0
     row = _strict_json(tmp_path / "r.json")["results"]["rate_sweep"][0]
     assert row["truncated"] and row["mmserve"]["completed"] + row["mmserve"]["failed"] < 50
+
+
+def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_dir, tmp_path):
+    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "4", "--input-len", "40",
+               "--output-len", "2", "--hf-batch-size", "2", "--warmup", "0", "--same-image",
+               "--max-num-seqs", "1", *_outputs(tmp_path)])   # one at a time: each finds the last one's blocks
+    assert rc == 0
+    result = _strict_json(tmp_path / "r.json")
+    assert result["config"]["same_image"] is True
+    assert result["model"]["distinct_texts"] == 4 and result["model"]["text_tokens"] == 40
+    res = result["results"]
+    assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
+    assert res["mmserve"]["cached_prompt_tokens"] > 0   # the image's blocks came from the prefix cache
+    assert "one image shared by all requests, 4 distinct texts" in (tmp_path / "b.md").read_text()
+    # distinct images (the default): nothing to reuse
+    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
+               "--output-len", "2", "--baseline", "none", "--warmup", "0", "--out", str(tmp_path / "d.json")])
+    assert rc == 0 and _strict_json(tmp_path / "d.json")["results"]["mmserve"]["cached_prompt_tokens"] == 0
