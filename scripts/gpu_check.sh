@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
-#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [serve]   (default: all)
+#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [serve]
+#   (default: all but throughput-same)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -27,6 +28,10 @@ for step in $steps; do
                --hf-batch-size 32 --max-num-seqs 128 --out "$OUT/throughput.json" --markdown "$OUT/throughput.md" \
                2> "$OUT/throughput.err"
              cat "$OUT/throughput.md" ;;
+    throughput-same) $bench throughput --preset llava-1.5-7b --num-requests 512 --input-len 128 --output-len 128 \
+               --hf-batch-size 32 --max-num-seqs 128 --same-image --out "$OUT/throughput_same.json" \
+               --markdown "$OUT/throughput_same.md" 2> "$OUT/throughput_same.err"
+             cat "$OUT/throughput_same.md" ;;
     serve) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
            python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 --http-port 8000 --grpc-port 8001 \
              --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/server.log" 2>&1 & S=$!
