@@ -147,9 +147,9 @@ class Engine:
                 # register full blocks now, not when the step is read back: a request admitted by the next
                 # schedule may hit them (its reads are queued after this step's writes)
                 self.kv.cache_computed_blocks(s.request)
-        if self._inflight is not None:
-            outputs += self._resolve(*self._inflight)
-        self._inflight = (sched, launched) if launched is not None else None
+        previous, self._inflight = self._inflight, ((sched, launched) if launched is not None else None)
+        if previous is not None:
+            outputs += self._resolve(*previous)
         if self._inflight is not None and not self.config.scheduler.async_scheduling:
             outputs += self._resolve(*self._inflight)
             self._inflight = None

@@ -55,6 +55,25 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine):
     assert outs[-1].finished and engine.stats()["kv_cache_usage"] == 0
 
 
+def test_a_failure_while_a_step_is_in_flight_leaves_the_engine_clean(engine):
+    """Async scheduling: reading step N back fails after step N+1 was launched; both steps' requests
+    fail, nothing leaks, and later requests get the same answer as before."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = asyncio.run(_collect(engine, "USER: again ASSISTANT:", params))[-1].outputs[0].token_ids
+    real_resolve, calls = engine.engine._resolve, []   # noqa: SLF001
+
+    def broken_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_resolve(*args)
+    engine.engine._resolve = broken_third   # noqa: SLF001
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(_collect(engine, "USER: hi ASSISTANT:", SamplingParams(max_tokens=20, ignore_eos=True)))
+    after = asyncio.run(_collect(engine, "USER: again ASSISTANT:", params))[-1].outputs[0].token_ids
+    assert after == before and engine.stats()["kv_cache_usage"] == 0 and engine.stats()["num_running"] == 0
+
+
 def test_a_dead_engine_loop_is_reported_not_hung(engine):
     def crash(cmd):
         raise SystemError("engine thread crashed")
