@@ -66,7 +66,9 @@ class EncoderGraphs:
         self.model.get_mm_embeddings(items)   # warm up (kernel selection, lazy init) outside the graph
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured while serving: preprocessing threads may be using the GPU on their own streams meanwhile,
+        # so only this thread's calls are checked ("global" mode would fail their allocations and syncs)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = torch.stack(self.model.get_mm_embeddings(items))
         cap = self.graphs[key] = _Captured(graph, inputs, output)
         return cap
