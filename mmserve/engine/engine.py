@@ -54,7 +54,6 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._max_tokens: dict[str, int] = {}
         self._stop_ids: dict[str, set[int]] = {}
         self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
@@ -100,7 +99,7 @@ class Engine:
         if not params.ignore_eos and eos is not None:
             stop_ids.add(eos)
         self._stop_ids[request_id] = stop_ids
-        self._max_tokens[request_id] = req.max_output_tokens = min(params.max_tokens, capacity - n)
+        req.max_output_tokens = min(params.max_tokens, capacity - n)
         if _needs_history(params, req.bad_words_ids):
             self._needs_history.add(request_id)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
@@ -209,7 +208,7 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok[req.request_id]
-        num_out = req.num_output_tokens - req.num_pending
+        num_out = req.num_known_output_tokens
         if token in self._stop_ids[req.request_id] and num_out >= req.params.min_tokens:
             req.stop_reason = None if token == req.eos_token_id else token
             return RequestStatus.FINISHED_STOPPED
@@ -218,7 +217,7 @@ class Engine:
             if matched is not None:
                 req.stop_reason = matched
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= self._max_tokens[req.request_id]:
+        if num_out >= req.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -226,7 +225,7 @@ class Engine:
     def _make_output(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
         completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=req.output_token_ids[:req.num_output_tokens - req.num_pending],
+            index=0, text=detok.text, token_ids=req.output_token_ids[:req.num_known_output_tokens],
             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             finish_reason=req.status.value if req.finished else None,
@@ -247,7 +246,7 @@ class Engine:
             detok.flush()
         req.drop_pending()
         out = self._make_output(req)
-        for table in (self._detok, self._max_tokens, self._stop_ids, self.requests):
+        for table in (self._detok, self._stop_ids, self.requests):
             table.pop(req.request_id, None)
         self._needs_history.discard(req.request_id)
         return out

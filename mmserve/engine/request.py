@@ -120,6 +120,10 @@ class Request:
         """Tokens whose ids the host knows (all but the pending placeholders)."""
         return self.num_tokens - self.num_pending
 
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_output_tokens - self.num_pending
+
     def add_pending(self, row: int) -> None:
         """A launched step samples this request's next token into `row` of its output."""
         self.output_token_ids.append(PLACEHOLDER)

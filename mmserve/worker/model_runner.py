@@ -190,10 +190,6 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
     # ---- one step --------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its tokens (the synchronous form of launch)."""
-        return self.launch(sched).result()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step's work on the device and return without waiting for it.
