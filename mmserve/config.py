@@ -10,6 +10,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -72,6 +73,8 @@ class CacheConfig:
     kv_cache_size_gb: float = 1.0           # CPU: bytes of KV pool, in GiB
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 16384         # vision embeddings (tokens) kept by content hash
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with a per-layer scale, half the bytes per token
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -82,6 +85,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.kv_cache_size_gb <= 0:
             raise ValueError(f"kv_cache_size_gb must be > 0, got {self.kv_cache_size_gb}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype KV blocks are stored in."""
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass

@@ -26,7 +26,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", *, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
-                 kv_cache_size_gb: float = 1.0, enable_prefix_caching: bool = True,
+                 kv_cache_size_gb: float = 1.0, kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False, async_scheduling: bool = True,
                  media: MediaConfig | None = None) -> None:
@@ -35,7 +35,7 @@ class LLM:
                               attention_backend=attention_backend, enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
-                              enable_prefix_caching=enable_prefix_caching),
+                              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       async_scheduling=async_scheduling))

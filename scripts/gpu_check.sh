@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
-#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [serve]
-#   (default: all but throughput-same)
+#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [serve] [serve-profile]
+#   (default: all but throughput-same and serve-profile; serve-profile samples the server with py-spy, if
+#   installed, during a concurrency-32 run without baseline)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -41,6 +42,20 @@ for step in $steps; do
              --max-duration 60 --request-timeout 120 --out "$OUT/serve.json" --markdown "$OUT/serve.md" \
              --plot-dir "$OUT/plots" 2> "$OUT/serve.err"
            kill $S; cat "$OUT/serve.md" ;;
+    serve-profile) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
+           python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 --http-port 8000 --grpc-port 8001 \
+             --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/server_profiled.log" 2>&1 & S=$!
+           for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+           $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline none \
+             --concurrency 32 --num-requests 64 --input-len 24 --output-len 128 --request-timeout 120 \
+             --out "$OUT/serve_warm.json" > /dev/null 2>&1
+           PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+           [ -x "$PYSPY" ] && "$PYSPY" record -p $S -d 12 -r 250 --threads -f raw -o "$OUT/server_pyspy.txt" > "$OUT/pyspy.err" 2>&1 &
+           P=$!
+           $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline none \
+             --concurrency 32 --num-requests 192 --input-len 24 --output-len 128 --request-timeout 120 \
+             --out "$OUT/serve_profiled.json" --markdown "$OUT/serve_profiled.md" 2> "$OUT/serve_profiled.err"
+           wait $P; kill $S; cat "$OUT/serve_profiled.md" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -7,17 +7,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmserve.attention.kv_quant import dequantize_kv, quantize_kv
 from mmserve.attention.metadata import AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values. k, v [T, KVH, D]; kv_cache [2, num_blocks, block_size, KVH, D]."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store this step's keys/values. k, v [T, KVH, D]; kv_cache [2, num_blocks, block_size, KVH, D].
+
+    k_scale / v_scale: the FP8 cache's per-layer scales (kv_quant.py); ignored by other cache dtypes.
+    """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(kv_cache.dtype)
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(k, kv_cache.dtype, k_scale)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(v, kv_cache.dtype, v_scale)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys.
 
     q [T, H, D] -> out [T, H, D]. Query j of a sequence with q_len new tokens and context L sits at
@@ -37,7 +43,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         if q_len > 1:
             pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
             mask = torch.arange(ctx, device=q.device)[None, :] <= pos   # [q_len, ctx]
-        o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+        o = F.scaled_dot_product_attention(qi, dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale),
+                                           attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1)
     return out

@@ -44,7 +44,9 @@ def _preamble(result: dict[str, Any]) -> list[str]:
             f"- command: `{env['command']}`",
             f"- device: {env.get('device_name')} (`{env['device']}`), torch {env.get('torch')}, "
             f"transformers {env.get('transformers')}, mmserve {env.get('mmserve')}, python {env.get('python')}",
-            f"- model: {where}, dtype {model.get('dtype') or result['config'].get('dtype')}"]
+            f"- model: {where}, dtype {model.get('dtype') or result['config'].get('dtype')}"
+            + (f", mmserve KV cache {result['config']['kv_cache_dtype']}"
+               if result["config"].get("kv_cache_dtype", "auto") != "auto" else "")]
 
 
 def _latency_md(result: dict[str, Any]) -> list[str]:

@@ -35,6 +35,7 @@ class LMShape:
     layer_norm: bool = False       # LayerNorm (scale + shift) instead of RMSNorm (scale)
     final_norm: bool = True
     embed_dim: int | None = None   # word-embedding width when it differs from hidden (OPT-350m style)
+    kv_dtype_bytes: int | None = None   # bytes per cached K/V element when the cache is not in the model dtype
 
     @property
     def weight_bytes(self) -> int:
@@ -50,7 +51,7 @@ class LMShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -58,16 +59,20 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
-def lm_shape(model_dir: str, dtype: str) -> LMShape:
+def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto") -> LMShape:
     """Read the text model's sizes from a vision-language (or plain decoder) config.json."""
     import torch
+
+    from mmserve.config import KV_CACHE_DTYPES
 
     text = text_config(json.loads((Path(model_dir) / "config.json").read_text()))
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
                   head_dim=int(text.get("head_dim") or hidden // heads),
-                  dtype_bytes=torch.finfo(torch_dtype(dtype)).bits // 8)
+                  dtype_bytes=torch.finfo(torch_dtype(dtype)).bits // 8,
+                  kv_dtype_bytes=torch.finfo(KV_CACHE_DTYPES[kv_cache_dtype]).bits // 8
+                  if kv_cache_dtype != "auto" else None)
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

@@ -22,11 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--prefill-batch", type=int, default=0, help="also profile the prefill of this many requests")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 
     model_dir = ModelSource(model=args.model, preset=args.preset, family=args.family).resolve()
-    llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens)   # distinct images below: no prefix hits in decode
+    # distinct images below: no prefix hits in decode
+    llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     spec = make_prompt(PromptTemplate(model_dir), 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)

@@ -58,8 +58,8 @@ class Engine:
         self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
         self.default_eos = self._eos_ids()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", type(self.model).__name__,
-                    self.device, self.dtype, num_blocks, config.cache.block_size)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
+                    self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -257,6 +257,8 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": self.kv.usage,
+            "kv_cache_blocks_total": self.kv.num_blocks,
+            "kv_cache_bytes_per_token": self.runner.kv_bytes_per_block() / self.config.cache.block_size,
             "prefix_cache_hit_rate": self.kv.stats.hit_rate,
             "prefix_cache_hit_tokens": self.kv.stats.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.stats.queried_tokens,

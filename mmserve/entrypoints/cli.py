@@ -24,6 +24,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
     p.add_argument("--kv-cache-size-gb", type=float, default=1.0, help="KV pool size on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: e4m3 blocks, half the memory and reads per token")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true",
@@ -52,7 +54,8 @@ def build_engine_config(args: argparse.Namespace):
                           preprocess_on_gpu=not args.cpu_preprocess),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          kv_cache_size_gb=args.kv_cache_size_gb, enable_prefix_caching=not args.no_prefix_caching),
+                          kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,
+                          enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
                                   async_scheduling=not args.no_async_scheduling))

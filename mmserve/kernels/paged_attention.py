@@ -1,7 +1,10 @@
 """Triton kernels over the paged KV cache: cache writes, split-K decode attention, varlen prefill attention.
 
-Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim]. Every launch grid depends only on host
-ints that stay fixed for a CUDA graph (batch size, head counts, block-table width), never on device data.
+Cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim], in the model's dtype or FP8 (e4m3) with
+per-layer K and V scales (attention/kv_quant.py): writes quantize in-register, the attention kernels convert
+tiles back to the query dtype and fold the scales into the softmax scale (K) and the output (V). Every launch
+grid depends only on host ints that stay fixed for a CUDA graph (batch size, head counts, block-table
+width), never on device data.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from mmserve.attention.kv_quant import FP8_MAX, is_fp8
 
 _MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
@@ -53,11 +58,11 @@ def _online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, PREC: tl.constex
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -67,14 +72,19 @@ def _reshape_and_cache_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if QUANT:   # FP8 cache: scale, saturate, round to nearest (as kv_quant.quantize_kv)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -QMAX), QMAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -QMAX), QMAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store k, v [T, KVH, D] into kv_cache [2, num_blocks, block_size, KVH, D] at slot_mapping [T].
 
-    Slots < 0 are padding (e.g. CUDA-graph padded batches) and are skipped.
+    Slots < 0 are padding (e.g. CUDA-graph padded batches) and are skipped. An FP8 cache stores
+    k / k_scale and v / v_scale, saturated.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -82,12 +92,12 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     _check_last_dim_contiguous(k, v, kv_cache)
     kc, vc = kv_cache[0], kv_cache[1]
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, kc, vc, slot_mapping,
+        k, v, kc, vc, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX,
     )
 
 
@@ -98,7 +108,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -135,7 +145,7 @@ def _decode_kernel(
                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         m, l, acc = _online_softmax_step(q, k, v, tok_mask[None, :], m, l, acc, qk_scale, PREC)
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
         row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split     # part_lse [B, H, S]
@@ -171,7 +181,8 @@ def _decode_reduce_kernel(
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query per sequence over its whole cached context.
 
     Args:
@@ -181,6 +192,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         seq_lens: [B] int32 on device; 0 marks a padding row (its output is zero).
         scale: softmax scale.
         num_splits: split-K partitions per sequence; None picks one from host shapes only.
+        k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
     Returns:
         out [B, H, D] in q's dtype.
     """
@@ -201,14 +213,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     else:
         part_out = part_lse = out   # unused
     kc, vc = kv_cache[0], kv_cache[1]
+    block_n, num_stages = decode_tile(d_pad, kv_cache.dtype)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_out, part_lse,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=64 if d_pad <= 128 else 32, SPLIT=split, PREC=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, PREC=_precision(q.dtype),
+        num_warps=4, num_stages=num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -217,6 +230,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             num_warps=4,
         )
     return out
+
+
+def decode_tile(d_pad: int, cache_dtype: torch.dtype) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the decode kernel.
+
+    An fp8 tile of 64 keys is too little data in flight per load: 128 keys read the cache 1.3-1.5x faster
+    on an H100 at batch 8-128 (tests/kernels/bench_paged_decode.py).
+    """
+    if d_pad <= 128:
+        return (128 if is_fp8(cache_dtype) else 64), 2
+    return 32, 2
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -237,7 +261,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -291,14 +315,14 @@ def _prefill_kernel(
         visible = k_mask[None, :] & (kt[None, :] <= pos[:, None])
         m, l, acc = _online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, PREC)
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their cached prefix plus themselves.
 
     Handles prefill chunks and single-token decodes in one launch.
@@ -311,6 +335,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         query_start_loc: [B + 1] int32.
         max_query_len: host int, an upper bound of every sequence's new-token count (sizes the grid).
         scale: softmax scale.
+        k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
     Returns:
         out [T, H, D] in q's dtype.
     """
@@ -329,7 +354,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m // group))
     _prefill_kernel[grid](
         q, kc, vc, block_tables, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,

@@ -16,11 +16,14 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.kv_cache: torch.Tensor | None = None   # [2, num_blocks, block_size, KVH, D]
         self.backend = torch_backend
+        # FP8 KV cache scales (stored = value / scale); 1.0 unless a checkpoint or caller sets them
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [T, H*D], k/v [T, KVH*D] -> [T, H*D]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
-        return self.backend.paged_attention(q, self.kv_cache, meta, self.scale).flatten(1)
+        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self.backend.paged_attention(q, self.kv_cache, meta, self.scale, self.k_scale, self.v_scale).flatten(1)

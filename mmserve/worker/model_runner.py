@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mmserve.attention.kv_quant import is_fp8
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
@@ -94,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = cache_config.cache_dtype(dtype)
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size
         self.encoder_cache = EncoderCache(cache_config.encoder_cache_size)
@@ -101,6 +103,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.backend_name = self._select_backend(attention_backend)
+        self._check_kv_dtype_supported()
         self.graphs: DecodeGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -113,6 +116,14 @@ class ModelRunner:
             for layer in self.attn_layers:
                 layer.backend = triton_backend
         return name
+
+    def _check_kv_dtype_supported(self) -> None:
+        # Triton converts to/from e4m3 with the hardware instructions of Ada / Hopper and newer
+        if is_fp8(self.kv_dtype) and self.device.type == "cuda" and self.backend_name == "triton":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < (8, 9):
+                raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 with the triton "
+                                 f"attention backend; {torch.cuda.get_device_name(self.device)} is {cap[0]}.{cap[1]}")
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Record decode-step and small-prefill graphs (CUDA + Triton backend only); call after
@@ -165,7 +176,7 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.kv_dtype).bits // 8
         return per_layer * len(self.attn_layers)
 
     def num_blocks_for(self, cache_config: CacheConfig, activation_peak: int = 0) -> int:
@@ -185,7 +196,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=self.dtype, device=self.device)
+                                dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -46,6 +46,16 @@ def test_prefill_with_cached_prefix_and_mixed_decodes_one_launch() -> None:
     run_attention([200, 1], [900, 33], 28, 4, 80, BLOCK, torch.float16, CUDA, tol=5e-3)   # group 7, head_dim 80
 
 
+@pytest.mark.parametrize("batch", [1, 64])
+def test_fp8_cache_decode_and_prefill_match_torch(batch: int) -> None:
+    """e4m3 cache with per-layer scales: the write is bit-exact with the torch backend's, attention close."""
+    fp8 = torch.float8_e4m3fn
+    run_attention([1] * batch, _contexts(batch, 11), HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, CUDA,
+                  num_pad_rows=3, cache_dtype=fp8, kv_scales=(0.02, 0.05), tol=5e-3)
+    run_attention([700, 1, 1], [1300, 4000, 9], HEADS, 8, HEAD_DIM, BLOCK, torch.bfloat16, CUDA, cache_dtype=fp8,
+                  kv_scales=(1.0, 1.0))
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_cuda_graph_replays_with_new_lengths_and_tables(batch: int) -> None:
     from mmserve.attention import torch_backend, triton_backend

@@ -11,6 +11,7 @@ import torch
 import triton.testing
 
 from mmserve.attention import torch_backend, triton_backend
+from mmserve.kernels import paged_attention as kernels
 from mmserve.kernels.paged_attention import default_num_splits
 from tests.kernels.triton_checks import make_batch
 
@@ -18,21 +19,39 @@ HEADS, HEAD_DIM, BLOCK = 32, 128, 16
 
 
 def main(context: int) -> None:
+    for cache_dtype in (torch.float16, torch.float8_e4m3fn):
+        decode_table(context, cache_dtype)
+    default = kernels.decode_tile
+    for tile in [(64, 2), (256, 2), (128, 4)]:   # other (keys per tile, stages) for the fp8 cache
+        kernels.decode_tile = lambda d_pad, dtype, tile=tile: tile
+        print(f"tile {tile}:")
+        decode_table(context, torch.float8_e4m3fn)
+    kernels.decode_tile = default
+    prefill_line()
+
+
+def decode_table(context: int, cache_dtype: torch.dtype) -> None:
     dev = torch.device("cuda")
     scale = HEAD_DIM ** -0.5
-    print(f"{torch.cuda.get_device_name()}  decode, {HEADS} heads x {HEAD_DIM}, block {BLOCK}, fp16, context {context}")
+    print(f"{torch.cuda.get_device_name()}  decode, {HEADS} heads x {HEAD_DIM}, block {BLOCK}, fp16 queries, "
+          f"{cache_dtype} cache, context {context}")
     print(f"{'batch':>5} {'splits':>6} {'triton graph us':>16} {'GB/s':>6} {'triton eager us':>16} {'torch us':>10}")
-    for batch in (1, 8, 32, 64):
+    for batch in (1, 8, 32, 64, 128):
         q, _, _, cache, meta = make_batch([1] * batch, [context] * batch, HEADS, HEADS, HEAD_DIM, BLOCK,
-                                          torch.float16, dev, extra_blocks=0)
+                                          torch.float16, dev, extra_blocks=0, cache_dtype=cache_dtype)
         splits = default_num_splits(batch, HEADS, meta.block_tables.shape[1] * BLOCK, dev)
         fn = lambda: triton_backend.paged_attention(q, cache, meta, scale)  # noqa: E731
         graph_us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
         eager_us = triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3
         torch_us = triton.testing.do_bench(lambda: torch_backend.paged_attention(q, cache, meta, scale),
                                            warmup=3, rep=50) * 1e3
-        gbs = 2 * batch * context * HEADS * HEAD_DIM * 2 / (graph_us * 1e-6) / 1e9   # K+V bytes read
+        gbs = 2 * batch * context * HEADS * HEAD_DIM * cache.element_size() / (graph_us * 1e-6) / 1e9   # K+V read
         print(f"{batch:>5} {splits:>6} {graph_us:>16.1f} {gbs:>6.0f} {eager_us:>16.1f} {torch_us:>10.1f}")
+
+
+def prefill_line() -> None:
+    dev = torch.device("cuda")
+    scale = HEAD_DIM ** -0.5
     q, _, _, cache, meta = make_batch([2048], [2048], HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, dev)
     pre_us = triton.testing.do_bench(lambda: triton_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3
     ref_us = triton.testing.do_bench(lambda: torch_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3

@@ -93,15 +93,32 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float | 
 
 
 def assert_cache_equal(cache: torch.Tensor, want: torch.Tensor, src_dtype: torch.dtype) -> None:
-    if INTERPRET and cache.dtype == torch.bfloat16 and src_dtype == torch.float32:
+    if cache.dtype == torch.float8_e4m3fn:   # bit-exact: same scaling, saturation and rounding as the oracle
+        differs = cache.view(torch.uint8) != want.view(torch.uint8)
+        if INTERPRET:
+            differs &= ~_interpreter_fp8_rounding(cache, want)
+        assert not differs.any(), f"write_kv: {int(differs.sum())} fp8 cache entries differ from the torch backend"
+    elif INTERPRET and cache.dtype == torch.bfloat16 and src_dtype == torch.float32:
         # the interpreter truncates fp32 -> bf16 where GPUs round to nearest even: allow one bf16 ulp
         assert ((cache.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all(), "write_kv: cache"
     else:
         assert torch.equal(cache, want), "write_kv: cache differs from the torch backend"
 
 
+def _interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Where the Triton CPU interpreter's fp32 -> e4m3 conversion is known to differ from round-to-nearest
+    (GPUs convert in hardware and match torch bit for bit): it may round to the other neighbour (adjacent
+    codes), and a round-up that carries into the exponent loses the carry (got = want / 2, want a power of 2)."""
+    g, w = got.float(), want.float()
+    codes = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+    adjacent = (torch.sign(g) == torch.sign(w)) & (codes == 1)
+    carry = (g * 2 == w) & (torch.frexp(w.abs())[0] == 0.5)
+    return adjacent | carry
+
+
 def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
-                  num_pad_rows=0, num_splits=None, path="backend", seed=0, cache_dtype=None, tol=None) -> None:
+                  num_pad_rows=0, num_splits=None, path="backend", seed=0, cache_dtype=None, tol=None,
+                  kv_scales=(1.0, 1.0)) -> None:
     """Write K/V and attend with both backends; compare caches and the real rows' outputs."""
     from mmserve.attention import torch_backend, triton_backend
     from mmserve.kernels import paged_attention as kernels
@@ -110,19 +127,21 @@ def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_siz
                                       device, num_pad_rows, seed=seed, cache_dtype=cache_dtype)
     want_cache = cache.clone()
     end, sub = real_rows(meta, len(q_lens))
-    torch_backend.write_kv(k[:end], v[:end], want_cache, sub.slot_mapping)
-    triton_backend.write_kv(k, v, cache, meta.slot_mapping)
+    ks, vs = kv_scales
+    torch_backend.write_kv(k[:end], v[:end], want_cache, sub.slot_mapping, ks, vs)
+    triton_backend.write_kv(k, v, cache, meta.slot_mapping, ks, vs)
     assert_cache_equal(cache, want_cache, k.dtype)
 
     scale = head_dim ** -0.5
     if path == "decode":
-        out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, num_splits)
+        out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, num_splits,
+                                             k_scale=ks, v_scale=vs)
     elif path == "prefill":
         out = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                              meta.max_query_len, scale)
+                                              meta.max_query_len, scale, k_scale=ks, v_scale=vs)
     else:
-        out = triton_backend.paged_attention(q, cache, meta, scale)
-    want = torch_backend.paged_attention(q[:end], cache, sub, scale)
+        out = triton_backend.paged_attention(q, cache, meta, scale, ks, vs)
+    want = torch_backend.paged_attention(q[:end], cache, sub, scale, ks, vs)
     assert_close(out[:end], want, f"{path} attention", tol)
     if num_pad_rows:
         assert torch.equal(out[end:], torch.zeros_like(out[end:])), "padding rows must be zero"
@@ -147,6 +166,25 @@ def check_reshape_and_cache_skips_padding_slots(device):
         qkv = torch.cat([k, v, k], dim=1)
         reshape_and_cache(qkv[:, :3], qkv[:, 3:6], cache, meta.slot_mapping)
         assert_cache_equal(cache, want, dtype)
+
+
+@check
+def check_reshape_and_cache_fp8_scales_and_saturates(device):
+    from mmserve.attention import torch_backend
+    from mmserve.kernels.paged_attention import reshape_and_cache
+
+    fp8 = torch.float8_e4m3fn
+    for dtype, scales in [(torch.float32, (1.0, 1.0)), (torch.float16, (0.0005, 2.5)), (torch.float32, (0.3, 0.01))]:
+        _, k, v, cache, meta = make_batch([3, 2], [7, 2], 6, 3, 20, 4, dtype, device, num_pad_rows=2, cache_dtype=fp8)
+        want = cache.clone()
+        real = meta.slot_mapping >= 0
+        torch_backend.write_kv(k[real], v[real], want, meta.slot_mapping[real], *scales)
+        reshape_and_cache(k, v, cache, meta.slot_mapping, *scales)
+        assert_cache_equal(cache, want, dtype)
+        stored = want[0].view(-1, 3, 20)[meta.slot_mapping[real]].float()
+        assert torch.isfinite(stored).all(), "fp8 writes must saturate, not overflow to NaN"
+        if scales[0] < 0.01:   # |k| / 0.0005 exceeds 448 for most entries
+            assert (stored.abs() == 448).float().mean() > 0.5, "expected saturated values at the e4m3 limit"
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -186,6 +224,17 @@ def check_decode_fp16_and_bf16_through_backend(device):
     run_attention([1] * 2, [40, 99], 6, 2, 20, 8, torch.float32, device, cache_dtype=torch.bfloat16)
     if not INTERPRET:   # the Triton interpreter's tl.dot reads bf16 operands as raw integers
         run_attention([1] * 2, [40, 99], 6, 2, 20, 8, torch.bfloat16, device)
+
+
+@check
+def check_decode_and_prefill_over_fp8_cache_with_scales(device):
+    fp8 = torch.float8_e4m3fn
+    run_attention([1] * 3, [17, 128, 250], 8, 2, 64, 16, torch.float16, device, num_pad_rows=1, cache_dtype=fp8,
+                  kv_scales=(0.05, 0.02), num_splits=3, path="decode")
+    run_attention([1] * 2, [40, 99], 4, 4, 20, 8, torch.float32, device, cache_dtype=fp8, num_splits=1,
+                  path="decode")
+    run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float16, device, cache_dtype=fp8,
+                  kv_scales=(0.03, 0.07), path="prefill")
 
 
 # --------------------------------------------------------------------------------------------- prefill / mixed
