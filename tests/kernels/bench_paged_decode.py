@@ -22,10 +22,13 @@ def main(context: int) -> None:
     for cache_dtype in (torch.float16, torch.float8_e4m3fn):
         decode_table(context, cache_dtype)
     default = kernels.decode_tile
-    for tile in [(64, 2), (256, 2), (128, 4)]:   # other (keys per tile, stages) for the fp8 cache
+    # other (keys per tile, stages, warps) than the defaults
+    for cache_dtype, tile in [(torch.float8_e4m3fn, (128, 2, 8)), (torch.float8_e4m3fn, (64, 2, 8)),
+                              (torch.float8_e4m3fn, (64, 4, 4)), (torch.float16, (64, 2, 8)),
+                              (torch.float16, (128, 2, 4))]:
         kernels.decode_tile = lambda d_pad, dtype, tile=tile: tile
         print(f"tile {tile}:")
-        decode_table(context, torch.float8_e4m3fn)
+        decode_table(context, cache_dtype)
     kernels.decode_tile = default
     prefill_line()
 
