@@ -1,5 +1,6 @@
 """Checkpoint loading: stream tensors from a HF directory's safetensors and hand each to the
-parameter's own `weight_loader`, after the family's renames and packed-module mapping."""
+parameter's own `weight_loader`, after the family's renames and packed-module mapping. FP8 KV cache
+scales in the checkpoint (`k_scale` / `v_scale` / `kv_scale`) go to the layers' `Attention` modules."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mmserve.layers.attention import Attention
 from mmserve.layers.linear import default_weight_loader
+
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -46,6 +50,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         ValueError naming unknown checkpoint tensors or parameters left unloaded.
     """
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     unknown: list[str] = []
     packed = packed or {}
@@ -64,6 +69,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 name, shard = name.replace(part, fused), shard_id
                 break
         param = params.get(name)
+        if param is None and _load_kv_scale(modules, name, tensor):
+            continue
         if param is None:
             unknown.append(ckpt_name)
             continue
@@ -76,3 +83,29 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     missing = [n for n in params if n not in loaded and not getattr(params[n], "tied", False)]
     if missing:
         raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}")
+
+
+def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """Set an FP8 KV cache scale from `<self_attn>.k_scale`, `.v_scale`, `.kv_scale` (both), also found
+    under `.k_proj.` / `.v_proj.` (as quantization tools export them). Returns whether `name` was one.
+
+    A per-head or per-shard scale tensor becomes its maximum: one scale per layer, never too small to
+    represent a value. Caches in the model's dtype ignore the scales.
+    """
+    suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return False
+    prefix = name[: -len(suffix)].removesuffix(".k_proj").removesuffix(".v_proj")
+    attn = modules.get(prefix)
+    if not isinstance(attn, Attention):
+        attn = modules.get(prefix + ".attn")
+    if not isinstance(attn, Attention):
+        return False
+    value = float(tensor.float().max())
+    if not value > 0:
+        raise ValueError(f"checkpoint tensor {name}: an FP8 KV cache scale must be > 0, got {value}")
+    if suffix in (".k_scale", ".kv_scale"):
+        attn.k_scale = value
+    if suffix in (".v_scale", ".kv_scale"):
+        attn.v_scale = value
+    return True

@@ -18,39 +18,34 @@ PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, return_cont
                         return_generation_logits=True)
 
 
-def _round_to_fp8(x: torch.Tensor) -> torch.Tensor:
-    return quantize_kv(x, FP8).to(x.dtype)
+def _round_to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return quantize_kv(x, FP8, scale).to(x.dtype) * scale
 
 
-def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | None,
+               scales: dict[int, tuple[float, float]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' context and generation logits; with monkeypatch, every key (after rotary) and value is
-    rounded to e4m3 before it enters the cache: the arithmetic of an FP8 KV cache with scale 1."""
-    import transformers.models.llama.modeling_llama as llama
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    rounded to e4m3 with its layer's (k, v) scale (default 1) as it enters the cache: the arithmetic of an
+    FP8 KV cache."""
+    from transformers import AutoProcessor, DynamicCache, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    hooks = []
     if monkeypatch is not None:
-        rotary = llama.apply_rotary_pos_emb
+        update = DynamicCache.update
 
-        def rotary_then_round(q, k, cos, sin, *args, **kwargs):
-            q, k = rotary(q, k, cos, sin, *args, **kwargs)
-            return q, _round_to_fp8(k)
+        def rounded_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            ks, vs = (scales or {}).get(layer_idx, (1.0, 1.0))
+            return update(self, _round_to_fp8(key_states, ks), _round_to_fp8(value_states, vs), layer_idx,
+                          *args, **kwargs)
 
-        monkeypatch.setattr(llama, "apply_rotary_pos_emb", rotary_then_round)
-        for layer in model.model.language_model.layers:
-            hooks.append(layer.self_attn.v_proj.register_forward_hook(lambda m, i, out: _round_to_fp8(out)))
+        monkeypatch.setattr(DynamicCache, "update", rounded_update)
     processor = AutoProcessor.from_pretrained(model_dir)
     kw = {"device": device} if device != "cpu" else {}
     enc = processor(text=PROMPT["prompt"], images=PROMPT["images"], return_tensors="pt", **kw).to(device)
-    try:
-        with torch.no_grad():
-            context = model(**enc).logits[0].float().cpu()
-            gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-    finally:
-        for h in hooks:
-            h.remove()
+    with torch.no_grad():
+        context = model(**enc, use_cache=True).logits[0].float().cpu()
+        gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
     return context, torch.stack(gen.logits)[:, 0].float().cpu()
 
 
@@ -96,3 +91,37 @@ def test_unknown_kv_cache_dtype_is_refused_by_name():
         CacheConfig(kv_cache_dtype="int4")
     assert CacheConfig(kv_cache_dtype="fp8_e4m3").cache_dtype(torch.float16) == FP8
     assert CacheConfig().cache_dtype(torch.bfloat16) == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_scales_from_the_checkpoint_are_used(tiny_llava_dir, tmp_path, monkeypatch, device):
+    """k_scale / v_scale / kv_scale tensors (also under k_proj / v_proj, per-head -> max) set each layer's
+    scales; logits match transformers rounding with those scales; a model-dtype cache ignores them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "scaled"
+    shutil.copytree(tiny_llava_dir, model_dir)
+    prefix = "language_model.model.layers.{}.self_attn."
+    save_file({prefix.format(0) + "k_scale": torch.tensor(0.05), prefix.format(0) + "v_scale": torch.tensor(0.02),
+               prefix.format(1) + "kv_scale": torch.tensor([0.03]),
+               prefix.format(2) + "k_proj.k_scale": torch.tensor(0.04),
+               prefix.format(2) + "v_proj.v_scale": torch.tensor([0.01, 0.06])}, str(model_dir / "kv_scales.safetensors"))
+    scales = {0: (0.05, 0.02), 1: (0.03, 0.03), 2: (0.04, 0.06)}
+
+    llm = LLM(str(model_dir), device=device, dtype="float32", kv_cache_dtype="fp8")
+    layers = llm.engine.runner.attn_layers
+    got = {i: (a.k_scale, a.v_scale) for i, a in enumerate(layers)}
+    assert got == {i: pytest.approx(scales.get(i, (1.0, 1.0))) for i in range(len(layers))}
+    out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    unscaled_context, _ = _hf_logits(str(model_dir), device, None)
+    context, generation = _hf_logits(str(model_dir), device, monkeypatch, scales)
+    tol = 2e-3 if device == "cpu" else 2e-2
+    torch.testing.assert_close(out.context_logits, context, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.generation_logits, generation, atol=tol, rtol=tol)
+    assert (out.context_logits - unscaled_context).abs().max() > 20 * tol
+    del llm
+
+    fp32 = LLM(str(model_dir), device=device, dtype="float32").generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    torch.testing.assert_close(fp32.context_logits, unscaled_context, atol=tol, rtol=tol)
