@@ -16,6 +16,11 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def cache_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The (k, v) scales that apply to a cache of this dtype: its own for FP8, (1, 1) for the model's dtype."""
+    return (k_scale, v_scale) if is_fp8(cache_dtype) else (1.0, 1.0)
+
+
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """x in the cache's dtype; fp8 caches get x / scale, saturated to the format's range."""
     if not is_fp8(cache_dtype):

@@ -63,16 +63,16 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto") -> LMShap
     """Read the text model's sizes from a vision-language (or plain decoder) config.json."""
     import torch
 
-    from mmserve.config import KV_CACHE_DTYPES
+    from mmserve.config import CacheConfig
 
     text = text_config(json.loads((Path(model_dir) / "config.json").read_text()))
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
+    model_dtype = torch_dtype(dtype)
+    cache_dtype = CacheConfig(kv_cache_dtype=kv_cache_dtype).cache_dtype(model_dtype)
     common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
                   head_dim=int(text.get("head_dim") or hidden // heads),
-                  dtype_bytes=torch.finfo(torch_dtype(dtype)).bits // 8,
-                  kv_dtype_bytes=torch.finfo(KV_CACHE_DTYPES[kv_cache_dtype]).bits // 8
-                  if kv_cache_dtype != "auto" else None)
+                  dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8)
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

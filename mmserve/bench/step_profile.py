@@ -10,6 +10,7 @@ import time
 import torch
 
 from mmserve.bench.workload import ModelSource, PromptTemplate, image_size_of, make_images, make_prompt
+from mmserve.config import KV_CACHE_DTYPES
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--prefill-batch", type=int, default=0, help="also profile the prefill of this many requests")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.attention.kv_quant import FP8_MAX, is_fp8
+from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
 
 _MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
@@ -89,7 +89,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k_scale, v_scale = _cache_scales(kv_cache, k_scale, v_scale)
+    k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
     _check_last_dim_contiguous(k, v, kv_cache)
     kc, vc = kv_cache[0], kv_cache[1]
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -200,7 +200,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     _check_last_dim_contiguous(q, kv_cache)
-    k_scale, v_scale = _cache_scales(kv_cache, k_scale, v_scale)
+    k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -344,7 +344,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     _check_last_dim_contiguous(q, kv_cache)
-    k_scale, v_scale = _cache_scales(kv_cache, k_scale, v_scale)
+    k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)   # rows no sequence owns stay zero
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
@@ -373,11 +373,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not silently drop to TF32 on tensor cores; fp16/bf16 ignore this setting.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
-    # scales describe FP8 storage only (a model-dtype cache holds the values themselves)
-    return (k_scale, v_scale) if is_fp8(kv_cache.dtype) else (1.0, 1.0)
 
 
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
