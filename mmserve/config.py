@@ -11,6 +11,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+QUANTIZATION_METHODS = ("fp8",)   # weight formats `--quantization` converts to at load
 
 
 def resolve_device(device: str) -> torch.device:
@@ -52,12 +53,17 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     enforce_eager: bool = False     # True: no CUDA graphs (decode steps, short prefills, vision towers)
     preprocess_on_gpu: bool = True  # on CUDA, resize/normalise images on the GPU (decoding stays on CPU)
+    # None: as the checkpoint is (FP8 checkpoints load as FP8); "fp8": decoder linears to e4m3 at load
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         resolve_device(self.device)  # fail early on bad strings
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")

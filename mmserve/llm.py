@@ -28,11 +28,12 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_size_gb: float = 1.0, kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 enforce_eager: bool = False, async_scheduling: bool = True,
+                 enforce_eager: bool = False, async_scheduling: bool = True, quantization: str | None = None,
                  media: MediaConfig | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-                              attention_backend=attention_backend, enforce_eager=enforce_eager),
+                              attention_backend=attention_backend, enforce_eager=enforce_eager,
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
                               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching),

@@ -56,6 +56,8 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                    help="KV cache storage (fp8: e4m3, half the bytes per token)")
+    g.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="mmserve's decoder linear weights to e4m3 at load (the transformers baseline stays as is)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +121,8 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
         cfg = LatencyConfig(source=_source(args, True), batch_sizes=args.batch_sizes, iters=args.iters,
                             prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                            kv_cache_dtype=args.kv_cache_dtype, bandwidth_mib=args.bandwidth_mib, image_size=args.image_size, **common)
+                            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                            bandwidth_mib=args.bandwidth_mib, image_size=args.image_size, **common)
         return run_latency, cfg
     if args.bench == "throughput":
         from mmserve.bench.throughput import ThroughputConfig, run_throughput
@@ -128,7 +131,8 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                                hf_batch_size=args.hf_batch_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                               kv_cache_dtype=args.kv_cache_dtype, image_size=args.image_size,
+                               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                               image_size=args.image_size,
                                same_image=args.same_image, **common)
         return run_throughput, cfg
     from mmserve.bench.serve import ServeConfig, run_serve

@@ -48,6 +48,7 @@ class LatencyConfig:
     max_num_batched_tokens: int = 2048   # mmserve's token budget per step
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
+    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
@@ -115,7 +116,7 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
     llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(cfg.batch_sizes),
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              seed=cfg.seed)
+              quantization=cfg.quantization, seed=cfg.seed)
     samples: dict[int, list[dict]] = {}
     try:
         bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")
@@ -178,7 +179,7 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     mib = cfg.bandwidth_mib or (1024 if cfg.device.startswith("cuda") else 64)
     bandwidth = measure_copy_bandwidth(cfg.device, mib * 2**20)
     free_device_memory(cfg.device)  # the probe's buffers must not shrink mmserve's KV pool
-    shape = lm_shape(model_dir, cfg.dtype, cfg.kv_cache_dtype)
+    shape = lm_shape(model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization)
     spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}

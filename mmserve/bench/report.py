@@ -46,7 +46,9 @@ def _preamble(result: dict[str, Any]) -> list[str]:
             f"transformers {env.get('transformers')}, mmserve {env.get('mmserve')}, python {env.get('python')}",
             f"- model: {where}, dtype {model.get('dtype') or result['config'].get('dtype')}"
             + (f", mmserve KV cache {result['config']['kv_cache_dtype']}"
-               if result["config"].get("kv_cache_dtype", "auto") != "auto" else "")]
+               if result["config"].get("kv_cache_dtype", "auto") != "auto" else "")
+            + (f", mmserve weights {result['config']['quantization']} (decoder linears; transformers unquantized)"
+               if result["config"].get("quantization") else "")]
 
 
 def _latency_md(result: dict[str, Any]) -> list[str]:

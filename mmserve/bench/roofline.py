@@ -36,18 +36,20 @@ class LMShape:
     final_norm: bool = True
     embed_dim: int | None = None   # word-embedding width when it differs from hidden (OPT-350m style)
     kv_dtype_bytes: int | None = None   # bytes per cached K/V element when the cache is not in the model dtype
+    linear_dtype_bytes: int | None = None   # bytes per decoder-layer matrix element when quantized (fp8: 1)
 
     @property
     def weight_bytes(self) -> int:
         """Every LM matrix, bias and norm is read once per step; of the embedding tables only B rows (ignored)."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
         norm = 2 * h if self.layer_norm else h
-        per_layer = h * q + 2 * h * kv + q * h + self.mlp_matrices * h * i + 2 * norm  # q, k, v, o, MLP, 2 norms
-        per_layer += (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        matrices = h * q + 2 * h * kv + q * h + self.mlp_matrices * h * i  # q, k, v, o, MLP
+        per_layer = 2 * norm + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
         e = self.embed_dim or h
         head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
-        return (self.layers * per_layer + head) * self.dtype_bytes
+        matrix_bytes = self.layers * matrices * (self.linear_dtype_bytes or self.dtype_bytes)
+        return (self.layers * per_layer + head) * self.dtype_bytes + matrix_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -59,20 +61,23 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
-def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto") -> LMShape:
-    """Read the text model's sizes from a vision-language (or plain decoder) config.json."""
+def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None) -> LMShape:
+    """Read the text model's sizes from a vision-language (or plain decoder) config.json; FP8 decoder matrices
+    (`quantization="fp8"`, or a checkpoint quantized to FP8) count one byte per element."""
     import torch
 
     from mmserve.config import CacheConfig
 
-    text = text_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = text_config(config)
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
     cache_dtype = CacheConfig(kv_cache_dtype=kv_cache_dtype).cache_dtype(model_dtype)
     common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
                   head_dim=int(text.get("head_dim") or hidden // heads),
-                  dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8)
+                  dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
+                  linear_dtype_bytes=1 if quantization == "fp8" or "quantization_config" in config else None)
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

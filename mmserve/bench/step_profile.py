@@ -10,7 +10,7 @@ import time
 import torch
 
 from mmserve.bench.workload import ModelSource, PromptTemplate, image_size_of, make_images, make_prompt
-from mmserve.config import KV_CACHE_DTYPES
+from mmserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,13 +24,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-batch", type=int, default=0, help="also profile the prefill of this many requests")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
+    ap.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS))
     args = ap.parse_args(argv)
     from mmserve import LLM, SamplingParams
 
     model_dir = ModelSource(model=args.model, preset=args.preset, family=args.family).resolve()
     # distinct images below: no prefix hits in decode
     llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine = llm.engine
     spec = make_prompt(PromptTemplate(model_dir), 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)

@@ -46,6 +46,7 @@ class ThroughputConfig:
     same_image: bool = False             # one image for all requests, each with its own text (cache hits)
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
+    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
     hf_attn: str | None = None
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
     seed: int = 0
@@ -72,7 +73,7 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images
     llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              seed=cfg.seed)
+              quantization=cfg.quantization, seed=cfg.seed)
     params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
     try:
         for w in range(cfg.warmup):

@@ -36,7 +36,7 @@ class Engine:
         self.dtype = resolve_dtype(mc.dtype, self.device, getattr(self.text_config, "dtype", None)
                                    or getattr(self.hf_config, "torch_dtype", None))
         torch.manual_seed(mc.seed)
-        self.model = build_model(mc.model, self.hf_config, self.device, self.dtype)
+        self.model = build_model(mc.model, self.hf_config, self.device, self.dtype, mc.quantization)
         preprocess_device = self.device if self.device.type == "cuda" and mc.preprocess_on_gpu else None
         self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media, preprocess_device)
         self.tokenizer = self.inputs.tokenizer

@@ -26,6 +26,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: e4m3 blocks, half the memory and reads per token")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: decoder linear layers to e4m3 at load (FP8 checkpoints need no flag)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true",
@@ -51,7 +53,7 @@ def build_engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                          preprocess_on_gpu=not args.cpu_preprocess),
+                          preprocess_on_gpu=not args.cpu_preprocess, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,

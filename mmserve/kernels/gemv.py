@@ -1,11 +1,12 @@
-"""Triton GEMV for one-row activations (batch-1 decode): y[1, N] = x[1, K] @ W[N, K]^T (+ bias).
+"""Triton GEMV for one-row activations (batch-1 decode): y[1, N] = x[1, K] @ W[N, K]^T (+ bias), also for
+FP8 operands (e4m3 x and W with an x scale and per-row W scales, as kernels/fp8_gemm.py passes them).
 
 A batch-1 decode step is a stream of weight reads; cuBLAS picks split-K GEMM tiles for M = 1 that
 reach ~80 % of HBM bandwidth. This kernel gives each program BLOCK_N whole rows of W (contiguous in K),
 keeps a [BLOCK_N, BLOCK_K] fp32 partial sum in registers and reduces it once at the end, so the loop
 is nothing but wide loads. Block sizes are autotuned per (N, K) on first use (outside CUDA-graph capture:
 the decode graphs warm up before they capture). `linear_one_row` also times cuBLAS once per shape and
-keeps the faster of the two (cuBLAS wins some shapes, e.g. K = 11008 on an H100).
+keeps the faster of the two (kernels/fastest.py; cuBLAS wins some shapes, e.g. K = 11008 on an H100).
 """
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
+
+from mmserve.kernels.fastest import run_fastest
 
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 2048, 4, 3),
                                  (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4),
-                                 (16, 512, 8, 3), (16, 256, 4, 4), (4, 512, 4, 4)]]
+                                 (16, 512, 8, 3), (16, 256, 4, 4), (4, 512, 4, 4),
+                                 (4, 2048, 4, 3), (8, 2048, 8, 3), (2, 4096, 8, 3)]]   # wider K tiles: 1-byte rows
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"])
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
+                 SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -36,37 +39,34 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.conste
         w = tl.load(rows + k + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y = y * tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for x with one row ([K] or [1, K]); weight [N, K] with unit stride along K."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear for x with one row ([K] or [1, K]); weight [N, K] with unit stride along K. With scales
+    (FP8 operands): y = x_scale * weight_scale[n] * (x @ weight^T)[n] (+ bias), summed in fp32."""
     n, k = weight.shape
     assert x.numel() == k and weight.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
     x = x.contiguous()
-    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[:-1] + (n,), dtype=out_dtype or x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)   # noqa: E731
-    args = (x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0))
+    scaled = x_scale is not None
+    args = (x, weight, bias if bias is not None else weight, y, x_scale if scaled else y,
+            weight_scale if scaled else y, n, k, weight.stride(0))
     if x.is_cuda:
-        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None)
+        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled)
     else:   # Triton's interpreter (CPU tests) cannot time configs: one fixed config
-        _gemv_kernel.fn[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=8, BLOCK_K=64)
+        _gemv_kernel.fn[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK_N=8, BLOCK_K=64)
     return y
 
 
-_FASTER: dict[tuple, bool] = {}   # (N, K, dtype, has bias, device) -> gemv beats cuBLAS
-
-
 def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a one-row CUDA activation by whichever of gemv / cuBLAS was faster for this shape."""
-    key = (weight.shape, weight.dtype, bias is not None, weight.device)
-    faster = _FASTER.get(key)
-    if faster is None:
-        if torch.cuda.is_current_stream_capturing():
-            return F.linear(x, weight, bias)   # cannot time inside a capture; the warmup run decides
-        t_gemv = triton.testing.do_bench(lambda: gemv(x, weight, bias), warmup=10, rep=30)
-        t_cublas = triton.testing.do_bench(lambda: F.linear(x, weight, bias), warmup=10, rep=30)
-        faster = _FASTER[key] = t_gemv < t_cublas
-    return gemv(x, weight, bias) if faster else F.linear(x, weight, bias)
+    """F.linear for a one-row CUDA activation by whichever of cuBLAS / gemv was faster for this shape."""
+    return run_fastest(("linear_one_row", weight.shape, weight.dtype, bias is not None, weight.device),
+                       [lambda: F.linear(x, weight, bias), lambda: gemv(x, weight, bias)])

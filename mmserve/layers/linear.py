@@ -1,7 +1,13 @@
 """Linear layers that know how they shard under tensor parallelism and how to load their weights.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)`; packed layers (QKV,
-gate+up) accept their checkpoint parts by shard id.
+gate+up) accept their checkpoint parts by shard id. `_out_rows(shard_id)` says where a checkpoint part's
+output rows land on this rank; weights, biases and FP8 weight scales all load through it.
+
+A layer may hold an FP8 (e4m3) weight with one fp32 scale per output row (`weight_scale`) and, for
+checkpoints calibrated that way, a static activation scale (`input_scale`): `to_fp8` converts a loaded
+weight (--quantization fp8), `make_fp8` makes room for a pre-quantized checkpoint's tensors. The math is
+layers/fp8_linear.py.
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from mmserve.layers.fp8_linear import FP8, fp8_linear, quantize_weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +34,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: o
     param.data.copy_(loaded)
 
 
-class _Linear(nn.Module):
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W [out_features, in_features] in the model's dtype or FP8 with row scales."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -38,19 +47,66 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)   # FP8 weights only: fp32 [out_features]
+        self.register_buffer("input_scale", None)       # FP8 with a static activation scale: fp32 [1]
+
+    def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        """(first row in our weight, rows, first row in the checkpoint tensor) for a checkpoint part."""
+        return 0, self.weight.shape[0], 0
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8
+
+    def to_fp8(self) -> None:
+        """Quantize the loaded weight to e4m3 with one scale per output row (dynamic activation scales)."""
+        if not self.is_fp8:
+            self._set_fp8(*quantize_weight(self.weight.data))
+
+    def make_fp8(self) -> None:
+        """Hold an e4m3 weight and its scales, to be filled from a pre-quantized checkpoint."""
+        if not self.is_fp8:
+            w = self.weight
+            self._set_fp8(torch.empty(w.shape, dtype=FP8, device=w.device),
+                          torch.ones(w.shape[0], dtype=torch.float32, device=w.device))
+
+    def _set_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.weight_scale.weight_loader = self.scale_loader
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """A weight scale per tensor (or per fused part: a scalar) or per output row ([rows] or [rows, 1])."""
+        offset, size, start = self._out_rows(shard_id)
+        rows = param.data.narrow(0, offset, size)
+        if loaded.numel() == 1:
+            rows.fill_(loaded.reshape(()))
+        else:
+            default_weight_loader(rows, loaded.reshape(-1).narrow(0, start, size))
+
+    def load_input_scale(self, loaded: torch.Tensor) -> None:
+        """A static activation scale; fused parts (q, k, v of one input) keep the largest."""
+        value = loaded.detach().float().max().reshape(1).to(self.weight.device)
+        self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class ReplicatedLinear(_Linear):
+class ReplicatedLinear(LinearBase):
     """Full weight on every rank."""
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -58,9 +114,13 @@ class ColumnParallelLinear(_Linear):
         assert out_features % tp == 0, f"{out_features} output features do not split over TP={tp}"
         super().__init__(in_features, out_features // tp, bias)
 
+    def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        size = self.out_features
+        return 0, size, get_tp_rank() * size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, get_tp_rank() * size, size))
+        offset, size, start = self._out_rows(shard_id)
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -70,12 +130,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:
+            return super()._out_rows(shard_id)
         tp = get_tp_size()
-        offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        part = loaded.narrow(0, get_tp_rank() * size, size)
-        default_weight_loader(param.data.narrow(0, offset, size), part)
+        return sum(self.output_sizes[:shard_id]) // tp, size, get_tp_rank() * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,15 +150,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (num_heads + 2 * num_kv_heads * self._kv_replicas) * head_dim
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:
+            return super()._out_rows(shard_id)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = get_tp_rank() if shard_id == "q" else get_tp_rank() // self._kv_replicas
-        part = loaded.narrow(0, rank * size, size)
-        default_weight_loader(param.data.narrow(0, offset, size), part)
+        return offset, size, rank * size
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; outputs summed with an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -114,5 +175,5 @@ class RowParallelLinear(_Linear):
         default_weight_loader(param, loaded.narrow(1, get_tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(linear(x, self.weight))
+        y = tp_all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y

@@ -1,14 +1,18 @@
 """Build our model for a HF checkpoint directory, on the target device and dtype, and load its weights."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig
 
+from mmserve.models.quantization import checkpoint_quantization, decoder_linears, quantize_model
 from mmserve.models.registry import get_model_class
 from mmserve.models.weights import iter_safetensors
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: str):
@@ -22,9 +26,15 @@ def text_config_of(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Instantiate directly on `device` in `dtype` (no fp32 host copy), then stream the weights in."""
+def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> nn.Module:
+    """Instantiate directly on `device` in `dtype` (no fp32 host copy), then stream the weights in.
+
+    FP8 checkpoints load their FP8 layers as FP8; `quantization="fp8"` converts the remaining decoder
+    linear layers after loading (models/quantization.py).
+    """
     cls = get_model_class(hf_config)
+    in_checkpoint = checkpoint_quantization(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -33,4 +43,13 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
     finally:
         torch.set_default_dtype(old)
     model.load_weights(iter_safetensors(model_dir))
+    if quantization is not None:
+        converted = quantize_model(model, quantization)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()   # the model-dtype weights are gone; let the KV pool have their memory
+        logger.info("quantization %s: %d decoder linear layers converted at load", quantization, converted)
+    fp8 = sum(m.is_fp8 for _, m in decoder_linears(model))
+    if in_checkpoint or fp8:
+        logger.info("FP8 weights in %d of %d decoder linear layers%s", fp8, len(decoder_linears(model)),
+                    f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "")
     return model.eval()

@@ -1,6 +1,10 @@
 """Checkpoint loading: stream tensors from a HF directory's safetensors and hand each to the
 parameter's own `weight_loader`, after the family's renames and packed-module mapping. FP8 KV cache
-scales in the checkpoint (`k_scale` / `v_scale` / `kv_scale`) go to the layers' `Attention` modules."""
+scales in the checkpoint (`k_scale` / `v_scale` / `kv_scale`) go to the layers' `Attention` modules.
+
+FP8-quantized checkpoints (an e4m3 `weight` with its `weight_scale`, optionally a static `input_scale`, as
+ModelOpt / llm-compressor / TensorRT-LLM's FP8 export them) need no flag: the first such tensor of a linear
+layer makes that layer hold FP8 (`LinearBase.make_fp8`), so exactly the layers quantized in the checkpoint are."""
 from __future__ import annotations
 
 import json
@@ -12,9 +16,11 @@ from safetensors import safe_open
 from torch import nn
 
 from mmserve.layers.attention import Attention
-from mmserve.layers.linear import default_weight_loader
+from mmserve.layers.fp8_linear import FP8
+from mmserve.layers.linear import LinearBase, default_weight_loader
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+_FP8_LEAVES = ("weight_scale", "input_scale")   # a layer gains these when it becomes FP8
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -65,15 +71,32 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         shard = None
         for part, (fused, shard_id) in packed.items():
             # only where the model really fuses it (a vision tower may keep separate q/k/v)
-            if part in name and name.replace(part, fused) in params:
-                name, shard = name.replace(part, fused), shard_id
+            target = name.replace(part, fused)
+            prefix, _, leaf = target.rpartition(".")
+            fp8_part = leaf in _FP8_LEAVES and isinstance(modules.get(prefix), LinearBase)
+            if part in name and (target in params or fp8_part):
+                name, shard = target, shard_id
                 break
+        if name.endswith(".weight_scale_inv"):
+            raise ValueError(f"checkpoint tensor {ckpt_name}: block-wise FP8 weights (weight_scale_inv) are not "
+                             "supported; FP8 checkpoints with per-tensor or per-channel weight_scale are")
+        if _is_fp8_tensor_of_linear(modules, name, tensor):
+            prefix = name.rpartition(".")[0]
+            layer = modules[prefix]
+            if not layer.is_fp8:
+                layer.make_fp8()
+                params.update({f"{prefix}.{n}": p for n, p in layer.named_parameters()})
+            if name.endswith(".input_scale"):
+                layer.load_input_scale(tensor)
+                continue
         param = params.get(name)
         if param is None and _load_kv_scale(modules, name, tensor):
             continue
         if param is None:
             unknown.append(ckpt_name)
             continue
+        if param.dtype == FP8 and tensor.dtype != FP8:
+            raise ValueError(f"checkpoint tensor {ckpt_name} is {tensor.dtype}, but its layer's other tensors are FP8")
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor.to(param.dtype), shard)
         loaded.add(name)
@@ -83,6 +106,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     missing = [n for n in params if n not in loaded and not getattr(params[n], "tied", False)]
     if missing:
         raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}")
+
+
+def _is_fp8_tensor_of_linear(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """Whether `name` is an FP8 checkpoint tensor (e4m3 weight, weight_scale, input_scale) of a linear layer."""
+    prefix, _, leaf = name.rpartition(".")
+    if not isinstance(modules.get(prefix), LinearBase):
+        return False
+    return leaf in _FP8_LEAVES or (leaf == "weight" and tensor.dtype == FP8)
 
 
 def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:

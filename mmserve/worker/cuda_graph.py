@@ -3,15 +3,34 @@
 Inputs live in persistent device buffers; a replay copies the step's ids, positions, slots, context
 lengths and block tables into them, pads the rest of the bucket (slot -1, context 0) and reads the
 logits of the real rows. Needs an attention backend without host syncs (the Triton one).
+
+`graph_capture` is how every graph here (decode, prefill, vision encoder) is captured.
 """
 from __future__ import annotations
 
 import bisect
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global") -> Iterator[None]:
+    """torch.cuda.graph with Python's garbage collector paused: a collection during the capture could free
+    another engine's CUDA graphs, and destroying a graph is not allowed while a stream captures."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -66,7 +85,7 @@ class DecodeGraphs:
             self._forward(b)                    # warm up (Triton autotune/compile) outside the graph
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, self.pool):
                 self.logits[b] = self._forward(b)
             if self.pool is None:
                 self.pool = graph.pool()

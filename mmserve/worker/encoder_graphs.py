@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.request import MultiModalItem
+from mmserve.worker.cuda_graph import graph_capture
 
 # close together: padding images cost full encoder work (graphs are captured only for buckets in use)
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
@@ -68,7 +69,7 @@ class EncoderGraphs:
         graph = torch.cuda.CUDAGraph()
         # captured while serving: preprocessing threads may be using the GPU on their own streams meanwhile,
         # so only this thread's calls are checked ("global" mode would fail their allocations and syncs)
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with graph_capture(graph, self.pool, capture_error_mode="thread_local"):
             output = torch.stack(self.model.get_mm_embeddings(items))
         cap = self.graphs[key] = _Captured(graph, inputs, output)
         return cap

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.worker.cuda_graph import graph_capture
 from mmserve.worker.transfer import copy_into
 
 SEQ_BUCKETS = (1, 4)
@@ -63,7 +64,7 @@ class PrefillGraphs:
                 self.model(self.embeds[:t], self.positions[..., :t], self._meta(s, t))   # warm up / autotune
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with graph_capture(graph, self.pool):
                     self.hidden[(s, t)] = self.model(self.embeds[:t], self.positions[..., :t], self._meta(s, t))
                 if self.pool is None:
                     self.pool = graph.pool()

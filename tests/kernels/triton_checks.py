@@ -333,6 +333,49 @@ def check_gemv_matches_linear(device):
             assert_close(gemv(x[0], w, b), want[0], f"gemv 1-d {n}x{k} {dtype}", tol=3e-2 if dtype != torch.float32 else None)
 
 
+@check
+def check_fp8_quant_rows_dynamic_static_one_pass_and_looped(device):
+    from mmserve.kernels.fp8_gemm import quant_rows
+    from mmserve.layers.fp8_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(5)
+    for m, k in [(3, 40), (2, 200), (0, 64)]:   # one pass (the row fits a tile) and the two-pass loop
+        x = (torch.randn(m, k, generator=g) * 3).to(device)
+        if m:
+            x[-1] = 0.0   # an all-zero row keeps a finite scale
+        for dtype in (torch.float32, torch.float16):
+            for static in (None, torch.tensor([0.004], device=device)):   # static 0.004: many values saturate
+                q, s = quant_rows(x.to(dtype), static)
+                want_q, want_s = quantize_rows(x.to(dtype), static)
+                assert torch.equal(s, want_s), f"quant_rows {m}x{k} {dtype} static={static is not None}: scales"
+                differs = q.view(torch.uint8) != want_q.view(torch.uint8)
+                if INTERPRET:
+                    differs &= ~_interpreter_fp8_rounding(q, want_q)
+                assert not differs.any(), f"quant_rows {m}x{k} {dtype}: {int(differs.sum())} codes differ"
+                assert torch.isfinite(q.float()).all() and (q.float().abs() <= 448).all()
+
+
+@check
+def check_fp8_gemv_and_small_m_gemm_match_reference(device):
+    from mmserve.kernels.fp8_gemm import fp8_gemm_small_m, fp8_gemv
+    from mmserve.layers.fp8_linear import quantize_rows, quantize_weight
+
+    g = torch.Generator().manual_seed(6)
+    for n, k, bias in [(37, 200, True), (16, 40, False), (70, 96, True)]:
+        w, ws = quantize_weight(torch.randn(n, k, generator=g) * 0.1)
+        b = torch.randn(n, generator=g) if bias else None
+        w, ws, b = w.to(device), ws.to(device), (b.to(device) if bias else None)
+        for m in (1, 5, 17, 33):
+            xq, xs = quantize_rows(torch.randn(m, k, generator=g).to(device))
+            want = (xq.float() @ w.float().t()) * xs[:, None] * ws[None, :] + (b if bias else 0.0)
+            for out_dtype in (torch.float32, torch.float16):
+                got = fp8_gemm_small_m(xq, xs, w, ws, b, out_dtype)
+                assert_close(got, want.to(out_dtype), f"fp8 small-M GEMM {m}x{n}x{k} {out_dtype}")
+                if m == 1:
+                    assert_close(fp8_gemv(xq, xs, w, ws, b, out_dtype), want.to(out_dtype),
+                                 f"fp8 GEMV {n}x{k} {out_dtype}")
+
+
 # --------------------------------------------------------------------------------------------- runner
 
 

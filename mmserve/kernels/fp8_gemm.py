@@ -1,0 +1,155 @@
+"""FP8 (e4m3) W8A8 matmul on the GPU, with the arithmetic of layers/fp8_linear.py.
+
+- `quant_rows`: one Triton program per activation row finds max|x| (or takes the static scale), then
+  writes the row in e4m3 and its scale: one read of x (the second pass hits L2), one fp8 write.
+- `fp8_gemv`: one-row activations (batch-1 decode) are a stream of weight reads: kernels/gemv.py's GEMV over
+  one-byte weights, so the step reads half the bytes of fp16.
+  For one row the faster of it and the small-M GEMM is timed once per shape (kernels/fastest.py).
+- `fp8_gemm_small_m`: up to SMALL_M rows (decode batches) a Triton tensor-core GEMM with narrow N tiles,
+  so even N = 4096 spreads over every SM; cuBLASLt's FP8 kernels leave most SMs idle there (measured on
+  an H100: o_proj at M = 8 took 2x the time of fp16).
+- More rows go to `torch._scaled_mm` (cuBLASLt FP8 tensor cores) with row-wise scales: one scale per
+  activation row, one per weight row, applied in the GEMM's epilogue (fp32 accumulation); shapes cuBLASLt
+  refuses (N or K not a multiple of 16) stay on the Triton GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels.fastest import run_fastest
+from mmserve.kernels.gemv import gemv
+from mmserve.layers.fp8_linear import AMAX_FLOOR, FP8, FP8_MAX
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, STATIC: tl.constexpr,
+                       ONE_PASS: tl.constexpr, BLOCK_K: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    elif ONE_PASS:   # the whole row in registers: one read
+        x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / QMAX
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), FLOOR) / QMAX
+    for k in range(0, K, BLOCK_K):
+        mask = (k + rk) < K
+        if STATIC or not ONE_PASS:
+            x = tl.load(x_row + k + rk, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)   # IEEE division, as torch
+        tl.store(q_row + k + rk, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quant_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x [M, K], fp32 scales [M]) for x [M, K] with unit stride along K; as fp8_linear.quantize_rows."""
+    m, k = x.shape
+    assert x.stride(1) == 1, "activations must be contiguous along K"
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    # GPU: a whole row per program up to 32k features (one read, no loop latency); the interpreter: small tiles
+    block_k = min(triton.next_power_of_2(k), 32768 if x.is_cuda else 64)
+    warps = 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16
+    if m:
+        _quant_rows_kernel[(m,)](x, q, s, input_scale if input_scale is not None else s, k, x.stride(0), q.stride(0),
+                                 STATIC=input_scale is not None, ONE_PASS=block_k >= k, BLOCK_K=block_k,
+                                 QMAX=FP8_MAX, FLOOR=AMAX_FLOOR, num_warps=warps)
+    return q, s
+
+
+def fp8_gemv(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [1, N] for one quantized row xq [1, K] (scale xs [1]) and an e4m3 weight [N, K] with row scales."""
+    return gemv(xq, weight, bias, xs, weight_scale, out_dtype)
+
+
+SMALL_M = 64
+_SMALL_M_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                    for bm in (16, 32, 64)
+                    for bn, bk, w, st in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 5),
+                                          (128, 128, 4, 4), (128, 256, 8, 3), (16, 512, 4, 4), (64, 512, 8, 3)]]
+
+
+def _m_tile(m: int) -> int:
+    return min(max(16, triton.next_power_of_2(m)), 64)
+
+
+def _prune_m_tiles(configs, named_args, **kwargs):
+    bm = _m_tile(named_args["M"])
+    return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
+
+
+@triton.autotune(configs=_SMALL_M_CONFIGS, key=["M_TILE", "N", "K"],
+                 prune_configs_by={"early_config_prune": _prune_m_tiles})
+@triton.jit
+def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, M_TILE,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = rm < M, rn < N
+    x_ptrs = xq_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_w + rk[:, None]   # W^T tile [BLOCK_K, BLOCK_N], K-major
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + rk) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        # Hopper's FP8 tensor cores accumulate with ~14 mantissa bits; fold into fp32 every 32 products
+        acc = tl.dot(x, w, acc, max_num_imprecise_acc=32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=0.0)
+    ws = tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+    y = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_gemm_small_m(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] for a few quantized rows xq [M, K] (scales xs [M]) and an e4m3 weight [N, K] with row scales."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    args = (xq, xs, weight, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,
+            xq.stride(0), weight.stride(0), y.stride(0), _m_tile(m))
+    if xq.is_cuda:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))   # noqa: E731
+        _fp8_gemm_kernel[grid](*args, HAS_BIAS=bias is not None)
+    else:   # Triton's interpreter (CPU tests): one fixed config
+        _fp8_gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](*args, HAS_BIAS=bias is not None,
+                                                                      BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+    return y
+
+
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLASLt e4m3 GEMM with row-wise scales: y [M, N] = (xs ⊗ ws) * (xq @ weight^T) (+ bias)."""
+    if out_dtype == torch.float32 and bias is not None:   # cuBLASLt takes no bias with an fp32 output
+        return scaled_mm(xq, xs, weight, weight_scale, None, out_dtype) + bias
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=weight_scale[None, :],
+                            bias=bias, out_dtype=out_dtype)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = W8A8 product of x [M, K] (fp16/bf16/fp32) and an e4m3 weight [N, K] with fp32 row scales."""
+    xq, xs = quant_rows(x if x.stride(-1) == 1 else x.contiguous(), input_scale)
+    if len(x) == 1 and x.is_cuda:   # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
+        return run_fastest(("fp8_one_row", weight.shape, bias is not None, x.dtype, weight.device),
+                           [lambda: fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, x.dtype),
+                            lambda: fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)])
+    if len(x) <= SMALL_M or weight.shape[0] % 16 or weight.shape[1] % 16:   # cuBLASLt FP8 needs N, K % 16 == 0
+        return fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, x.dtype)
+    return scaled_mm(xq, xs, weight, weight_scale, bias, x.dtype)

@@ -1,0 +1,58 @@
+"""Weight quantization at load time: which checkpoint quantization formats we read, and `--quantization fp8`,
+which converts a model's decoder linear layers to FP8 (e4m3) after its weights are loaded.
+
+FP8 covers the language model's decoder layers (attention and MLP projections), as TensorRT-LLM's FP8
+recipe does: embeddings, the LM head, the vision tower and the projector keep the model's dtype.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from mmserve.config import QUANTIZATION_METHODS
+from mmserve.layers.linear import LinearBase
+
+
+def checkpoint_quantization(hf_config) -> str | None:
+    """The method of a checkpoint's own `quantization_config` that we load ("fp8"), None if it has none.
+
+    Raises ValueError for formats we cannot run (AWQ, GPTQ, block-wise FP8, ...), naming the method.
+    """
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8" and not qc.get("weight_block_size"):
+        return "fp8"
+    if method == "modelopt" and str(qc.get("quant_algo", "")).upper() == "FP8":
+        return "fp8"
+    if method == "compressed-tensors" and _compressed_tensors_fp8(qc):
+        return "fp8"
+    detail = " with block-wise scales" if qc.get("weight_block_size") else ""
+    raise ValueError(f"checkpoint quantization_config: quant_method {method!r}{detail} is not supported "
+                     f"(supported: FP8 with per-tensor or per-channel weight scales, as ModelOpt, llm-compressor "
+                     f"and TensorRT-LLM export it)")
+
+
+def _compressed_tensors_fp8(qc: dict) -> bool:
+    groups = list((qc.get("config_groups") or {}).values())
+    return bool(groups) and all(
+        (g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+        and (g.get("weights") or {}).get("strategy", "tensor") in ("tensor", "channel") for g in groups)
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, LinearBase]]:
+    """The linear layers inside the language model's decoder layers (what FP8 quantization covers)."""
+    lm = getattr(model, "language_model", model)
+    return [(name, m) for name, m in lm.named_modules()
+            if isinstance(m, LinearBase) and ".layers." in f".{name}."]
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Convert the loaded model's decoder linear layers in place; returns how many were converted."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    layers = [m for _, m in decoder_linears(model) if not m.is_fp8]
+    for layer in layers:
+        layer.to_fp8()
+    return len(layers)
