@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = ModelSource(model=args.model, preset=args.preset, family=args.family).resolve()
     # distinct images below: no prefix hits in decode
+    # every profiled request decodes at once (the default max_num_seqs of 64 would leave a larger batch's
+    # step without a decode graph bucket)
     llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+              max_num_seqs=max(64, args.batch_size, args.prefill_batch), kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     engine = llm.engine
     spec = make_prompt(PromptTemplate(model_dir), 24)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
