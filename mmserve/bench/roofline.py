@@ -67,6 +67,7 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     import torch
 
     from mmserve.config import CacheConfig
+    from mmserve.models.quantization import checkpoint_quantization
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = text_config(config)
@@ -77,7 +78,8 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
                   head_dim=int(text.get("head_dim") or hidden // heads),
                   dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
-                  linear_dtype_bytes=1 if quantization == "fp8" or "quantization_config" in config else None)
+                  linear_dtype_bytes=1 if "fp8" in (quantization, checkpoint_quantization(
+                      config.get("quantization_config"))) else None)
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

@@ -1,7 +1,8 @@
 """FP8 (e4m3) W8A8 matmul on the GPU, with the arithmetic of layers/fp8_linear.py.
 
 - `quant_rows`: one Triton program per activation row finds max|x| (or takes the static scale), then
-  writes the row in e4m3 and its scale: one read of x (the second pass hits L2), one fp8 write.
+  writes the row in e4m3 and its scale: one read of x when the row fits one tile (up to 32k features;
+  longer rows take a second pass), one fp8 write.
 - `fp8_gemv`: one-row activations (batch-1 decode) are a stream of weight reads: kernels/gemv.py's GEMV over
   one-byte weights, so the step reads half the bytes of fp16.
   For one row the faster of it and the small-M GEMM is timed once per shape (kernels/fastest.py).
@@ -146,7 +147,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = W8A8 product of x [M, K] (fp16/bf16/fp32) and an e4m3 weight [N, K] with fp32 row scales."""
     xq, xs = quant_rows(x if x.stride(-1) == 1 else x.contiguous(), input_scale)
-    if len(x) == 1 and x.is_cuda:   # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
+    if len(x) == 1:   # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
         return run_fastest(("fp8_one_row", weight.shape, bias is not None, x.dtype, weight.device),
                            [lambda: fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, x.dtype),
                             lambda: fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)])

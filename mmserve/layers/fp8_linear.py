@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.attention.kv_quant import FP8_MAX   # 448, the format's largest finite value
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)   # 448
 AMAX_FLOOR = 1e-12   # an all-zero row still gets a finite scale
 
 

@@ -34,7 +34,7 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
     linear layers after loading (models/quantization.py).
     """
     cls = get_model_class(hf_config)
-    in_checkpoint = checkpoint_quantization(hf_config)
+    in_checkpoint = checkpoint_quantization(getattr(hf_config, "quantization_config", None))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -48,8 +48,9 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
         if device.type == "cuda":
             torch.cuda.empty_cache()   # the model-dtype weights are gone; let the KV pool have their memory
         logger.info("quantization %s: %d decoder linear layers converted at load", quantization, converted)
-    fp8 = sum(m.is_fp8 for _, m in decoder_linears(model))
+    linears = decoder_linears(model)
+    fp8 = sum(m.is_fp8 for _, m in linears)
     if in_checkpoint or fp8:
-        logger.info("FP8 weights in %d of %d decoder linear layers%s", fp8, len(decoder_linears(model)),
+        logger.info("FP8 weights in %d of %d decoder linear layers%s", fp8, len(linears),
                     f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "")
     return model.eval()

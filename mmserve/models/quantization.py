@@ -12,12 +12,12 @@ from mmserve.config import QUANTIZATION_METHODS
 from mmserve.layers.linear import LinearBase
 
 
-def checkpoint_quantization(hf_config) -> str | None:
-    """The method of a checkpoint's own `quantization_config` that we load ("fp8"), None if it has none.
+def checkpoint_quantization(qc: dict | object | None) -> str | None:
+    """The method ("fp8") of a checkpoint's `quantization_config` (config.json's dict or transformers'
+    object) that we load; None if the checkpoint has none.
 
     Raises ValueError for formats we cannot run (AWQ, GPTQ, block-wise FP8, ...), naming the method.
     """
-    qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()

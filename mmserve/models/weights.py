@@ -70,11 +70,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 break
         shard = None
         for part, (fused, shard_id) in packed.items():
-            # only where the model really fuses it (a vision tower may keep separate q/k/v)
+            if part not in name:
+                continue
+            # only where the model really fuses it (a vision tower may keep separate q/k/v); an FP8 scale
+            # names no parameter until its layer turns FP8
             target = name.replace(part, fused)
-            prefix, _, leaf = target.rpartition(".")
-            fp8_part = leaf in _FP8_LEAVES and isinstance(modules.get(prefix), LinearBase)
-            if part in name and (target in params or fp8_part):
+            if target in params or _is_fp8_tensor_of_linear(modules, target, tensor):
                 name, shard = target, shard_id
                 break
         if name.endswith(".weight_scale_inv"):

@@ -3,6 +3,7 @@ and the parity tests' shared checks of mmserve's outputs against it."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -40,6 +41,24 @@ def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: 
     prompt_len = enc["input_ids"].shape[1]
     logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
     return enc["input_ids"][0].tolist(), out.sequences[0, prompt_len:].tolist(), logprobs
+
+
+def hf_logits(model_dir: str, prompt: dict, n: int, device: str = "cpu",
+              prepare: Callable[[torch.nn.Module], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context logits [T, V], logits of n greedy steps [n, V]) of a freshly loaded fp32 transformers model
+    for an mmserve prompt dict; `prepare(model)` may patch the model first (it is not the cached one)."""
+    arch = AutoConfig.from_pretrained(model_dir).architectures[0]
+    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    if prepare is not None:
+        prepare(model)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    kw = {"device": device} if device != "cpu" else {}
+    enc = processor(text=prompt["prompt"], images=prompt.get("images"), return_tensors="pt", **kw).to(device)
+    with torch.no_grad():
+        context = model(**enc, use_cache=True).logits[0].float().cpu()   # K/V pass through the cache
+        gen = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return context, torch.stack(gen.logits)[:, 0].float().cpu()
 
 
 def assert_matches_oracle(out: RequestOutput, oracle: tuple[list[int], list[int], torch.Tensor],

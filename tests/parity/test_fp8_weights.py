@@ -14,6 +14,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import ModelConfig
 from mmserve.testing import make_test_image
 from mmserve.testing.fp8 import write_fp8_checkpoint
+from tests.parity.hf_oracle import hf_logits
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FP8 = torch.float8_e4m3fn
@@ -68,26 +69,19 @@ def _from_checkpoint(fp8_dir: str):
 def _hf_logits(model_dir: str, device: str, fp8=None) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' context and generation logits. `fp8`: "per_row" (every decoder projection quantized per
     output row, dynamic activations) or {(layer, proj): (weight, input scale)} for the listed ones."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    if fp8 is not None:
-        for name, module in list(model.model.language_model.named_modules()):
+    def use_fp8_projections(model: nn.Module) -> None:
+        lm = model.model.language_model
+        for name, module in list(lm.named_modules()):
             m = _PROJ.fullmatch(name)
             if not (m and isinstance(module, nn.Linear)):
                 continue
             spec = _per_row(module.weight.data) if fp8 == "per_row" else fp8.get((int(m.group(1)), m.group(3)))
             if spec is not None:
-                parent = model.model.language_model.get_submodule(name.rpartition(".")[0])
-                setattr(parent, m.group(3), _Fp8Projection(spec[0].to(device), module.bias, spec[1]))
-    processor = AutoProcessor.from_pretrained(model_dir)
-    kw = {"device": device} if device != "cpu" else {}
-    enc = processor(text=PROMPT["prompt"], images=PROMPT["images"], return_tensors="pt", **kw).to(device)
-    with torch.no_grad():
-        context = model(**enc).logits[0].float().cpu()
-        gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    return context, torch.stack(gen.logits)[:, 0].float().cpu()
+                setattr(lm.get_submodule(name.rpartition(".")[0]), m.group(3),
+                        _Fp8Projection(spec[0].to(device), module.bias, spec[1]))
+
+    return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device, use_fp8_projections if fp8 is not None else None)
 
 
 def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:

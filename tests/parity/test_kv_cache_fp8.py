@@ -9,6 +9,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.attention.kv_quant import quantize_kv
 from mmserve.config import CacheConfig
 from mmserve.testing import make_test_image
+from tests.parity.hf_oracle import hf_logits
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FP8 = torch.float8_e4m3fn
@@ -27,9 +28,8 @@ def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | No
     """transformers' context and generation logits; with monkeypatch, every key (after rotary) and value is
     rounded to e4m3 with its layer's (k, v) scale (default 1) as it enters the cache: the arithmetic of an
     FP8 KV cache."""
-    from transformers import AutoProcessor, DynamicCache, LlavaForConditionalGeneration
+    from transformers import DynamicCache
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     if monkeypatch is not None:
         update = DynamicCache.update
 
@@ -39,14 +39,7 @@ def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | No
                           *args, **kwargs)
 
         monkeypatch.setattr(DynamicCache, "update", rounded_update)
-    processor = AutoProcessor.from_pretrained(model_dir)
-    kw = {"device": device} if device != "cpu" else {}
-    enc = processor(text=PROMPT["prompt"], images=PROMPT["images"], return_tensors="pt", **kw).to(device)
-    with torch.no_grad():
-        context = model(**enc, use_cache=True).logits[0].float().cpu()
-        gen = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    return context, torch.stack(gen.logits)[:, 0].float().cpu()
+    return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
