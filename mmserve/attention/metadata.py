@@ -23,6 +23,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # the first num_decodes sequences have one query each (the scheduler puts decodes first); a backend may
+    # run them through its decode kernel and the rest through its prefill kernel. 0: no such split.
+    num_decodes: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -23,13 +23,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys.
 
     q [T, H, D] -> out [T, H, D]. Query j of a sequence with q_len new tokens and context L sits at
-    position L - q_len + j and sees keys 0..that position.
+    position L - q_len + j and sees keys 0..that position. out: where to write it (rows no sequence
+    owns are left as they are); None allocates it.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bs = meta.block_size
     for i in range(meta.num_seqs):
         qs, qe = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]

@@ -1,7 +1,8 @@
 """The `triton` attention backend: the torch backend's interface on the paged-attention Triton kernels.
 
-Decode-only steps go to the split-K decode kernel, all others (prefill chunks, mixed batches) to the
-varlen prefill kernel. No host syncs: only device tensors and the host ints already in the metadata,
+Decode-only steps go to the split-K decode kernel, prefill chunks to the varlen prefill kernel; a mixed
+batch sends its leading one-query sequences (`meta.num_decodes`) to the decode kernel and the rest to the
+prefill kernel (whose 64-row query tiles would hold a single real row for each decode). No host syncs: only device tensors and the host ints already in the metadata,
 so a decode step can be captured in a CUDA graph (keep block_tables' width fixed between replays).
 """
 from __future__ import annotations
@@ -22,11 +23,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached keys. q [T, H, D] -> out [T, H, D]."""
+                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys. q [T, H, D] -> out [T, H, D].
+
+    out: where to write it (rows no sequence owns are left as they are); None allocates it."""
     # Decode kernel maps row i to sequence i, so it needs exactly one query row per sequence.
     if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
         return kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                              k_scale=k_scale, v_scale=v_scale)
-    return kernels.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                           meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
+                                              k_scale=k_scale, v_scale=v_scale, out=out)
+    d = meta.num_decodes
+    if not 0 < d < meta.num_seqs:
+        return kernels.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                               meta.max_query_len, scale, k_scale=k_scale, v_scale=v_scale, out=out)
+    # query_start_loc holds absolute row offsets, so the prefill part takes the tail of every table as it is
+    out = kernels.paged_prefill_attention(q, kv_cache, meta.block_tables[d:], meta.seq_lens[d:],
+                                          meta.query_start_loc[d:], meta.max_query_len, scale,
+                                          k_scale=k_scale, v_scale=v_scale, out=out)
+    kernels.paged_decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
+                                   k_scale=k_scale, v_scale=v_scale, out=out[:d])
+    return out

@@ -92,7 +92,16 @@ def _throughput_md(result: dict[str, Any]) -> list[str]:
     if res.get("ratio"):
         ratio = res["ratio"]
         body.append(["ratio mmserve/hf", None, None, ratio["requests_per_s"], ratio["output_tok_s"], None])
-    return lines + _table(header, body)
+    lines += _table(header, body)
+    steps = (res.get("mmserve") or {}).get("steps")
+    if steps:
+        lines += ["", "mmserve's engine steps by kind (host: scheduling, inputs, launches, outputs; device wait: "
+                  "blocked on the step's results):", ""]
+        rows = [[kind, t["steps"], t["tokens"], t["sequences"] / t["steps"], t["host_s"], t["device_wait_s"],
+                 t["wall_s"]] for kind, t in steps.items() if kind != "idle" and t["steps"]]
+        lines += _table(["step kind", "steps", "tokens", "sequences / step", "host s", "device wait s", "wall s"],
+                        rows)
+    return lines
 
 
 def _serve_md(result: dict[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ Prints wall ms/step, the CUDA-graph replay's GPU time alone, and the torch profi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--prefill-batch", type=int, default=0, help="also profile the prefill of this many requests")
+    ap.add_argument("--mixed-batch", type=int, default=0,
+                    help="also profile steps that mix this many decoding requests with new prompts' prefill")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
     ap.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS))
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     # every profiled request decodes at once (the default max_num_seqs of 64 would leave a larger batch's
     # step without a decode graph bucket)
     llm = LLM(model_dir, dtype=args.dtype, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=max(64, args.batch_size, args.prefill_batch), kv_cache_dtype=args.kv_cache_dtype,
+              max_num_seqs=max(64, args.batch_size, args.prefill_batch, args.mixed_batch + 80),
+              kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization)
     engine = llm.engine
     spec = make_prompt(PromptTemplate(model_dir), 24)
@@ -44,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         _prefix_hit_ttft(engine, spec.text, make_images(1, image_size_of(model_dir), seed=seed)[0])
     if args.prefill_batch:
         _prefill_profile(engine, spec.text, make_images(args.prefill_batch, image_size_of(model_dir), seed=96))
+    if args.mixed_batch:
+        _mixed_profile(engine, spec.text, make_images(args.mixed_batch + 80, image_size_of(model_dir), seed=200),
+                       args.mixed_batch)
     for i, img in enumerate(make_images(args.batch_size, image_size_of(model_dir))):
         engine.add_request(str(i), {"prompt": spec.text, "images": [img]}, params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -134,6 +141,70 @@ def _prefill_profile(engine, prompt: str, images: list) -> None:
     print(f"prefill of {len(images)} requests ({tokens} tokens): preprocess {t_pre:.1f} ms (serial), "
           f"{steps} engine steps {wall:.1f} ms under the profiler = {tokens / wall * 1000:.0f} tok/s")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def _mixed_profile(engine, prompt: str, images: list, num_decoding: int) -> None:
+    """num_decoding requests decode while new prompts prefill beside them (the steady state of an offline
+    run with distinct images): wall time per mixed step with the piecewise graphs and with an eager
+    forward, then the torch profiler's kernel table and cProfile's host functions of such steps."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mmserve import SamplingParams
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i, im in enumerate(images[:num_decoding]):
+        engine.add_request(f"mixed-d{i}", {"prompt": prompt, "images": [im]}, params)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    new_images = images[num_decoding:]
+    per_round = max(1, len(new_images) // 5)
+    runner, piecewise = engine.runner, engine.runner.piecewise_graphs
+
+    def mixed_round(tag: str, k: int, wrap=None) -> None:
+        inputs = [engine.inputs.process({"prompt": prompt, "images": [im]})
+                  for im in new_images[k * per_round:(k + 1) * per_round]]
+        for i, inp in enumerate(inputs):
+            engine.add_processed(f"mixed-{tag}-{i}", inp, SamplingParams(max_tokens=1, temperature=0.0))
+        torch.cuda.synchronize()
+        engine.step_stats.reset()
+        steps = 0
+        with wrap if wrap is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.requests.values()):
+                engine.step()
+                steps += 1
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1000
+        mixed = engine.step_stats.as_dict()["mixed"]
+        print(f"mixed steps ({tag}): {num_decoding} decoding requests + {len(inputs)} new prompts: {steps} steps in "
+              f"{wall:.1f} ms ({wall / steps:.1f} ms/step); mixed steps: {mixed['steps']}, host "
+              f"{mixed['host_s'] * 1000 / max(1, mixed['steps']):.1f} ms/step, device wait "
+              f"{mixed['device_wait_s'] * 1000 / max(1, mixed['steps']):.1f} ms/step")
+
+    mixed_round("warmup", 0)
+    mixed_round("piecewise graphs", 1)
+    runner.piecewise_graphs = None
+    mixed_round("eager forward", 2)
+    runner.piecewise_graphs = piecewise
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    mixed_round("piecewise graphs, torch profiler", 3, prof)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    host = cProfile.Profile()
+    mixed_round("piecewise graphs, cProfile", 4, _profiling(host))
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+@contextlib.contextmanager
+def _profiling(prof):
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
 
 
 def _prefix_hit_ttft(engine, prompt: str, image) -> None:

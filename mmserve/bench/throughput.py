@@ -66,7 +66,7 @@ def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: f
             "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + prompt_tokens) / elapsed}
 
 
-def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, float]:
+def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, Any]:
     from mmserve.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -84,6 +84,7 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images
         for _ in range(cfg.iters):
             prompts = [{"prompt": text, "images": [im]} for text, im in zip(texts, images)]
             sync(cfg.device)
+            llm.engine.step_stats.reset()
             t0 = now()
             outs = llm.generate(prompts, params)
             sync(cfg.device)
@@ -94,6 +95,7 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images
                 raise RuntimeError(f"mmserve generated {out_tokens} tokens, expected {expected}")
             res = _rates(len(outs), out_tokens, sum(len(o.prompt_token_ids) for o in outs), elapsed)
             res["cached_prompt_tokens"] = sum(o.metrics.num_cached_tokens for o in outs)
+            res["steps"] = llm.engine.step_stats.as_dict()
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None

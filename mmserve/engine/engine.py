@@ -12,6 +12,7 @@ from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
+from mmserve.engine.step_stats import StepStats
 from mmserve.models.loader import build_model, load_hf_config, text_config_of
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
@@ -57,6 +58,8 @@ class Engine:
         self._stop_ids: dict[str, set[int]] = {}
         self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
+        self.step_stats = StepStats()
+        self._waited_s = 0.0   # device waits of the current step() call
         self.default_eos = self._eos_ids()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
@@ -129,6 +132,8 @@ class Engine:
         request one call later. A request whose sampling reads its previous tokens on the host
         (penalties, multi-token bad words) makes the engine wait for them first while it runs.
         """
+        t0 = time.perf_counter()
+        self._waited_s = 0.0
         outputs = []
         if self._inflight is not None and self._needs_history:
             outputs = self._resolve(*self._inflight)
@@ -152,11 +157,19 @@ class Engine:
         if self._inflight is not None and not self.config.scheduler.async_scheduling:
             outputs += self._resolve(*self._inflight)
             self._inflight = None
+        host_s = time.perf_counter() - t0 - self._waited_s
+        if launched is None:
+            self.step_stats.idle_host_s += host_s
+        else:
+            self.step_stats.launched(sched.kind, sched.num_batched_tokens,
+                                     len(sched.scheduled), host_s)
         return outputs
 
     def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back and apply them: detokenize, finish, cache full blocks."""
         result = launched.result()
+        self._waited_s += launched.wait_s
+        self.step_stats.waited(sched.kind, launched.wait_s)
         outputs = []
         now = time.time()
         for s in sched.scheduled:

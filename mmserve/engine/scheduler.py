@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.step_stats import step_kind
 
 
 @dataclass
@@ -42,6 +43,11 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
     @property
+    def kind(self) -> str:
+        """'decode', 'prefill' or 'mixed' (step_stats.step_kind)."""
+        return step_kind([s.num_tokens for s in self.scheduled])
+
+    @property
     def empty(self) -> bool:
         return not self.scheduled
 
@@ -64,7 +70,8 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their KV slots.
 
         Returns:
-            SchedulerOutput with each request's [start, end) chunk and its block table.
+            SchedulerOutput with each request's [start, end) chunk and its block table; one-token chunks
+            come first.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -87,6 +94,8 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
+        # one-token chunks (decodes) first, in order: attention backends split a mixed batch there
+        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

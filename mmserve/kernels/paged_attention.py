@@ -183,7 +183,8 @@ def _decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Attention of one query per sequence over its whole cached context.
 
     Args:
@@ -194,14 +195,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         scale: softmax scale.
         num_splits: split-K partitions per sequence; None picks one from host shapes only.
         k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
+        out: where to write the result ([B, H, D], q's dtype, last dim contiguous); None allocates it.
     Returns:
         out [B, H, D] in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    _check_last_dim_contiguous(q, kv_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    _check_last_dim_contiguous(q, kv_cache, out)
     k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -324,7 +326,8 @@ def _prefill_kernel(
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                            scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                            scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their cached prefix plus themselves.
 
     Handles prefill chunks and single-token decodes in one launch.
@@ -338,14 +341,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         max_query_len: host int, an upper bound of every sequence's new-token count (sizes the grid).
         scale: softmax scale.
         k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
+        out: where to write the sequences' rows ([T, H, D], q's dtype, last dim contiguous; rows no sequence
+            owns are left as they are); None allocates it with zeros.
     Returns:
         out [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    _check_last_dim_contiguous(q, kv_cache)
+    if out is None:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)   # rows no sequence owns stay zero
+    _check_last_dim_contiguous(q, kv_cache, out)
     k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)   # rows no sequence owns stay zero
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out

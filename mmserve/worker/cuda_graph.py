@@ -20,17 +20,23 @@ from mmserve.attention.metadata import AttentionMetadata
 
 
 @contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global") -> Iterator[None]:
-    """torch.cuda.graph with Python's garbage collector paused: a collection during the capture could free
-    another engine's CUDA graphs, and destroying a graph is not allowed while a stream captures."""
+def gc_paused() -> Iterator[None]:
+    """Python's garbage collector off: a collection during a capture could free another engine's CUDA
+    graphs, and destroying a graph is not allowed while a stream captures."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-            yield
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global") -> Iterator[None]:
+    """torch.cuda.graph with Python's garbage collector paused (gc_paused)."""
+    with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        yield
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:

@@ -5,6 +5,7 @@ Owns the model, the KV cache tensors and the encoder cache; knows nothing about 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,8 @@ from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
-from mmserve.worker.prefill_graphs import PrefillGraphs
+from mmserve.worker.piecewise_graphs import PiecewiseGraphs
+from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.sampler import Sampler, SamplerOutput, SamplingBatch
 from mmserve.worker.transfer import to_device
@@ -57,6 +59,7 @@ class LaunchedStep:
         self.tokens = sampled.token_ids if sampled is not None else None
         self._host: list[torch.Tensor | None] | None = None
         self._event = None
+        self.wait_s = 0.0   # how long result() blocked on the device
         if sampled is None:
             return
         fields = [sampled.token_ids]
@@ -71,7 +74,9 @@ class LaunchedStep:
         if self._host is None:
             return self.out
         if self._event is not None:
+            t0 = time.perf_counter()
             self._event.synchronize()
+            self.wait_s = time.perf_counter() - t0
         host, self._host = self._host, None
         token_ids = host[0].tolist()
         lp = top_lp = top_ids = ranks = None
@@ -107,6 +112,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
 
     def _select_backend(self, name: str) -> str:
         if name == "auto":
@@ -126,8 +132,8 @@ class ModelRunner:
                                  f"attention backend; {torch.cuda.get_device_name(self.device)} is {cap[0]}.{cap[1]}")
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
-        """Record decode-step and small-prefill graphs (CUDA + Triton backend only); call after
-        allocate_kv_cache."""
+        """Record decode-step graphs, whole-model graphs of small prefills and piecewise graphs of the other
+        steps (CUDA + Triton backend only); call after allocate_kv_cache."""
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
         max_blocks = cdiv(max_model_len, self.block_size)
@@ -139,6 +145,9 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs(self.model, self.device, self.dtype, hidden_size, max_num_batched_tokens,
                                             max_blocks, self.block_size, max_model_len, mrope, pool=self.graphs.pool)
         self.prefill_graphs.capture()
+        self.piecewise_graphs = PiecewiseGraphs(self.model, self.device, self.dtype, hidden_size,
+                                                token_buckets(max_num_batched_tokens), mrope, pool=self.graphs.pool)
+        self.piecewise_graphs.capture()
         if getattr(self.model, "encoder_cuda_graphs", False):
             self.encoder_graphs = EncoderGraphs(self.model, self.device)   # captured per shape on first use
 
@@ -251,8 +260,11 @@ class ModelRunner:
         if self.prefill_graphs is not None and self.prefill_graphs.fits(len(sched.scheduled), len(input_ids)):
             hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens,
                                              [s.block_ids for s in sched.scheduled])
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
+            hidden = self.piecewise_graphs.run(embeds, positions, slots, self._metadata(sched, slots, qsl, seq_lens))
         else:
-            hidden = self._forward_eager(sched, embeds, positions, slots, qsl, seq_lens)
+            meta = self._metadata(sched, slots, qsl, seq_lens)
+            hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         logits = None
         if sampling:
             last = to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)
@@ -261,19 +273,19 @@ class ModelRunner:
         self._context_logits(sched, qsl, step.out, hidden=hidden)
         return step
 
-    def _forward_eager(self, sched: SchedulerOutput, embeds: torch.Tensor, positions: torch.Tensor,
-                       slots: list[int], qsl: list[int], seq_lens: list[int]) -> torch.Tensor:
-        dev, bs = self.device, self.block_size
+    def _metadata(self, sched: SchedulerOutput, slots: list[int], qsl: list[int],
+                  seq_lens: list[int]) -> AttentionMetadata:
+        dev = self.device
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             query_start_loc=to_device(qsl, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=to_device(tables, torch.int32, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens), block_size=bs)
-        return self.model(embeds, to_device(positions, torch.int64, dev), meta)
+            max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens),
+            block_size=self.block_size, num_decodes=_num_leading_decodes(qsl))
 
     def _context_logits(self, sched: SchedulerOutput, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
@@ -357,6 +369,14 @@ def _exact_fp32_convolutions(enabled: bool):
         yield
     finally:
         torch.backends.cudnn.allow_tf32 = previous
+
+
+def _num_leading_decodes(query_start_loc: list[int]) -> int:
+    """How many sequences at the front of the batch have exactly one query token."""
+    n = 0
+    while n + 1 < len(query_start_loc) and query_start_loc[n + 1] - query_start_loc[n] == 1:
+        n += 1
+    return n
 
 
 def _cat_positions(parts: list) -> torch.Tensor:

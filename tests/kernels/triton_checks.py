@@ -118,13 +118,16 @@ def _interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Te
 
 def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
                   num_pad_rows=0, num_splits=None, path="backend", seed=0, cache_dtype=None, tol=None,
-                  kv_scales=(1.0, 1.0)) -> None:
+                  kv_scales=(1.0, 1.0), num_decodes=0) -> None:
     """Write K/V and attend with both backends; compare caches and the real rows' outputs."""
+    from dataclasses import replace
+
     from mmserve.attention import torch_backend, triton_backend
     from mmserve.kernels import paged_attention as kernels
 
     q, k, v, cache, meta = make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                       device, num_pad_rows, seed=seed, cache_dtype=cache_dtype)
+    meta = replace(meta, num_decodes=num_decodes)
     want_cache = cache.clone()
     end, sub = real_rows(meta, len(q_lens))
     ks, vs = kv_scales
@@ -261,6 +264,15 @@ def check_mixed_batch_fp16(device):
     run_attention([17, 1, 1], [60, 33, 129], 8, 2, 64, 16, torch.float16, device)
     if not INTERPRET:
         run_attention([17, 1, 1], [60, 33, 129], 8, 2, 64, 16, torch.bfloat16, device)
+
+
+@check
+def check_mixed_batch_split_decodes_first(device):
+    # the backend sends the leading one-query sequences to the decode kernel, the rest to the prefill kernel
+    run_attention([1, 1, 1, 30, 12], [50, 7, 129, 95, 12], 6, 2, 20, 8, torch.float32, device, num_pad_rows=2,
+                  num_decodes=3)
+    run_attention([1, 1, 17], [300, 33, 60], 8, 2, 64, 16, torch.float16, device, cache_dtype=torch.float8_e4m3fn,
+                  kv_scales=(0.03, 0.07), num_decodes=2)
 
 
 # --------------------------------------------------------------------------------------------- fused ops

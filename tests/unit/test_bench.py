@@ -76,6 +76,15 @@ def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_ll
         assert all(_positive(res[engine][k]) for k in ("elapsed_s", "requests_per_s", "output_tok_s"))
     assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
     assert _positive(res["ratio"]["output_tok_s"]) and _positive(res["ratio"]["requests_per_s"])
+    # the step breakdown accounts for every computed token: prompts (less cached ones) and each output
+    # token but the last, which is sampled and never fed back
+    m, steps = res["mmserve"], res["mmserve"]["steps"]
+    kinds = {k: v for k, v in steps.items() if k != "idle"}
+    assert sum(v["tokens"] for v in kinds.values()) == m["prompt_tokens"] - m["cached_prompt_tokens"] + 3 * 3
+    assert kinds["decode"]["steps"] >= 1 and kinds["decode"]["tokens"] == kinds["decode"]["sequences"]
+    wall = sum(v["wall_s"] for v in kinds.values()) + steps["idle"]["host_s"]
+    assert 0 < wall <= m["elapsed_s"]
+    assert "| step kind | steps |" in (tmp_path / "b.md").read_text()
 
 
 # ---- other families: --family NAME --preset tiny, the transformers baseline by config.architectures ----

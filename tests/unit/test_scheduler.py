@@ -39,6 +39,21 @@ def test_budget_chunks_long_prompt_and_decodes_ride_along():
     assert s.running[1].num_output_tokens == 1
 
 
+def test_one_token_chunks_come_first_in_a_step():
+    # attention backends split a mixed batch into its leading one-query sequences (decode kernel) and the
+    # rest (prefill kernel), so a step lists its one-token chunks first, each group in scheduling order
+    s = _sched(budget=16)
+    for rid, n in [("a", 3), ("x", 1), ("b", 4)]:
+        s.add(_req(rid, n))
+    out = s.schedule()
+    assert [(sr.request.request_id, sr.num_tokens) for sr in out.scheduled] == [("x", 1), ("a", 3), ("b", 4)]
+    for sr in out.scheduled:
+        sr.request.num_computed_tokens = sr.end
+        sr.request.output_token_ids.append(7)
+    s.add(_req("c", 2))
+    assert list(_run_step(s).items()) == [("a", 1), ("x", 1), ("b", 1), ("c", 2)]   # running order kept
+
+
 def test_without_chunked_prefill_a_long_prompt_waits_for_room():
     s = _sched(budget=10, chunked=False)
     s.add(_req("a", 3))
