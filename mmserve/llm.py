@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm import tqdm
@@ -12,6 +12,11 @@ from mmserve.engine.engine import Engine
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+
+
+# prompts preprocessed ahead of the engine's waiting queue: enough to keep a step's token budget fed while
+# the next ones are processed, few enough that preprocessing threads do not crowd the engine out of the GIL
+PREPROCESS_AHEAD = 16
 
 
 class LLM:
@@ -52,7 +57,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs in input order.
 
-        A bad prompt raises before any request is queued, so the engine stays clean.
+        Prompts are preprocessed (media loading, the HF processor) on a few threads while the engine runs
+        the ones already admitted, a bounded number ahead of what the engine has queued (so preprocessing
+        does not crowd the engine's thread out of the GIL). A bad prompt raises its error after every
+        request of this call was aborted, so the engine stays clean.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -60,22 +68,16 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        # media loading and the HF processor run on a few threads (they release the GIL in torch/PIL)
-        if len(prompts) == 1:
-            processed = [self.engine.inputs.process(prompts[0])]
-        else:
-            processed = list(self._preprocess.map(self.engine.inputs.process, prompts))
-        ids = []
+        futures: list[Future] = []
+        ids: list[str] = []
         try:
-            for inputs, p in zip(processed, plist):
-                rid = str(next(self._ids))
-                self.engine.add_processed(rid, inputs, p, stream=False)
-                ids.append(rid)
-        except Exception:
+            return self._run(prompts, plist, futures, ids, use_tqdm)
+        except BaseException:
+            for f in futures:
+                f.cancel()
             for rid in ids:
                 self.engine.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -84,11 +86,24 @@ class LLM:
         prompts = [self.engine.inputs.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, plist: list[SamplingParams], futures: list[Future], ids: list[str],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Preprocess prompts (`futures`) at most PREPROCESS_AHEAD beyond the engine's waiting queue, admit them in
+        order as they become ready (waiting for one only when the engine has nothing to run) and step the engine
+        until all are done; `ids` collects the admitted request ids."""
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+        engine = self.engine
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2)
+        while len(ids) < len(prompts) or engine.has_unfinished():
+            ahead = len(futures) - len(ids) + len(engine.scheduler.waiting)
+            for p in prompts[len(futures):len(futures) + max(0, PREPROCESS_AHEAD - ahead)]:
+                futures.append(self._preprocess.submit(engine.inputs.process, p))
+            while len(ids) < len(futures) and (futures[len(ids)].done() or not engine.has_unfinished()):
+                i = len(ids)
+                rid = str(next(self._ids))
+                engine.add_processed(rid, futures[i].result(), plist[i], stream=False)
+                ids.append(rid)
+            for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

@@ -208,22 +208,30 @@ def _profiling(prof):
 
 
 def _prefix_hit_ttft(engine, prompt: str, image) -> None:
-    """TTFT of a request, then of the same image + prompt again (prefix-cache and encoder-cache hit)."""
+    """TTFT of a request, then of the same image + prompt again (prefix-cache and encoder-cache hit), each
+    split into add_request (preprocessing) and the engine steps' host work and device waits."""
     from mmserve import SamplingParams
 
-    def ttft(rid: str, img) -> tuple[float, int]:
+    def ttft(rid: str, img) -> tuple[float, float, dict, int]:
         torch.cuda.synchronize()
+        engine.step_stats.reset()
         t0 = time.perf_counter()
         req = engine.add_request(rid, {"prompt": prompt, "images": [img]}, SamplingParams(max_tokens=1, temperature=0.0))
+        t_add = (time.perf_counter() - t0) * 1000
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1000, req.num_cached_tokens
+        kinds = engine.step_stats.as_dict()
+        split = {"host": sum(v["host_s"] for v in kinds.values()) * 1000,
+                 "wait": sum(v.get("device_wait_s", 0.0) for v in kinds.values()) * 1000}
+        return (time.perf_counter() - t0) * 1000, t_add, split, req.num_cached_tokens
 
-    miss, _ = ttft(f"miss-{id(image)}", image)
-    hit, cached = ttft(f"hit-{id(image)}", image.copy())
+    miss, miss_add, miss_split, _ = ttft(f"miss-{id(image)}", image)
+    hit, hit_add, hit_split, cached = ttft(f"hit-{id(image)}", image.copy())
     print(f"prefix-cache TTFT: miss {miss:.2f} ms, hit {hit:.2f} ms ({cached} of the prompt's tokens cached), "
-          f"hit/miss {hit / miss:.0%}")
+          f"hit/miss {hit / miss:.0%}; add_request miss {miss_add:.2f} / hit {hit_add:.2f} ms, engine steps' host "
+          f"work {miss_split['host']:.2f} / {hit_split['host']:.2f} ms, device waits {miss_split['wait']:.2f} / "
+          f"{hit_split['wait']:.2f} ms")
 
 
 if __name__ == "__main__":

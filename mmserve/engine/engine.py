@@ -89,7 +89,7 @@ class Engine:
             raise ValueError(f"the prompt has {n} tokens but at most {capacity - 1} fit "
                              f"(max_model_len {self.max_model_len}, KV cache {self.kv.num_blocks * self.kv.block_size} tokens)")
         vocab = self.text_config.vocab_size
-        if any(t >= vocab for t in inputs.prompt_token_ids):
+        if inputs.prompt_token_ids and max(inputs.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
         eos = params.eos_token_id if params.eos_token_id is not None else (self.default_eos[0] if self.default_eos else None)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]

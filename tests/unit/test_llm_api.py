@@ -103,6 +103,43 @@ def test_bad_input_raises_and_engine_stays_usable(llm, prompt, error, match):
     assert len(_ids(llm, "USER: still fine? ASSISTANT:")) == GREEDY.max_tokens
 
 
+def test_a_bad_prompt_among_good_ones_aborts_the_whole_call(llm):
+    good = {"prompt": PROMPT, "images": [make_test_image(3)]}
+    bad = {"prompt": PROMPT, "images": [b"not an image"]}
+    with pytest.raises(ValueError, match="cannot be decoded as an image"):
+        llm.generate([good, good, bad, good], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0 and not llm.engine.requests
+    assert len(_ids(llm, good)) == GREEDY.max_tokens
+
+
+def test_engine_steps_while_later_prompts_are_still_preprocessed(llm, monkeypatch):
+    """The first prompts run before the later ones finish preprocessing: those wait for the engine's first
+    step (with a timeout, so an engine that preprocesses everything first fails instead of hanging)."""
+    import threading
+
+    stepped = threading.Event()
+    waited: list[bool] = []
+    process, step = llm.engine.inputs.process, llm.engine.step
+
+    def slow_process(prompt):
+        if prompt["prompt"].endswith("later ASSISTANT:"):
+            waited.append(stepped.wait(timeout=10))
+        return process(prompt)
+
+    def step_and_signal():
+        stepped.set()
+        return step()
+
+    monkeypatch.setattr(llm.engine.inputs, "process", slow_process)
+    monkeypatch.setattr(llm.engine, "step", step_and_signal)
+    prompts = [{"prompt": f"USER: <image>\n{word} ASSISTANT:", "images": [make_test_image(i)]}
+               for i, word in enumerate(["first", "second", "later", "later"])]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert waited == [True, True]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * 4
+    assert [o.prompt for o in outs] == [p["prompt"] for p in prompts]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
