@@ -50,6 +50,20 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, S
     tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def store_quantized_row(q_row, s_ptr, row, y, cols, mask, static_ptr, STATIC: tl.constexpr, QMAX: tl.constexpr,
+                        FLOOR: tl.constexpr):
+    """Store one row y (fp32, whole row in registers; masked lanes 0) in e4m3 at q_row and its scale at
+    s_ptr[row], as quant_rows does: scale = max|y| / 448 (or the static one), q = clamp(y / scale)."""
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), FLOOR) / QMAX
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -QMAX), QMAX)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
 def quant_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 x [M, K], fp32 scales [M]) for x [M, K] with unit stride along K; as fp8_linear.quantize_rows."""
     m, k = x.shape
@@ -147,10 +161,16 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] = W8A8 product of x [M, K] (fp16/bf16/fp32) and an e4m3 weight [N, K] with fp32 row scales."""
     xq, xs = quant_rows(x if x.stride(-1) == 1 else x.contiguous(), input_scale)
-    if len(x) == 1:   # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
-        return run_fastest(("fp8_one_row", weight.shape, bias is not None, x.dtype, weight.device),
-                           [lambda: fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, x.dtype),
-                            lambda: fp8_gemv(xq, xs, weight, weight_scale, bias, x.dtype)])
-    if len(x) <= SMALL_M or weight.shape[0] % 16 or weight.shape[1] % 16:   # cuBLASLt FP8 needs N, K % 16 == 0
-        return fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, x.dtype)
-    return scaled_mm(xq, xs, weight, weight_scale, bias, x.dtype)
+    return fp8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_matmul_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_matmul of rows already quantized (xq [M, K] e4m3, xs [M] fp32); y in out_dtype."""
+    if len(xq) == 1:   # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
+        return run_fastest(("fp8_one_row", weight.shape, bias is not None, out_dtype, weight.device),
+                           [lambda: fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, out_dtype),
+                            lambda: fp8_gemv(xq, xs, weight, weight_scale, bias, out_dtype)])
+    if len(xq) <= SMALL_M or weight.shape[0] % 16 or weight.shape[1] % 16:   # cuBLASLt FP8 needs N, K % 16 == 0
+        return fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, out_dtype)
+    return scaled_mm(xq, xs, weight, weight_scale, bias, out_dtype)

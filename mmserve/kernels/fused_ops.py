@@ -1,6 +1,8 @@
 """Triton fused elementwise ops of a decoder layer: RMSNorm (+ residual add), in-place rotary, SiLU-and-mul.
 
 Each rounds where its torch layer rounds (layers/norm.py, rotary.py, activation.py), so results match them.
+RMSNorm and SiLU-and-mul can also hand their output to an FP8 linear already quantized (`quantize=True`):
+one kernel instead of the op plus kernels/fp8_gemm.quant_rows, with the same bits.
 """
 from __future__ import annotations
 
@@ -8,10 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from mmserve.kernels.fp8_gemm import store_quantized_row
+from mmserve.layers.fp8_linear import AMAX_FLOOR, FP8, FP8_MAX, QuantizedRows
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, stride_x, stride_r, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+                     QMAX: tl.constexpr, FLOOR: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -23,23 +29,39 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = normed.to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:   # the norm's output rounded to x's dtype (as unfused), then quantized for an FP8 linear
+        store_quantized_row(out_ptr + row * n, s_ptr, row, y.to(x.dtype).to(tl.float32), cols, mask, static_ptr,
+                            STATIC, QMAX, FLOOR)
+    else:
+        tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Like RMSNorm.forward: norm(x), or with residual (norm(x + residual), x + residual). x [..., hidden]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False, input_scale: torch.Tensor | None = None):
+    """Like RMSNorm.forward: norm(x), or with residual (norm(x + residual), x + residual). x [T, hidden].
+
+    quantize: return norm(x) as QuantizedRows for an FP8 linear (per-row dynamic scales, or the static
+    input_scale), exactly as quantize_rows would quantize the unfused output; needs weight.dtype == x.dtype."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if quantize:
+        assert weight.dtype == x.dtype and x.dim() == 2, "quantized RMSNorm takes [T, hidden] in the weight's dtype"
+        out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    else:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    scales = torch.empty(len(x2), dtype=torch.float32, device=x.device) if quantize else out
     res2 = residual.reshape(-1, n) if residual is not None else x2
     res_out = torch.empty_like(x) if residual is not None else out
+    block = triton.next_power_of_2(n)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
+            x2, res2, weight, out, res_out, scales, input_scale if input_scale is not None else scales,
+            x2.stride(0), res2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, QUANT=quantize,
+            STATIC=input_scale is not None, BLOCK=block, QMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
+            num_warps=4 if n <= 4096 else 8,
         )
-    return out if residual is None else (out, res_out)
+    y = QuantizedRows(out, scales, x.dtype) if quantize else out
+    return y if residual is None else (y, res_out)
 
 
 @triton.jit
@@ -94,17 +116,45 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * d + cols, _silu_mul(x_ptr + row * stride_x, cols, mask, d), mask=mask)
+
+
+@triton.jit
+def _silu_mul(x_row, cols, mask, d):
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)        # rounded like F.silu's output
-    tl.store(out_ptr + row * d + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d]."""
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, d, STATIC: tl.constexpr,
+                               BLOCK: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    y = _silu_mul(x_ptr + row * stride_x, cols, mask, d).to(tl.float32)
+    store_quantized_row(q_ptr + row * d, s_ptr, row, y, cols, mask, static_ptr, STATIC, QMAX, FLOOR)
+
+
+def silu_and_mul(x: torch.Tensor, quantize: bool = False, input_scale: torch.Tensor | None = None):
+    """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d].
+
+    quantize: return it as QuantizedRows for an FP8 linear (x [T, 2d]; per-row dynamic scales, or the static
+    input_scale), exactly as quantize_rows would quantize the unfused output."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
+    if quantize:
+        q = torch.empty(len(x2), d, dtype=FP8, device=x.device)
+        scales = torch.empty(len(x2), dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(d)
+        if len(x2):
+            _silu_and_mul_quant_kernel[(len(x2),)](
+                x2, q, scales, input_scale if input_scale is not None else scales, x2.stride(0), d,
+                STATIC=input_scale is not None, BLOCK=block, QMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
+                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+        return QuantizedRows(q, scales, x.dtype)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))

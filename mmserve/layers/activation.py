@@ -5,13 +5,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.layers.fp8_linear import QuantizesForFP8
 
-class SiluAndMul(nn.Module):
+
+class SiluAndMul(QuantizesForFP8, nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from mmserve.kernels.fused_ops import silu_and_mul
+            consumer = self.fp8_consumer(x)
+            if consumer is not None:
+                return silu_and_mul(x, quantize=True, input_scale=consumer.input_scale)
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

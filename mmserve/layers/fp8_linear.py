@@ -12,12 +12,23 @@ accumulated in fp32. `fp8_linear` runs it with FP8 tensor cores on GPUs that hav
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mmserve.attention.kv_quant import FP8_MAX   # 448, the format's largest finite value
 
 FP8 = torch.float8_e4m3fn
 AMAX_FLOOR = 1e-12   # an all-zero row still gets a finite scale
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized as `quantize_rows` does it (a norm or activation kernel fused the
+    quantization into its output), for an FP8 linear layer to take as they are."""
+
+    q: torch.Tensor        # [M, K] e4m3
+    scale: torch.Tensor    # [M] fp32
+    dtype: torch.dtype     # of the activations before quantization: the layer's output dtype
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,15 +48,18 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_reference(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                          input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """The W8A8 product in plain torch (fp32 accumulation): the oracle the GPU kernels are tested against."""
-    shape = x.shape
-    xq, xs = quantize_rows(x.reshape(-1, shape[-1]), input_scale)
+    if isinstance(x, QuantizedRows):
+        xq, xs, dtype, shape = x.q, x.scale, x.dtype, x.q.shape
+    else:
+        shape, dtype = x.shape, x.dtype
+        xq, xs = quantize_rows(x.reshape(-1, shape[-1]), input_scale)
     y = (xq.float() @ weight.float().t()) * xs[:, None] * weight_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+    return y.to(dtype).reshape(*shape[:-1], weight.shape[0])
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -53,11 +67,33 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+class QuantizesForFP8:
+    """Mixin of a module whose output feeds one linear layer: when that layer holds FP8 weights and the GPU
+    has FP8 tensor cores, the module's kernel returns its output quantized for it (QuantizedRows), so the
+    layer does not quantize it in a kernel of its own. Elsewhere the output stays a plain tensor."""
+
+    _fp8_consumer: tuple = ()
+
+    def quantize_for(self, linear) -> None:
+        self._fp8_consumer = (linear,)   # a tuple: not registered as a submodule
+
+    def fp8_consumer(self, x: torch.Tensor):
+        """The FP8 linear to quantize x's output for, or None."""
+        if not self._fp8_consumer or x.dim() != 2 or not fp8_supported(x.device):
+            return None
+        linear = self._fp8_consumer[0]
+        return linear if linear.weight_scale is not None else None
+
+
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(weight)^T (+ bias) with x quantized per row; x [..., K], weight fp8 [N, K]."""
-    if x.is_cuda and fp8_supported(x.device):
-        from mmserve.kernels.fp8_gemm import fp8_matmul
+    """y = x @ dequant(weight)^T (+ bias) with x quantized per row; x [..., K] (or already quantized rows
+    [M, K]), weight fp8 [N, K]."""
+    rows = x.q if isinstance(x, QuantizedRows) else x
+    if rows.is_cuda and fp8_supported(rows.device):
+        from mmserve.kernels.fp8_gemm import fp8_matmul, fp8_matmul_quantized
+        if isinstance(x, QuantizedRows):
+            return fp8_matmul_quantized(x.q, x.scale, weight, weight_scale, bias, x.dtype)
         shape = x.shape
         y = fp8_matmul(x.reshape(-1, shape[-1]), weight, weight_scale, input_scale, bias)
         return y.reshape(*shape[:-1], weight.shape[0])

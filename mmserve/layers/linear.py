@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from mmserve.layers.fp8_linear import FP8, fp8_linear, quantize_weight
+from mmserve.layers.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,12 +93,12 @@ class LinearBase(nn.Module):
         value = loaded.detach().float().max().reshape(1).to(self.weight.device)
         self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.weight_scale is not None:
+    def _matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:   # FP8 weights; x may come quantized by the producing kernel
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         return linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
 

@@ -1,11 +1,13 @@
-"""Normalisation layers: RMSNorm with an optional fused residual add."""
+"""Normalisation layers: RMSNorm with an optional fused residual add (and, on GPUs, FP8 output for an FP8 linear)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from mmserve.layers.fp8_linear import QuantizesForFP8
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(QuantizesForFP8, nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -22,6 +24,9 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if x.is_cuda:
             from mmserve.kernels.fused_ops import rms_norm
+            consumer = self.fp8_consumer(x) if x.dtype == self.weight.dtype else None
+            if consumer is not None:
+                return rms_norm(x, self.weight, self.eps, residual, quantize=True, input_scale=consumer.input_scale)
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(len(x), -1, self.head_dim), k.view(len(x), -1, self.head_dim))
+        q, k = self.rotary(positions, q.view(len(q), -1, self.head_dim), k.view(len(k), -1, self.head_dim))
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -60,6 +60,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fp8_activation_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, linear) pairs whose producer can hand its output to an FP8 linear already quantized."""
+        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj),
+                (self.mlp.act, self.mlp.down_proj)]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from mmserve.models.quantization import checkpoint_quantization, decoder_linears, quantize_model
+from mmserve.models.quantization import (checkpoint_quantization, decoder_linears, fuse_activation_quantization,
+                                         quantize_model)
 from mmserve.models.registry import get_model_class
 from mmserve.models.weights import iter_safetensors
 
@@ -51,6 +52,7 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
     linears = decoder_linears(model)
     fp8 = sum(m.is_fp8 for _, m in linears)
     if in_checkpoint or fp8:
-        logger.info("FP8 weights in %d of %d decoder linear layers%s", fp8, len(linears),
-                    f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "")
+        logger.info("FP8 weights in %d of %d decoder linear layers%s; %d norms / activations quantize for them",
+                    fp8, len(linears), f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "",
+                    fuse_activation_quantization(model))
     return model.eval()

@@ -56,3 +56,16 @@ def quantize_model(model: nn.Module, method: str) -> int:
     for layer in layers:
         layer.to_fp8()
     return len(layers)
+
+
+def fuse_activation_quantization(model: nn.Module) -> int:
+    """Let norms and activations that feed an FP8 linear hand it their output already quantized (one kernel
+    instead of two on GPUs with FP8 tensor cores; see layers/fp8_linear.QuantizesForFP8). Decoder layers
+    list those pairs in `fp8_activation_pairs()`. Returns how many producers quantize for an FP8 layer."""
+    fused = 0
+    for module in model.modules():
+        for producer, linear in getattr(module, "fp8_activation_pairs", lambda: [])():
+            if linear.is_fp8:
+                producer.quantize_for(linear)
+                fused += 1
+    return fused

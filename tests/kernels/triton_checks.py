@@ -367,6 +367,45 @@ def check_fp8_quant_rows_dynamic_static_one_pass_and_looped(device):
                 assert torch.isfinite(q.float()).all() and (q.float().abs() <= 448).all()
 
 
+def assert_same_quantized(got, want_y: torch.Tensor, static, what: str) -> None:
+    """got (QuantizedRows from a fused kernel) holds exactly quantize_rows(want_y, static)."""
+    from mmserve.layers.fp8_linear import quantize_rows
+
+    want_q, want_s = quantize_rows(want_y, static)
+    assert got.dtype == want_y.dtype and got.q.shape == want_q.shape, f"{what}: dtype / shape"
+    assert torch.equal(got.scale, want_s), f"{what}: scales differ"
+    differs = got.q.view(torch.uint8) != want_q.view(torch.uint8)
+    if INTERPRET:
+        differs &= ~_interpreter_fp8_rounding(got.q, want_q)
+    assert not differs.any(), f"{what}: {int(differs.sum())} e4m3 codes differ"
+
+
+@check
+def check_rms_norm_and_silu_quantized_outputs_match_unfused(device):
+    # the kernels' FP8 outputs are bit for bit quantize_rows of the same kernels' unfused outputs (which
+    # check_rms_norm_* and check_silu_* compare with the torch layers), dynamic and static scales
+    from mmserve.kernels.fused_ops import rms_norm, silu_and_mul
+
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.float16):
+        w = torch.randn(48, generator=g).to(device=device, dtype=dtype)
+        x = (torch.randn(5, 48, generator=g) * 4).to(device=device, dtype=dtype)
+        res = torch.randn(5, 48, generator=g).to(device=device, dtype=dtype)
+        gate_up = (torch.randn(4, 2 * 40, generator=g) * 3).to(device=device, dtype=dtype)
+        for static in (None, torch.tensor([0.01], device=device)):   # static 0.01: some values saturate
+            tag = f"{dtype} static={static is not None}"
+            assert_same_quantized(rms_norm(x, w, 1e-5, quantize=True, input_scale=static), rms_norm(x, w, 1e-5),
+                                  static, f"rms_norm {tag}")
+            got, got_res = rms_norm(x, w, 1e-5, residual=res, quantize=True, input_scale=static)
+            want, want_res = rms_norm(x, w, 1e-5, residual=res)
+            assert_same_quantized(got, want, static, f"rms_norm+residual {tag}")
+            assert torch.equal(got_res, want_res), f"rms_norm+residual {tag}: residual sum"
+            assert_same_quantized(silu_and_mul(gate_up, quantize=True, input_scale=static), silu_and_mul(gate_up),
+                                  static, f"silu_and_mul {tag}")
+        empty = silu_and_mul(gate_up[:0], quantize=True)
+        assert empty.q.shape == (0, 40) and empty.scale.shape == (0,)
+
+
 @check
 def check_fp8_gemv_and_small_m_gemm_match_reference(device):
     from mmserve.kernels.fp8_gemm import fp8_gemm_small_m, fp8_gemv
