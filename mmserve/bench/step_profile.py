@@ -99,6 +99,7 @@ def _ttft_breakdown(engine, prompt: str, image, profile: bool = False) -> None:
     device, engine.inputs.device = engine.inputs.device, None
     _, t_pre_cpu = timed(lambda: engine.inputs.process({"prompt": prompt, "images": [image]}))
     engine.inputs.device = device
+    engine.inputs.clear_recent()   # else the second call is an exact repeat and skips the HF processor
     inputs, t_pre = timed(lambda: engine.inputs.process({"prompt": prompt, "images": [image]}))
     moved = engine.runner._encode  # noqa: SLF001 - read-only timing of the runner's own encoder path
     _, t_enc = timed(lambda: moved(inputs.mm_items))

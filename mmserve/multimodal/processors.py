@@ -88,6 +88,11 @@ class InputProcessor:
         # BLIP-2 style: the processor itself puts the image's query tokens in front of the text
         self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
 
+    def clear_recent(self) -> None:
+        """Forget the processed prompts kept for exact repeats (the next repeat runs the HF processor)."""
+        with self._recent_lock:
+            self._recent.clear()
+
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
         """Raises ValueError/TypeError naming the problem for any bad input."""
         if isinstance(prompt, str):

@@ -187,3 +187,6 @@ def test_exact_repeat_of_text_and_picture_reuses_the_processed_inputs(llm):
     assert with_id is not first and with_id.mm_items[0].content_hash == "id:7"
     outs = llm.generate([{"prompt": PROMPT, "images": [make_test_image(11)]}] * 2, GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    inputs.clear_recent()                                  # forgotten: the repeat runs the processor again
+    fresh = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)]})
+    assert fresh is not first and fresh.prompt_token_ids == first.prompt_token_ids
