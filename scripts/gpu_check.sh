@@ -20,8 +20,9 @@ for step in $steps; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu tests/parity tests/unit 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
     profile) for b in 1 32; do
-               python3 -m mmserve.bench.step_profile --preset llava-1.5-7b --batch-size $b --prefill-batch $((b == 32 ? 32 : 0)) > "$OUT/profile_b$b.txt" 2>&1
-               grep -E "^(batch|TTFT|prefix|prefill)" "$OUT/profile_b$b.txt"; done ;;
+               python3 -m mmserve.bench.step_profile --preset llava-1.5-7b --batch-size $b --prefill-batch $((b == 32 ? 32 : 0)) \
+                 --mixed-batch $((b == 32 ? 128 : 0)) > "$OUT/profile_b$b.txt" 2>&1
+               grep -E "^(batch|TTFT|prefix|prefill|mixed)" "$OUT/profile_b$b.txt"; done ;;
     latency) $bench latency --preset llava-1.5-7b --batch-sizes 1,8,32,64 --input-len 24 --output-len 64 \
                --out "$OUT/latency.json" --markdown "$OUT/latency.md" --plot-dir "$OUT/plots" 2> "$OUT/latency.err"
              cat "$OUT/latency.md" ;;

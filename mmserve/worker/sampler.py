@@ -235,7 +235,10 @@ class Sampler:
         if logits.shape[1] > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
         if batch.mask_rows is not None:
-            logits[batch.mask_rows, batch.mask_ids] = float("-inf")
+            # not logits[rows, ids] = -inf: on CUDA that copies a CPU scalar to the device, and the pageable
+            # copy waits for every queued kernel (a host sync per step for any request with min_tokens)
+            flat = batch.mask_rows * logits.shape[1] + batch.mask_ids
+            logits.view(-1).index_fill_(0, flat, float("-inf"))
         if batch.has_penalties:
             logits = apply_penalties(logits, batch.prompt_ids, batch.output_ids, batch.repetition_penalty,
                                      batch.presence_penalty, batch.frequency_penalty)
