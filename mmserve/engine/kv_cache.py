@@ -2,11 +2,16 @@
 (per-request block tables and prefix caching by chained block hashes).
 
 A block's hash chains its parent's hash, its token ids and the content hashes of the images whose
-placeholder tokens it holds, so the same image behind the same prefix maps to the same blocks.
+placeholder tokens it holds, so the same image behind the same prefix maps to the same blocks. The hash is
+sha256: with a fast non-cryptographic hash, a crafted prompt could be made to collide with another user's
+cached blocks and read their keys and values.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmserve.engine.request import Request
@@ -16,11 +21,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[tuple[str, int]]) -> bytes:
+    """sha256 digest of a full block: its parent block's digest (None for the first block), its token ids
+    and, for each media item with placeholders in it, (content hash, index of the item's first placeholder
+    that falls in this block). Every field is length-prefixed, so no two inputs share a byte stream."""
+    h = hashlib.sha256(b"mmserve-kv-block\0")
+    h.update(parent if parent is not None else b"\0" * 32)
+    ids = array("q", token_ids).tobytes()
+    h.update(len(ids).to_bytes(8, "little"))
+    h.update(ids)
+    for content_hash, offset in media:
+        key = content_hash.encode()
+        h.update(len(key).to_bytes(8, "little"))
+        h.update(key)
+        h.update(offset.to_bytes(8, "little"))
+    return h.digest()
+
+
 @dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None   # set once the block is full, computed and registered
+    block_hash: bytes | None = None   # set once the block is full, computed and registered
 
 
 class BlockPool:
@@ -30,7 +52,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, KVBlock] = {}   # hash -> block
+        self._cached: dict[bytes, KVBlock] = {}   # hash -> block
 
     @property
     def num_blocks(self) -> int:
@@ -40,7 +62,7 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def lookup(self, block_hash: int) -> KVBlock | None:
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
     def take(self, n: int) -> list[KVBlock]:
@@ -73,7 +95,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def register(self, block: KVBlock, block_hash: int) -> None:
+    def register(self, block: KVBlock, block_hash: bytes) -> None:
         """Make a full, computed block findable by its hash (first writer wins)."""
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
@@ -124,8 +146,8 @@ class KVCacheManager:
         for i in range(len(req.block_hashes), req.num_known_tokens // bs):
             start, end = i * bs, (i + 1) * bs
             parent = req.block_hashes[i - 1] if i else None
-            extra = tuple((m.content_hash, max(start, m.offset) - m.offset) for m in req.mm_items_in(start, end))
-            req.block_hashes.append(hash((parent, tuple(req.token_ids(start, end)), extra)))
+            media = [(m.content_hash, max(start, m.offset) - m.offset) for m in req.mm_items_in(start, end)]
+            req.block_hashes.append(hash_block(parent, req.token_ids(start, end), media))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.

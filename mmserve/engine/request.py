@@ -77,7 +77,7 @@ class Request:
         self.stream = True               # False: the engine reports only the finished output
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.block_hashes: list[int] = []   # chained hashes of this request's full blocks
+        self.block_hashes: list[bytes] = []   # chained sha256 digests of this request's full blocks (kv_cache.hash_block)
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
         self.context_logits: list[torch.Tensor] = []      # [n, V] fp32 chunks of prompt-position logits
         self.num_context_logits = 0                        # prompt positions whose logits are stored

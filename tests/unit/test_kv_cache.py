@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.kv_cache import KVCacheManager, hash_block
 from mmserve.engine.request import MultiModalItem, Request
 from mmserve.sampling_params import SamplingParams
 
@@ -107,3 +107,24 @@ def test_free_cached_blocks_count_against_allocation_when_hit():
     # 4 hit tokens + 4 new need 4 blocks; only 3 exist, and the 2 hits are no longer allocatable
     assert not kv.allocate_slots(b, 4, hits)
     assert all(x.ref_cnt == 0 for x in kv.pool.blocks) and kv.pool.num_free == 3
+
+
+def test_block_hashes_are_sha256_chains_over_every_field():
+    base = hash_block(None, [1, 2, 3, 4], [("img-a", 0)])
+    assert isinstance(base, bytes) and len(base) == 32
+    assert hash_block(None, [1, 2, 3, 4], [("img-a", 0)]) == base                      # deterministic
+    variants = [hash_block(None, [1, 2, 3, 5], [("img-a", 0)]),                        # a token
+                hash_block(None, [1, 2, 3, 4], [("img-b", 0)]),                        # the picture
+                hash_block(None, [1, 2, 3, 4], [("img-a", 4)]),                        # where in the picture
+                hash_block(None, [1, 2, 3, 4], []),                                    # no picture
+                hash_block(base, [1, 2, 3, 4], [("img-a", 0)]),                        # the prefix before it
+                hash_block(None, [1, 2, 3, 4], [("img-a", 0), ("", 0)])]               # fields cannot run together
+    assert len({base, *variants}) == 1 + len(variants)
+    # a request's chain: the same tokens and picture behind a different first block hash differently
+    kv = KVCacheManager(16, 4)
+    a = _req("a", [9, 9, 9, 9, 1, 2, 3, 4, 5])
+    b = _req("b", [8, 9, 9, 9, 1, 2, 3, 4, 5])
+    kv._extend_hashes(a)   # noqa: SLF001 - the chain itself is what is checked
+    kv._extend_hashes(b)   # noqa: SLF001
+    assert len(a.block_hashes) == 2 and a.block_hashes[1] != b.block_hashes[1]
+    assert a.block_hashes[1] == hash_block(a.block_hashes[0], [1, 2, 3, 4], [])
