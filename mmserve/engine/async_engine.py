@@ -76,6 +76,10 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    def step_stats(self) -> dict[str, dict[str, float]]:
+        """Engine.step_stats.as_dict(): steps, tokens, host and device-wait seconds per step kind."""
+        return self.engine.step_stats.as_dict()
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(("wake",))

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from mmserve.engine.step_stats import STEP_KINDS
 
 from mmserve.outputs import RequestOutput
 
@@ -11,7 +14,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
 class Metrics:
     """One registry per server (tests run several servers in one process)."""
 
-    def __init__(self, stats_fn) -> None:
+    def __init__(self, stats_fn, step_stats_fn=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmserve_requests", "Requests by endpoint and HTTP/gRPC status",
@@ -38,6 +41,8 @@ class Metrics:
         }
         for key, (name, doc) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda key=key: float(self._stats_fn().get(key, 0.0)))
+        if step_stats_fn is not None:
+            r.register(_StepCollector(step_stats_fn))
 
     def count_request(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -59,3 +64,28 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepCollector:
+    """Engine steps by kind, from Engine.step_stats: how many, their tokens, and the time Engine.step() spent
+    on the host vs blocked on the device (a server whose host share grows is bound by Python, not the GPU)."""
+
+    def __init__(self, step_stats_fn) -> None:
+        self._fn = step_stats_fn
+
+    def collect(self):
+        stats = self._fn()
+        steps = CounterMetricFamily("mmserve_engine_steps", "Engine steps launched, by kind (decode, prefill, mixed)",
+                                    labels=["kind"])
+        tokens = CounterMetricFamily("mmserve_engine_step_tokens", "Tokens computed by engine steps, by kind",
+                                     labels=["kind"])
+        seconds = CounterMetricFamily(
+            "mmserve_engine_step_seconds", "Time in Engine.step() by step kind and part: host (scheduling, inputs, "
+            "launches, outputs) or device_wait (blocked on the step's sampled tokens)", labels=["kind", "part"])
+        for kind in STEP_KINDS:
+            t = stats[kind]
+            steps.add_metric([kind], t["steps"])
+            tokens.add_metric([kind], t["tokens"])
+            seconds.add_metric([kind, "host"], t["host_s"])
+            seconds.add_metric([kind, "device_wait"], t["device_wait_s"])
+        yield from (steps, tokens, seconds)

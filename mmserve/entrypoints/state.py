@@ -32,7 +32,7 @@ class ServerState:
     in_flight: int = 0
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine.stats)
+        self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
 
     @property
     def model_name(self) -> str:

@@ -64,6 +64,25 @@ def test_latency_histograms_and_token_counters_follow_a_request(server):
         == usage["completion_tokens"] == 8
 
 
+def test_engine_step_counters_by_kind_follow_a_request(server):
+    kinds = ("decode", "prefill", "mixed")
+    before = scrape(server)
+    resp = chat(server, image_content(37), max_tokens=8, ignore_eos=True)
+    prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+    after = scrape(server)
+
+    def grown(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # the prompt (less any cached blocks) and 7 decode inputs; the 8th token is sampled, never fed back
+    tokens = sum(grown("mmserve_engine_step_tokens_total", kind=k) for k in kinds)
+    assert 7 < tokens <= prompt_tokens + 7
+    assert grown("mmserve_engine_steps_total", kind="decode") >= 6
+    assert grown("mmserve_engine_step_seconds_total", kind="decode", part="host") > 0
+    assert all(grown("mmserve_engine_step_seconds_total", kind=k, part=p) >= 0
+               for k in kinds for p in ("host", "device_wait"))
+
+
 def test_engine_gauges_are_exported_and_idle_after_requests(server):
     metrics = scrape(server)
     for gauge in ("mmserve_num_requests_running", "mmserve_num_requests_waiting", "mmserve_kv_cache_usage_ratio",
