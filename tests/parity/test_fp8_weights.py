@@ -10,18 +10,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmserve import LLM, SamplingParams
+from mmserve import LLM
 from mmserve.config import ModelConfig
-from mmserve.testing import make_test_image
 from mmserve.testing.fp8 import write_fp8_checkpoint
+from tests.parity.fp8_case import DEVICES, FP8, PARAMS, PROMPT
 from tests.parity.hf_oracle import hf_logits
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-FP8 = torch.float8_e4m3fn
-PROMPT = {"prompt": "USER: <image>\ntell me about it tell me about it number 3 ASSISTANT:",
-          "images": [make_test_image(3)]}
-PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, return_context_logits=True,
-                        return_generation_logits=True)
 _PROJ = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)")
 
 

@@ -8,15 +8,9 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.attention.kv_quant import quantize_kv
 from mmserve.config import CacheConfig
-from mmserve.testing import make_test_image
+from tests.parity.fp8_case import DEVICES, FP8, PARAMS, PROMPT
 from tests.parity.hf_oracle import hf_logits
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-FP8 = torch.float8_e4m3fn
-PROMPT = {"prompt": "USER: <image>\ntell me about it tell me about it number 3 ASSISTANT:",
-          "images": [make_test_image(3)]}
-PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, return_context_logits=True,
-                        return_generation_logits=True)
 
 
 def _round_to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -103,3 +103,18 @@ def media_server(tmp_path_factory):
         yield f"http://127.0.0.1:{httpd.server_address[1]}", root
     finally:
         httpd.shutdown()
+
+
+def ensemble_texts(server: ServerHandle, texts: list[str], max_tokens: int = 10) -> list[str]:
+    """text_output of one batched greedy `/v2/models/ensemble/generate` request over `texts`."""
+    r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate",
+                   json={"text_input": texts, "max_tokens": [max_tokens] * len(texts),
+                         "temperature": [0] * len(texts)}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["text_output"]
+
+
+def serve_with(model_dir: str, *flags: str) -> subprocess.CompletedProcess:
+    """`mmserve serve model_dir --device cpu *flags` run to its end (for flags that must stop it at startup)."""
+    return subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model_dir, "--device", "cpu",
+                           *flags], capture_output=True, text=True, timeout=60)

@@ -2,14 +2,11 @@
 and an unknown KV cache dtype stops the server at startup with the flag named."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import pytest
 
 from mmserve import LLM, SamplingParams
-from tests.server.conftest import start_server
+from tests.server.conftest import ensemble_texts, serve_with, start_server
 
 PROMPTS = ["a cat on a mat", "two dogs in the park"]
 
@@ -21,14 +18,12 @@ def fp8_server(tiny_llava_dir, tmp_path_factory):
 
 
 def test_fp8_kv_cache_server_matches_offline_fp8_and_reports_it(fp8_server, tiny_llava_dir):
-    r = httpx.post(f"{fp8_server.http_url}/v2/models/ensemble/generate",
-                   json={"text_input": PROMPTS, "max_tokens": [10, 10], "temperature": [0, 0]}, timeout=60)
-    assert r.status_code == 200, r.text
+    got = ensemble_texts(fp8_server, PROMPTS, max_tokens=10)
     offline = LLM(tiny_llava_dir, device="cpu", kv_cache_dtype="fp8")
     outs = offline.generate([f"USER:\n{t} ASSISTANT:" for t in PROMPTS],
                             SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
     wants = [offline.tokenizer.decode(o.prompt_token_ids, skip_special_tokens=True) + o.outputs[0].text for o in outs]
-    assert r.json()["text_output"] == wants
+    assert got == wants
     metrics = httpx.get(f"{fp8_server.http_url}/metrics", timeout=30).text
     per_token = offline.engine.runner.kv_bytes_per_block() / offline.engine.config.cache.block_size
     layers = len(offline.engine.runner.attn_layers)
@@ -39,6 +34,5 @@ def test_fp8_kv_cache_server_matches_offline_fp8_and_reports_it(fp8_server, tiny
 
 
 def test_unknown_kv_cache_dtype_fails_at_startup(tiny_llava_dir):
-    proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", tiny_llava_dir,
-                           "--device", "cpu", "--kv-cache-dtype", "int4"], capture_output=True, text=True, timeout=60)
+    proc = serve_with(tiny_llava_dir, "--kv-cache-dtype", "int4")
     assert proc.returncode != 0 and "--kv-cache-dtype" in proc.stderr and "int4" in proc.stderr
