@@ -59,7 +59,6 @@ class Engine:
         self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
         self.step_stats = StepStats()
-        self._waited_s = 0.0   # device waits of the current step() call
         self.default_eos = self._eos_ids()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
@@ -132,8 +131,7 @@ class Engine:
         request one call later. A request whose sampling reads its previous tokens on the host
         (penalties, multi-token bad words) makes the engine wait for them first while it runs.
         """
-        t0 = time.perf_counter()
-        self._waited_s = 0.0
+        t0, waited_before = time.perf_counter(), self.step_stats.device_wait_s
         outputs = []
         if self._inflight is not None and self._needs_history:
             outputs = self._resolve(*self._inflight)
@@ -157,7 +155,7 @@ class Engine:
         if self._inflight is not None and not self.config.scheduler.async_scheduling:
             outputs += self._resolve(*self._inflight)
             self._inflight = None
-        host_s = time.perf_counter() - t0 - self._waited_s
+        host_s = time.perf_counter() - t0 - (self.step_stats.device_wait_s - waited_before)
         if launched is None:
             self.step_stats.idle_host_s += host_s
         else:
@@ -168,7 +166,6 @@ class Engine:
     def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back and apply them: detokenize, finish, cache full blocks."""
         result = launched.result()
-        self._waited_s += launched.wait_s
         self.step_stats.waited(sched.kind, launched.wait_s)
         outputs = []
         now = time.time()

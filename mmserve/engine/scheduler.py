@@ -8,6 +8,7 @@ freed and it is recomputed later (cached prefix blocks make that cheap).
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,9 +43,9 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    @property
+    @functools.cached_property
     def kind(self) -> str:
-        """'decode', 'prefill' or 'mixed' (step_stats.step_kind)."""
+        """'decode', 'prefill' or 'mixed' (step_stats.step_kind); read after scheduling is complete."""
         return step_kind([s.num_tokens for s in self.scheduled])
 
     @property

@@ -39,6 +39,11 @@ class StepStats:
     kinds: dict[str, StepKindTotals] = field(default_factory=lambda: {k: StepKindTotals() for k in STEP_KINDS})
     idle_host_s: float = 0.0     # step() calls that launched nothing (only collected results)
 
+    @property
+    def device_wait_s(self) -> float:
+        """Time blocked on the device, all kinds together."""
+        return sum(t.device_wait_s for t in self.kinds.values())
+
     def launched(self, kind: str, tokens: int, sequences: int, host_s: float) -> None:
         t = self.kinds[kind]
         t.steps += 1
