@@ -18,6 +18,7 @@ from transformers import AutoProcessor
 from mmserve.engine.request import MultiModalItem
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
 from mmserve.multimodal.inputs import MediaConfig, load_images, load_video_bytes
+from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
 from mmserve.multimodal.video import decode_video
 
 
@@ -87,6 +88,10 @@ class InputProcessor:
             self.image_token_id = getattr(hf_config, "image_token_id", None)
         # BLIP-2 style: the processor itself puts the image's query tokens in front of the text
         self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
+        image_processor = getattr(self.processor, "image_processor", None)
+        self._expansion = None   # images only: tokenize the prompt as written, repeat the placeholder id
+        if self.placeholder_in_prompt and self.image_token_id is not None and image_processor is not None:
+            self._expansion = PlaceholderExpansion(self.tokenizer, self.image_token_id)
 
     def clear_recent(self) -> None:
         """Forget the processed prompts kept for exact repeats (the next repeat runs the HF processor)."""
@@ -152,9 +157,7 @@ class InputProcessor:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
-            enc = self._process_on_gpu(text, kwargs)
-        else:
-            enc = self.processor(text=text, return_tensors="pt", **kwargs)
+        enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos)
         if pixel_values is not None:
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
                 raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
@@ -169,15 +172,38 @@ class InputProcessor:
                 self._recent.popitem(last=False)
         return out
 
-    def _process_on_gpu(self, text: str, kwargs: dict[str, Any]):
-        """The HF processor on this thread's own CUDA stream. Its uploads from pageable memory synchronize
-        their stream; on the engine's stream they would wait behind every step already queued there
-        (with async scheduling, always one), stalling each request's preprocessing by a step."""
+    def _encode(self, text: str, kwargs: dict[str, Any], shortcut: bool):
+        """The HF processor's outputs for text + media; prompts with images only take the placeholder
+        expansion shortcut once it has learned their image sizes (multimodal/placeholder_expansion.py)."""
+        expansion = self._expansion if shortcut else None
+        if expansion is not None:
+            sizes = [im.size for im in kwargs["images"]]
+            counts = expansion.counts_for(sizes)
+            if counts is not None:
+                enc = expansion.encode(text, counts, self._on_stream(lambda: self._image_outputs(kwargs)))
+                if enc is not None:
+                    return enc
+        enc = self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs))
+        if expansion is not None:
+            expansion.learn(sizes, enc, text, lambda: self._on_stream(lambda: self._image_outputs(kwargs)))
+        return enc
+
+    def _image_outputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        extra = {"device": kwargs["device"]} if "device" in kwargs else {}
+        return dict(self.processor.image_processor(kwargs["images"], return_tensors="pt", **extra))
+
+    def _on_stream(self, fn):
+        """fn() (an HF processor call) on this thread's own CUDA stream when preprocessing runs on the GPU.
+        Its uploads from pageable memory synchronize their stream; on the engine's stream they would wait
+        behind every step already queued there (with async scheduling, always one), stalling each request's
+        preprocessing by a step."""
+        if self.device is None:
+            return fn()
         stream = getattr(self._streams, "stream", None)
         if stream is None:
             stream = self._streams.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
-            enc = self.processor(text=text, return_tensors="pt", **kwargs)
+            enc = fn()
         stream.synchronize()
         engine_stream = torch.cuda.default_stream(self.device)
         for value in enc.values():

@@ -1,0 +1,125 @@
+"""PlaceholderExpansion: image prompts without tokenizing the processor's expanded text.
+
+The HF processors of the placeholder families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL) write each
+image's placeholder token N times into the prompt string (N = the image's feature count, 576 for a LLaVA-1.5
+picture) and tokenize that string; tokenizing and converting the 600-token result is about half of the
+processor's time for one picture. The placeholder is a special token, so the tokenizer splits the text around
+it: tokenizing the prompt as written and repeating the placeholder id N times gives the same ids.
+
+N depends only on the image's size for these processors, so it is learned per (width, height) from the real
+processor's runs; the first learned run is also redone the short way and compared, key by key, with the
+processor's output. Any difference (another tokenizer behaviour, processor-side kwargs, extra outputs) turns
+the shortcut off for good, so the processor stays the oracle.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Size = tuple[int, int]
+# processor outputs that the shortcut leaves out: no model class reads them (per-token modality ids)
+UNUSED_KEYS = frozenset({"mm_token_type_ids"})
+
+
+def placeholder_run_lengths(ids: list[int], token_id: int) -> list[int]:
+    """Lengths of the maximal runs of token_id in ids, in order."""
+    runs: list[int] = []
+    previous = None
+    for t in ids:
+        if t == token_id:
+            if previous == token_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs
+
+
+class PlaceholderExpansion:
+    """Per-size placeholder counts learned from the processor, and the short way to build its outputs."""
+
+    MAX_SIZES = 4096   # learned image sizes kept (each entry is two ints and a count)
+
+    def __init__(self, tokenizer: Callable[[str], Any], image_token_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.verified: bool | None = None   # None: not yet compared with the processor
+        self._counts: dict[Size, int] = {}
+        self._lock = threading.Lock()
+
+    def counts_for(self, sizes: list[Size]) -> list[int] | None:
+        """The placeholder count of each image, if the shortcut is on and every size was learned."""
+        if not self.verified:
+            return None
+        counts = [self._counts.get(s) for s in sizes]
+        return None if None in counts else counts
+
+    def encode(self, text: str, counts: list[int], image_outputs: dict[str, Any]) -> dict[str, Any] | None:
+        """The processor's outputs built the short way: image processor outputs + expanded ids (None when the
+        prompt's tokens do not hold exactly one placeholder per image)."""
+        ids = self.tokenizer(text).input_ids
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(counts):
+            return None
+        expanded: list[int] = []
+        start = 0
+        for i, n in zip(at, counts):
+            expanded += ids[start:i]
+            expanded += [self.image_token_id] * n
+            start = i + 1
+        expanded += ids[start:]
+        input_ids = torch.tensor([expanded], dtype=torch.int64)
+        return {**image_outputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def learn(self, sizes: list[Size], enc: dict[str, Any], text: str,
+              image_outputs: Callable[[], dict[str, Any]]) -> None:
+        """Record the counts of a processor run (enc); the first time, check the short way reproduces enc."""
+        if self.verified is False:
+            return
+        runs = placeholder_run_lengths(enc["input_ids"][0].tolist(), self.image_token_id)
+        if len(runs) != len(sizes):   # adjacent placeholders merged into one run: nothing to learn
+            return
+        with self._lock:
+            for size, n in zip(sizes, runs):
+                if self._counts.setdefault(size, n) != n:
+                    self._turn_off(f"images of size {size} got {self._counts[size]} and {n} placeholders")
+                    return
+            while len(self._counts) > self.MAX_SIZES:
+                self._counts.pop(next(iter(self._counts)))
+            if self.verified is None:
+                short = self.encode(text, runs, image_outputs())
+                problem = _difference(enc, short)
+                if problem:
+                    self._turn_off(problem)
+                else:
+                    self.verified = True
+
+    def _turn_off(self, why: str) -> None:
+        self.verified = False
+        self._counts.clear()
+        logger.info("placeholder expansion shortcut off (%s); every image prompt runs the HF processor", why)
+
+
+def _difference(enc: dict[str, Any], short: dict[str, Any] | None) -> str | None:
+    """Why `short` does not equal the processor's outputs `enc` (None if it does)."""
+    if short is None:
+        return "the prompt's own tokens do not hold one placeholder per image"
+    keys = set(enc.keys()) - UNUSED_KEYS
+    if keys != set(short.keys()):
+        return f"the processor returns {sorted(keys)}, the shortcut {sorted(short.keys())}"
+    for key in keys:
+        value, other = enc[key], short[key]
+        if isinstance(value, torch.Tensor):
+            same = (isinstance(other, torch.Tensor) and value.shape == other.shape
+                    and torch.equal(value.to(other.device), other))
+        else:
+            same = value == other
+        if not same:
+            return f"{key!r} differs"
+    return None
