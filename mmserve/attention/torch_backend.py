@@ -17,9 +17,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
     k_scale / v_scale: the FP8 cache's per-layer scales (kv_quant.py); ignored by other cache dtypes.
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(k, kv_cache.dtype, k_scale)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(v, kv_cache.dtype, v_scale)
+    block, offset = slot_mapping // kv_cache.shape[2], slot_mapping % kv_cache.shape[2]   # any memory order
+    kv_cache[0][block, offset] = quantize_kv(k, kv_cache.dtype, k_scale)
+    kv_cache[1][block, offset] = quantize_kv(v, kv_cache.dtype, v_scale)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

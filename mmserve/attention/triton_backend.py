@@ -22,6 +22,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kernels.reshape_and_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
 
+def write_kv_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Rotary embedding (rotates q in place, returns it) and write_kv of the rotated keys, in one launch."""
+    from mmserve.kernels.rotary_cache import rotary_and_cache
+    return rotary_and_cache(positions, q, k, v, kv_cache, slot_mapping, cos, sin, k_scale, v_scale)
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys. q [T, H, D] -> out [T, H, D].

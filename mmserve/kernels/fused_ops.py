@@ -79,15 +79,22 @@ def _rotate(x_ptr, t, stride_t, stride_h, num_heads, cos, sin, HALF: tl.constexp
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """cos, sin [1, HALF_PAD] (fp32) of token t's position."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)[None, :]
     # cos/sin caches are [max_pos, D] = cat(freqs, freqs): the first half holds every frequency
     cos = tl.load(cos_ptr + pos * stride_cos + c, mask=c < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + c, mask=c < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
     _rotate(q_ptr, t, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
     _rotate(k_ptr, t, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, KH_PAD, HALF_PAD)
 

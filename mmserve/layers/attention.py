@@ -6,6 +6,7 @@ from torch import nn
 
 from mmserve.attention import torch_backend
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -20,10 +21,19 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q [T, H*D], k/v [T, KVH*D] -> [T, H*D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                rotary: nn.Module | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. rotary(positions, q, k), if given, is applied first: in the
+        same launch as the cache write where the backend has one (`write_kv_rotary`, 1D RoPE on CUDA)."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        fused = getattr(self.backend, "write_kv_rotary", None)
+        if rotary is not None and fused is not None and type(rotary) is RotaryEmbedding and q.is_cuda:
+            q = fused(positions, q, k, v, self.kv_cache, meta.slot_mapping, rotary.cos, rotary.sin,
+                      self.k_scale, self.v_scale)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            self.backend.write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self.backend.paged_attention(q, self.kv_cache, meta, self.scale, self.k_scale, self.v_scale).flatten(1)

@@ -38,8 +38,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(len(q), -1, self.head_dim), k.view(len(k), -1, self.head_dim))
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta, self.rotary, positions))
 
 
 class LlamaMLP(nn.Module):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
@@ -204,8 +205,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attn_layers:
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=self.kv_dtype, device=self.device)
+            cache = new_kv_cache(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim, self.kv_dtype,
+                                 self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -61,6 +61,9 @@ class _Splitter:
     def write_kv(self, *args) -> None:
         self.backend.write_kv(*args)
 
+    def write_kv_rotary(self, *args) -> torch.Tensor:
+        return self.backend.write_kv_rotary(*args)
+
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
         t, heads, head_dim = q.shape

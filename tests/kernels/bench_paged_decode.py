@@ -21,6 +21,7 @@ HEADS, HEAD_DIM, BLOCK = 32, 128, 16
 def main(context: int) -> None:
     for cache_dtype in (torch.float16, torch.float8_e4m3fn):
         decode_table(context, cache_dtype)
+        decode_table(context, cache_dtype, head_major=False)   # the memory order as indexed (kv_layout.py)
     default = kernels.decode_tile
     # other (keys per tile, stages, warps) than the defaults
     for cache_dtype, tile in [(torch.float8_e4m3fn, (128, 2, 8)), (torch.float8_e4m3fn, (64, 2, 8)),
@@ -33,15 +34,16 @@ def main(context: int) -> None:
     prefill_line()
 
 
-def decode_table(context: int, cache_dtype: torch.dtype) -> None:
+def decode_table(context: int, cache_dtype: torch.dtype, head_major: bool = True) -> None:
     dev = torch.device("cuda")
     scale = HEAD_DIM ** -0.5
     print(f"{torch.cuda.get_device_name()}  decode, {HEADS} heads x {HEAD_DIM}, block {BLOCK}, fp16 queries, "
-          f"{cache_dtype} cache, context {context}")
+          f"{cache_dtype} cache ({'head' if head_major else 'token'}-major), context {context}")
     print(f"{'batch':>5} {'splits':>6} {'triton graph us':>16} {'GB/s':>6} {'triton eager us':>16} {'torch us':>10}")
     for batch in (1, 8, 32, 64, 128):
         q, _, _, cache, meta = make_batch([1] * batch, [context] * batch, HEADS, HEADS, HEAD_DIM, BLOCK,
-                                          torch.float16, dev, extra_blocks=0, cache_dtype=cache_dtype)
+                                          torch.float16, dev, extra_blocks=0, cache_dtype=cache_dtype,
+                                          head_major=head_major)
         splits = default_num_splits(batch, HEADS, meta.block_tables.shape[1] * BLOCK, dev)
         fn = lambda: triton_backend.paged_attention(q, cache, meta, scale)  # noqa: E731
         graph_us = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3

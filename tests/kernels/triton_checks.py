@@ -29,12 +29,15 @@ def check(fn: Callable[[torch.device], None]) -> Callable[[torch.device], None]:
 
 def make_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, dtype: torch.dtype, device: torch.device, num_pad_rows: int = 0,
-               extra_blocks: int = 2, seed: int = 0, cache_dtype: torch.dtype | None = None):
-    """Random queries, new K/V and a cache whose prefix blocks are scattered over a shuffled pool.
+               extra_blocks: int = 2, seed: int = 0, cache_dtype: torch.dtype | None = None,
+               head_major: bool = True):
+    """Random queries, new K/V and a cache whose prefix blocks are scattered over a shuffled pool (stored in
+    the engine's memory order, attention/kv_layout.py, unless head_major is False).
 
     Padding rows (CUDA-graph style) have one query token each, seq_len 0 and slot -1.
     Returns (q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache, meta).
     """
+    from mmserve.attention.kv_layout import new_kv_cache
     from mmserve.attention.metadata import AttentionMetadata
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -42,8 +45,8 @@ def make_batch(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_he
     width = max(blocks_per_seq + [1]) + extra_blocks          # a fixed, wider-than-needed table
     num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device
-                           ).to(cache_dtype or dtype)
+    kv_cache = new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype or dtype, device, head_major)
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen, device=device))
     tables = torch.zeros(len(q_lens) + num_pad_rows, width, dtype=torch.int32)
     slots, used = [], 0
     for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
@@ -118,7 +121,7 @@ def _interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Te
 
 def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
                   num_pad_rows=0, num_splits=None, path="backend", seed=0, cache_dtype=None, tol=None,
-                  kv_scales=(1.0, 1.0), num_decodes=0) -> None:
+                  kv_scales=(1.0, 1.0), num_decodes=0, head_major=True) -> None:
     """Write K/V and attend with both backends; compare caches and the real rows' outputs."""
     from dataclasses import replace
 
@@ -126,7 +129,8 @@ def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_siz
     from mmserve.kernels import paged_attention as kernels
 
     q, k, v, cache, meta = make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                      device, num_pad_rows, seed=seed, cache_dtype=cache_dtype)
+                                      device, num_pad_rows, seed=seed, cache_dtype=cache_dtype,
+                                      head_major=head_major)
     meta = replace(meta, num_decodes=num_decodes)
     want_cache = cache.clone()
     end, sub = real_rows(meta, len(q_lens))
@@ -184,7 +188,8 @@ def check_reshape_and_cache_fp8_scales_and_saturates(device):
         torch_backend.write_kv(k[real], v[real], want, meta.slot_mapping[real], *scales)
         reshape_and_cache(k, v, cache, meta.slot_mapping, *scales)
         assert_cache_equal(cache, want, dtype)
-        stored = want[0].view(-1, 3, 20)[meta.slot_mapping[real]].float()
+        slots = meta.slot_mapping[real]
+        stored = want[0][slots // 4, slots % 4].float()
         assert torch.isfinite(stored).all(), "fp8 writes must saturate, not overflow to NaN"
         if scales[0] < 0.01:   # |k| / 0.0005 exceeds 448 for most entries
             assert (stored.abs() == 448).float().mean() > 0.5, "expected saturated values at the e4m3 limit"
@@ -238,6 +243,14 @@ def check_decode_and_prefill_over_fp8_cache_with_scales(device):
                   path="decode")
     run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float16, device, cache_dtype=fp8,
                   kv_scales=(0.03, 0.07), path="prefill")
+
+
+@check
+def check_decode_and_prefill_over_a_token_major_cache(device):
+    # the kernels follow the cache's strides: the memory order as indexed works too
+    run_attention([1] * 3, [17, 128, 250], 8, 2, 64, 16, torch.float16, device, num_splits=3, path="decode",
+                  head_major=False)
+    run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float32, device, path="prefill", head_major=False)
 
 
 # --------------------------------------------------------------------------------------------- prefill / mixed
@@ -316,6 +329,39 @@ def check_rotary_in_place_matches_layer(device):
         assert_close(q, want_q, f"rotary q {dtype}")
         assert_close(k, want_k, f"rotary k {dtype}")
         assert torch.equal(qkv[:, 6 * head_dim:], v_before), "rotary wrote outside q and k"
+
+
+@check
+def check_rotary_and_cache_write_fused_match_unfused(device):
+    from mmserve.kernels.fused_ops import apply_rotary_
+    from mmserve.kernels.paged_attention import reshape_and_cache
+    from mmserve.kernels.rotary_cache import rotary_and_cache
+    from mmserve.layers.rotary import RotaryEmbedding
+
+    fp8 = torch.float8_e4m3fn
+    for dtype, cache_dtype, head_dim, scales in [(torch.float32, torch.float32, 20, (1.0, 1.0)),
+                                                 (torch.float16, torch.float16, 64, (1.0, 1.0)),
+                                                 (torch.float16, fp8, 64, (0.02, 0.05))]:
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        rope = RotaryEmbedding(inv_freq, 64, scaling=0.9).to(device)
+        # 2 real sequences and 2 padding rows (slot -1) of a CUDA-graph batch; GQA: 6 query heads, 3 KV heads
+        _, _, _, cache, meta = make_batch([3, 2], [7, 2], 6, 3, head_dim, 4, dtype, device, num_pad_rows=2,
+                                          cache_dtype=cache_dtype)
+        gen = torch.Generator().manual_seed(3)
+        qkv = torch.randn(7, 12 * head_dim, generator=gen).to(device=device, dtype=dtype)
+        positions = torch.randint(0, 64, (7,), generator=gen).to(device)
+        split = lambda x: (x[:, :6 * head_dim].view(7, 6, head_dim), x[:, 6 * head_dim: 9 * head_dim].view(7, 3, head_dim),  # noqa: E731
+                           x[:, 9 * head_dim:].view(7, 3, head_dim))
+        want_cache, want_qkv = cache.clone(), qkv.clone()
+        q, k, v = split(want_qkv)
+        apply_rotary_(positions, q, k, rope.cos, rope.sin)
+        reshape_and_cache(k, v, want_cache, meta.slot_mapping, *scales)
+        q, k, v = split(qkv)
+        k_before = k.clone()
+        assert rotary_and_cache(positions, q, k, v, cache, meta.slot_mapping, rope.cos, rope.sin, *scales) is q
+        assert torch.equal(q, split(want_qkv)[0]), f"rotated queries {dtype}"
+        assert torch.equal(k, k_before), "the fused kernel leaves k as given"
+        assert_cache_equal(cache, want_cache, dtype)
 
 
 @check
