@@ -21,7 +21,10 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
             for bn, bk, w, s in [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 2048, 4, 3),
                                  (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4),
                                  (16, 512, 8, 3), (16, 256, 4, 4), (4, 512, 4, 4),
-                                 (4, 2048, 4, 3), (8, 2048, 8, 3), (2, 4096, 8, 3)]]   # wider K tiles: 1-byte rows
+                                 (4, 2048, 4, 3), (8, 2048, 8, 3), (2, 4096, 8, 3),   # wider K tiles: 1-byte rows
+                                 # one row per program: N = 4096 (down_proj) in 2-4 row blocks leaves 8-16
+                                 # programs per SM, and the SMs that run one more than others set the time
+                                 (1, 2048, 4, 3), (1, 4096, 8, 3), (1, 1024, 4, 4), (1, 2048, 8, 4)]]
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"])
