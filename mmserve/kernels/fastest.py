@@ -13,6 +13,7 @@ import torch
 import triton.testing
 
 _CHOICE: dict[Hashable, int] = {}
+TIMINGS: dict[Hashable, list[float]] = {}   # ms per candidate, as measured when the choice was made
 ROUNDS = 3
 
 
@@ -25,5 +26,6 @@ def run_fastest(key: Hashable, candidates: Sequence[Callable[[], torch.Tensor]])
         times = [min(ts) for ts in zip(*(
             [triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") for fn in candidates]
             for _ in range(ROUNDS)))]
+        TIMINGS[key] = times
         choice = _CHOICE[key] = min(range(len(times)), key=times.__getitem__)
     return candidates[choice]()
