@@ -7,7 +7,8 @@ processor's time for one picture. The placeholder is a special token, so the tok
 it: tokenizing the prompt as written and repeating the placeholder id N times gives the same ids.
 
 N depends only on the image's size for these processors, so it is learned per (width, height) from the real
-processor's runs; the first learned run is also redone the short way and compared, key by key, with the
+processor's runs (and per number of images in the prompt, since a processor may expand an image of a
+multi-image prompt differently); the first learned run is also redone the short way and compared, key by key, with the
 processor's output. Any difference (another tokenizer behaviour, processor-side kwargs, extra outputs) turns
 the shortcut off for good, so the processor stays the oracle.
 """
@@ -23,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 Size = tuple[int, int]
+Key = tuple[int, int, int]   # (width, height, images in the prompt)
 # processor outputs that the shortcut leaves out: no model class reads them (per-token modality ids)
 UNUSED_KEYS = frozenset({"mm_token_type_ids"})
 
@@ -50,14 +52,14 @@ class PlaceholderExpansion:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.verified: bool | None = None   # None: not yet compared with the processor
-        self._counts: dict[Size, int] = {}
+        self._counts: dict[Key, int] = {}
         self._lock = threading.Lock()
 
     def counts_for(self, sizes: list[Size]) -> list[int] | None:
         """The placeholder count of each image, if the shortcut is on and every size was learned."""
         if not self.verified:
             return None
-        counts = [self._counts.get(s) for s in sizes]
+        counts = [self._counts.get((*s, len(sizes))) for s in sizes]
         return None if None in counts else counts
 
     def encode(self, text: str, counts: list[int], image_outputs: dict[str, Any]) -> dict[str, Any] | None:
@@ -87,8 +89,9 @@ class PlaceholderExpansion:
             return
         with self._lock:
             for size, n in zip(sizes, runs):
-                if self._counts.setdefault(size, n) != n:
-                    self._turn_off(f"images of size {size} got {self._counts[size]} and {n} placeholders")
+                key = (*size, len(sizes))
+                if self._counts.setdefault(key, n) != n:
+                    self._turn_off(f"images of size {size} got {self._counts[key]} and {n} placeholders")
                     return
             while len(self._counts) > self.MAX_SIZES:
                 self._counts.pop(next(iter(self._counts)))
