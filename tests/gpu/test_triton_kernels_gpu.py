@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from tests.kernels.triton_checks import assert_close, make_batch, run_attention
+from tests.kernels.attention_checks import make_batch, run_attention
+from tests.kernels.check_registry import assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

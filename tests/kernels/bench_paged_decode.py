@@ -13,7 +13,7 @@ import triton.testing
 from mmserve.attention import torch_backend, triton_backend
 from mmserve.kernels import paged_attention as kernels
 from mmserve.kernels.paged_attention import default_num_splits
-from tests.kernels.triton_checks import make_batch
+from tests.kernels.attention_checks import make_batch
 
 HEADS, HEAD_DIM, BLOCK = 32, 128, 16
 
