@@ -250,12 +250,10 @@ def decode_tile(d_pad: int, cache_dtype: torch.dtype) -> tuple[int, int, int]:
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Split-K partitions for decode, from host ints only (so a captured CUDA graph stays valid).
 
-    Enough programs to fill the GPU about twice, but no partition shorter than _MIN_TOKENS_PER_SPLIT
-    tokens of the largest possible context (max_context = block-table width x block size). A batch whose
-    (sequence, KV head) pairs fill under a quarter of the SMs (batch 1 of a 32-head model) is bound by
-    the latency of each program's sequential tiles, not by bandwidth: it gets twice the splits (an H100,
-    batch 1, 600 cached tokens: 7.8 instead of 8.8 us per layer; at batch 4 more splits were slower).
-    """
+    Enough programs to fill the GPU about twice (four times when the (sequence, KV head) pairs fill under a
+    quarter of the SMs: batch 1 is bound by each program's sequential tiles, not bandwidth; on an H100 7.8
+    instead of 8.8 us at 600 tokens), but no partition shorter than _MIN_TOKENS_PER_SPLIT tokens of the
+    largest possible context (max_context = block-table width x block size)."""
     programs = num_seqs * num_kv_heads
     sms = _num_sms(device)
     wanted = triton.cdiv((4 if 4 * programs <= sms else 2) * sms, programs)
