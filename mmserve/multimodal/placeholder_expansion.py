@@ -62,9 +62,10 @@ class PlaceholderExpansion:
         counts = [self._counts.get((*s, len(sizes))) for s in sizes]
         return None if None in counts else counts
 
-    def encode(self, text: str, counts: list[int], image_outputs: dict[str, Any]) -> dict[str, Any] | None:
-        """The processor's outputs built the short way: image processor outputs + expanded ids (None when the
-        prompt's tokens do not hold exactly one placeholder per image)."""
+    def encode(self, text: str, counts: list[int],
+               image_outputs: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """The processor's outputs built the short way: image_outputs() (the image processor's, run only once the
+        ids fit) + expanded ids; None when the prompt's tokens do not hold exactly one placeholder per image."""
         ids = self.tokenizer(text).input_ids
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(at) != len(counts):
@@ -77,7 +78,7 @@ class PlaceholderExpansion:
             start = i + 1
         expanded += ids[start:]
         input_ids = torch.tensor([expanded], dtype=torch.int64)
-        return {**image_outputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        return {**image_outputs(), "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
     def learn(self, sizes: list[Size], enc: dict[str, Any], text: str,
               image_outputs: Callable[[], dict[str, Any]]) -> None:
@@ -96,7 +97,7 @@ class PlaceholderExpansion:
             while len(self._counts) > self.MAX_SIZES:
                 self._counts.pop(next(iter(self._counts)))
             if self.verified is None:
-                short = self.encode(text, runs, image_outputs())
+                short = self.encode(text, runs, image_outputs)
                 problem = _difference(enc, short)
                 if problem:
                     self._turn_off(problem)

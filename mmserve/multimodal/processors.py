@@ -176,16 +176,17 @@ class InputProcessor:
         """The HF processor's outputs for text + media; prompts with images only take the placeholder
         expansion shortcut once it has learned their image sizes (multimodal/placeholder_expansion.py)."""
         expansion = self._expansion if shortcut else None
+        image_outputs = lambda: self._on_stream(lambda: self._image_outputs(kwargs))   # noqa: E731
         if expansion is not None:
             sizes = [im.size for im in kwargs["images"]]
             counts = expansion.counts_for(sizes)
             if counts is not None:
-                enc = expansion.encode(text, counts, self._on_stream(lambda: self._image_outputs(kwargs)))
+                enc = expansion.encode(text, counts, image_outputs)
                 if enc is not None:
                     return enc
         enc = self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs))
         if expansion is not None:
-            expansion.learn(sizes, enc, text, lambda: self._on_stream(lambda: self._image_outputs(kwargs)))
+            expansion.learn(sizes, enc, text, image_outputs)
         return enc
 
     def _image_outputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -101,9 +101,11 @@ def test_verified_against_the_first_run_then_expands():
     assert exp.counts_for([(4, 4)]) is None
     exp.learn([(4, 4)], _enc([2, 9, 9, 9, 5]), "ab IMG hello", lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)})
     assert exp.verified is True and exp.counts_for([(4, 4)]) == [3] and exp.counts_for([(5, 4)]) is None
-    enc = exp.encode("IMG xyz IMG", [3, 3], {"pixel_values": torch.ones(2, 3, 2, 2)})
+    enc = exp.encode("IMG xyz IMG", [3, 3], lambda: {"pixel_values": torch.ones(2, 3, 2, 2)})
     assert enc["input_ids"].tolist() == [[9, 9, 9, 3, 9, 9, 9]]
-    assert exp.encode("no image here", [3], {}) is None   # one placeholder per image, or no shortcut
+    ran = []
+    assert exp.encode("no image here", [3], lambda: ran.append(1) or {}) is None   # one placeholder per image
+    assert ran == []   # ... and the image processor is not run for nothing
 
 
 @pytest.mark.parametrize("enc, outputs, text", [
