@@ -11,6 +11,7 @@ import torch
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.kernels import paged_attention as kernels
+from mmserve.kernels.rotary_cache import rotary_and_cache
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -26,7 +27,6 @@ def write_kv_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Rotary embedding (rotates q in place, returns it) and write_kv of the rotated keys, in one launch."""
-    from mmserve.kernels.rotary_cache import rotary_and_cache
     return rotary_and_cache(positions, q, k, v, kv_cache, slot_mapping, cos, sin, k_scale, v_scale)
 
 
