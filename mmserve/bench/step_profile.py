@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu = start.elapsed_time(end) / args.steps
     print(f"batch {args.batch_size}: wall {wall:.3f} ms/step, graph replay (GPU only) {gpu:.3f} ms/step, "
           f"host + sampling {wall - gpu:.3f} ms/step")
+    _print_kernel_choices()
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+def _print_kernel_choices() -> None:
+    """kernels/fastest.py's per-shape choices, with the times that made them (ms per candidate)."""
+    from mmserve.kernels.fastest import TIMINGS
+    for key, times in TIMINGS.items():
+        best = min(range(len(times)), key=times.__getitem__)
+        print(f"kernel choice {key}: candidate {best} of " + ", ".join(f"{t * 1000:.1f}" for t in times) + " us")
 
 
 def _ttft_breakdown(engine, prompt: str, image, profile: bool = False) -> None:

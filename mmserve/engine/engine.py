@@ -21,6 +21,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.worker.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
+SLOW_STEP_S = 0.5   # host time of one step above which it is logged
 
 
 class EngineOverloaded(RuntimeError):
@@ -44,6 +45,8 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
+        if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
+            self.runner.capture_encoder_graphs(self._blank_image_item(), config.scheduler.max_num_batched_tokens)
         peak = self.runner.profile_peak_activation_bytes(min(config.scheduler.max_num_batched_tokens,
                                                              self.max_model_len))
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
@@ -62,6 +65,16 @@ class Engine:
         self.default_eos = self._eos_ids()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
+
+    def _blank_image_item(self):
+        """A blank picture's encoder inputs for warming up the encoder graphs (None: no such model or input)."""
+        if self.device.type != "cuda" or not getattr(self.model, "encoder_cuda_graphs", False):
+            return None
+        try:
+            return self.inputs.blank_image_item()
+        except (ValueError, TypeError) as exc:   # the encoder graphs are then captured on first use
+            logger.warning("no vision encoder warm-up: a blank picture does not preprocess (%s)", exc)
+            return None
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -161,6 +174,10 @@ class Engine:
         else:
             self.step_stats.launched(sched.kind, sched.num_batched_tokens,
                                      len(sched.scheduled), host_s)
+            if host_s > SLOW_STEP_S:
+                logger.warning("slow step: %s of %d tokens, %d sequences took %.0f ms on the host (a shape's first "
+                               "use compiles kernels or captures graphs)", sched.kind, sched.num_batched_tokens,
+                               len(sched.scheduled), host_s * 1000)
         return outputs
 
     def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:

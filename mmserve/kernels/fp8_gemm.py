@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels.fastest import run_fastest
+from mmserve.kernels.fastest import bench_ms, run_fastest
 from mmserve.kernels.gemv import gemv
 from mmserve.layers.fp8_linear import AMAX_FLOOR, FP8, FP8_MAX
 
@@ -103,7 +103,7 @@ def _prune_m_tiles(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=_SMALL_M_CONFIGS, key=["M_TILE", "N", "K"],
-                 prune_configs_by={"early_config_prune": _prune_m_tiles})
+                 prune_configs_by={"early_config_prune": _prune_m_tiles}, do_bench=bench_ms)
 @triton.jit
 def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, M_TILE,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

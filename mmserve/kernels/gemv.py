@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mmserve.kernels.fastest import run_fastest
+from mmserve.kernels.fastest import bench_ms, run_fastest
 
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 2048, 4, 3),
@@ -27,7 +27,7 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
                                  (1, 2048, 4, 3), (1, 4096, 8, 3), (1, 1024, 4, 4), (1, 2048, 8, 4)]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_ms)
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
                  SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

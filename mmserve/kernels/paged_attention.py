@@ -105,7 +105,9 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
 # --------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
+# the block-table width changes from step to step outside CUDA graphs: not specialized on (a new value class
+# would compile a new variant mid-serving)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -158,7 +160,7 @@ def _decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
@@ -230,7 +232,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), S_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+            S_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant for every split count
             num_warps=4,
         )
     return out
@@ -240,7 +243,8 @@ def decode_tile(d_pad: int, cache_dtype: torch.dtype) -> tuple[int, int, int]:
     """(keys per tile, pipeline stages, warps) of the decode kernel.
 
     An fp8 tile of 64 keys is too little data in flight per load: 128 keys read the cache 1.3-1.5x faster
-    on an H100 at batch 8-128 (tests/kernels/bench_paged_decode.py).
+    on an H100 at batch 8-128 (tests/kernels/bench_paged_decode.py). Scores on CUDA cores instead of tl.dot
+    (whose 16-row minimum leaves 15 of 16 rows padding for a model without GQA) were 1.3-2.7x slower there.
     """
     if d_pad <= 128:
         return (128 if is_fp8(cache_dtype) else 64), 2, 4
@@ -264,7 +268,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 # --------------------------------------------------------------------------------------------- prefill / mixed
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale, v_scale,

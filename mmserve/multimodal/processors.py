@@ -98,6 +98,15 @@ class InputProcessor:
         with self._recent_lock:
             self._recent.clear()
 
+    def blank_image_item(self, size: tuple[int, int] = (512, 512)) -> MultiModalItem | None:
+        """The item of one blank picture of `size` (w, h) as this checkpoint's processor prepares it, for warm-ups
+        that need the encoder's real input shapes; None for a model without image input."""
+        if self.image_token_id is None and self.placeholder_in_prompt:
+            return None
+        text = self.image_token if self.placeholder_in_prompt else "a"
+        items = self.process({"prompt": text, "images": [Image.new("RGB", size, (128, 128, 128))]}).mm_items
+        return items[0] if items else None
+
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
         """Raises ValueError/TypeError naming the problem for any bad input."""
         if isinstance(prompt, str):

@@ -3,12 +3,16 @@
 An eager vision tower launches a few hundred small kernels per batch and is host-bound (a CLIP-L image:
 ~10 ms of launches for ~1 ms of GPU work). For families whose `get_mm_embeddings` has no host syncs
 and no data-dependent shapes (`encoder_cuda_graphs = True`), the runner replays a graph instead. Graphs
-are captured on first use of a (shapes, bucket) pair; the batch is padded to the bucket with the
+are captured per (shapes, bucket) pair: at startup by `warm_up` for the checkpoint's usual image shape and
+every bucket a step can need (a capture on first use cost that request 170-420 ms on an H100 for the first
+bucket, ~30 ms for later ones), other pairs on first use. The batch is padded to the bucket with the
 previous contents of the static input buffers (their outputs are never read).
 """
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +21,7 @@ from torch import nn
 from mmserve.engine.request import MultiModalItem
 from mmserve.worker.cuda_graph import graph_capture
 
+logger = logging.getLogger(__name__)
 # close together: padding images cost full encoder work (graphs are captured only for buckets in use)
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
 
@@ -41,6 +46,13 @@ class EncoderGraphs:
             (k, tuple(v.shape), v.dtype) for k, v in sorted(item.data.items()))
 
     @torch.inference_mode()
+    def warm_up(self, template: MultiModalItem, max_items: int) -> None:
+        """Capture the graphs of `template`'s shapes for every bucket up to the one holding max_items."""
+        top = BUCKETS[min(bisect.bisect_left(BUCKETS, max_items), len(BUCKETS) - 1)]
+        for bucket in BUCKETS[:BUCKETS.index(top) + 1]:
+            self._captured(template, bucket)
+
+    @torch.inference_mode()
     def encode(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Embeddings of `items` (same shape key, inputs already on the device in the right dtype)."""
         out: list[torch.Tensor] = []
@@ -60,6 +72,7 @@ class EncoderGraphs:
         cap = self.graphs.get(key)
         if cap is not None:
             return cap
+        t0 = time.perf_counter()
         inputs = {k: torch.zeros((bucket,) + tuple(v.shape), dtype=v.dtype, device=self.device)
                   for k, v in template.data.items()}
         items = [MultiModalItem(template.modality, {k: buf[i] for k, buf in inputs.items()}, 0, template.length,
@@ -72,4 +85,6 @@ class EncoderGraphs:
         with graph_capture(graph, self.pool, capture_error_mode="thread_local"):
             output = torch.stack(self.model.get_mm_embeddings(items))
         cap = self.graphs[key] = _Captured(graph, inputs, output)
+        logger.info("captured the vision encoder's graph for %d items of %s in %.0f ms", bucket,
+                    self.shape_key(template), (time.perf_counter() - t0) * 1000)
         return cap

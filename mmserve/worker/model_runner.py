@@ -149,8 +149,18 @@ class ModelRunner:
         self.piecewise_graphs = PiecewiseGraphs(self.model, self.device, self.dtype, hidden_size,
                                                 token_buckets(max_num_batched_tokens), mrope, pool=self.graphs.pool)
         self.piecewise_graphs.capture()
-        if getattr(self.model, "encoder_cuda_graphs", False):
-            self.encoder_graphs = EncoderGraphs(self.model, self.device)   # captured per shape on first use
+
+    def capture_encoder_graphs(self, template: MultiModalItem | None, max_num_batched_tokens: int) -> None:
+        """Replay the vision encoder from CUDA graphs (families with `encoder_cuda_graphs`, CUDA only); with a
+        template item, capture its shapes now for every batch a step can encode (a step of
+        max_num_batched_tokens overlaps at most cdiv(tokens, item length) + 1 items), other shapes on first use."""
+        if self.device.type != "cuda" or not getattr(self.model, "encoder_cuda_graphs", False):
+            return
+        self.encoder_graphs = EncoderGraphs(self.model, self.device)
+        if template is not None:
+            with sdpa_kernel(_VISION_SDPA):
+                self.encoder_graphs.warm_up(self._on_device(template),
+                                            cdiv(max_num_batched_tokens, template.length) + 1)
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
@@ -343,9 +353,7 @@ class ModelRunner:
             key = (item.modality,) + tuple((k, tuple(v.shape)) for k, v in sorted(item.data.items()))
             todo.setdefault(key, []).append(item)
         for group in todo.values():
-            moved = [MultiModalItem(it.modality, {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
-                                                  for k, v in it.data.items()}, it.offset, it.length, it.content_hash)
-                     for it in group]
+            moved = [self._on_device(it) for it in group]
             with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(self.dtype == torch.float32):
                 if self.encoder_graphs is not None:
                     embeddings = self.encoder_graphs.encode(moved)
@@ -355,6 +363,12 @@ class ModelRunner:
                 out[item.content_hash] = emb
                 self.encoder_cache.put(item.content_hash, emb)
         return out
+
+
+    def _on_device(self, item: MultiModalItem) -> MultiModalItem:
+        """`item` with its encoder inputs on the device, floating ones in the model's dtype."""
+        data = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in item.data.items()}
+        return MultiModalItem(item.modality, data, item.offset, item.length, item.content_hash)
 
 
 @contextlib.contextmanager

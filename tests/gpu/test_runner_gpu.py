@@ -4,6 +4,9 @@ from __future__ import annotations
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.models.loader import load_hf_config
+from mmserve.models.registry import get_model_class
+from mmserve.multimodal.processors import InputProcessor
 from mmserve.testing import make_test_image
 
 pytestmark = pytest.mark.gpu
@@ -62,24 +65,42 @@ def test_async_scheduling_matches_sync_with_graphs(tiny_llava_dir):
 def test_encoder_graphs_match_the_eager_tower(tiny_llava_dir):
     import torch
 
-    llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=4)
+    hf_config = load_hf_config(tiny_llava_dir)
+    inputs = InputProcessor(tiny_llava_dir, hf_config, get_model_class(hf_config))
+    items = [it for i in range(9)   # nine images: padded to the bucket of 10
+             for it in inputs.process({"prompt": "USER: <image>\nhi ASSISTANT:",
+                                       "images": [make_test_image(60 + i)]}).mm_items]
+    length = items[0].length
+    # a step of 2 images' tokens overlaps at most 3 images: startup captures buckets 1-3
+    llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=2 * length)
     runner = llm.engine.runner
     assert runner.encoder_graphs is not None
-    items = []
-    for i in range(9):   # nine images: padded to the bucket of 10
-        inputs = llm.engine.inputs.process({"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(60 + i)]})
-        items += inputs.mm_items
-    moved = [type(it)(it.modality, {k: v.to("cuda", torch.float32) for k, v in it.data.items()}, it.offset, it.length,
-                      it.content_hash) for it in items]
+    assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3]
+    moved = [runner._on_device(it) for it in items]
     eager = runner.model.get_mm_embeddings(moved)
-    graphed = runner.encoder_graphs.encode(moved)
-    graphed_again = runner.encoder_graphs.encode(moved[:2])   # bucket 2: a second graph
-    assert len(runner.encoder_graphs.graphs) == 2
+    graphed = runner.encoder_graphs.encode(moved)       # bucket 10: captured on first use
+    graphed_again = runner.encoder_graphs.encode(moved[:2])   # bucket 2: warmed at startup
+    assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3, 10]
     for e, g in zip(eager, graphed):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     for e, g in zip(eager, graphed_again):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     assert graphed[0].data_ptr() != graphed_again[0].data_ptr()   # outputs are copies, not the graph's buffer
+
+
+def test_encoder_graphs_warmed_for_the_default_token_budget(tiny_llava_dir):
+    from mmserve.engine.kv_cache import cdiv
+    from mmserve.worker.encoder_graphs import BUCKETS
+
+    llm = LLM(tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4)
+    engine = llm.engine
+    length = engine.inputs.blank_image_item().length
+    most = cdiv(engine.config.scheduler.max_num_batched_tokens, length) + 1
+    top = next((b for b in BUCKETS if b >= most), BUCKETS[-1])
+    warmed = sorted(key[-1] for key in engine.runner.encoder_graphs.graphs)
+    assert warmed == [b for b in BUCKETS if b <= top]
+    llm.generate(_prompts(6), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert sorted(key[-1] for key in engine.runner.encoder_graphs.graphs) == warmed   # nothing captured on use
 
 
 def test_prefill_graphs_match_eager(tiny_llava_dir):

@@ -2,6 +2,7 @@
 
 `PYTHONPATH=. python3 -m tests.kernels.bench_paged_decode [context]`. Prints µs per call; "graph" times a
 CUDA-graph replay (kernel time without Python launch overhead), "eager" a plain call.
+`... bench_paged_decode sweep [context]`: graph times of the decode kernel's tile choices only (decode_tile).
 """
 from __future__ import annotations
 
@@ -22,16 +23,34 @@ def main(context: int) -> None:
     for cache_dtype in (torch.float16, torch.float8_e4m3fn):
         decode_table(context, cache_dtype)
         decode_table(context, cache_dtype, head_major=False)   # the memory order as indexed (kv_layout.py)
-    default = kernels.decode_tile
-    # other (keys per tile, stages, warps) than the defaults
-    for cache_dtype, tile in [(torch.float8_e4m3fn, (128, 2, 8)), (torch.float8_e4m3fn, (64, 2, 8)),
-                              (torch.float8_e4m3fn, (64, 4, 4)), (torch.float16, (64, 2, 8)),
-                              (torch.float16, (128, 2, 4))]:
-        kernels.decode_tile = lambda d_pad, dtype, tile=tile: tile
-        print(f"tile {tile}:")
-        decode_table(context, cache_dtype)
-    kernels.decode_tile = default
     prefill_line()
+
+
+SWEEP_TILES = {   # cache dtype -> (keys per tile, stages, warps) to time
+    torch.float16: [(64, 2, 4), (128, 2, 4), (128, 3, 4)],
+    torch.float8_e4m3fn: [(128, 2, 4), (256, 2, 4), (128, 2, 8), (256, 2, 8), (128, 3, 4)],
+}
+
+
+def sweep(context: int) -> None:
+    dev = torch.device("cuda")
+    scale = HEAD_DIM ** -0.5
+    default = kernels.decode_tile
+    print(f"{torch.cuda.get_device_name()} decode tiles, {HEADS} heads x {HEAD_DIM} (MHA), context {context}: "
+          f"graph us (GB/s) per batch")
+    for cache_dtype, tiles in SWEEP_TILES.items():
+        batches = {b: make_batch([1] * b, [context] * b, HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, dev,
+                                 extra_blocks=0, cache_dtype=cache_dtype) for b in (1, 32, 128)}
+        for tile in tiles:
+            kernels.decode_tile = lambda d_pad, dtype, tile=tile: tile
+            cells = []
+            for b, (q, _, _, cache, meta) in batches.items():
+                us = triton.testing.do_bench_cudagraph(
+                    lambda: triton_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3
+                gbs = 2 * b * context * HEADS * HEAD_DIM * cache.element_size() / (us * 1e-6) / 1e9
+                cells.append(f"b{b} {us:7.1f} ({gbs:5.0f})")
+            print(f"{str(cache_dtype).split('.')[-1]:>14} {str(tile):>22}  " + "  ".join(cells))
+    kernels.decode_tile = default
 
 
 def decode_table(context: int, cache_dtype: torch.dtype, head_major: bool = True) -> None:
@@ -65,4 +84,7 @@ def prefill_line() -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)
+    if sys.argv[1:2] == ["sweep"]:
+        sweep(int(sys.argv[2]) if len(sys.argv) > 2 else 780)
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)
