@@ -57,6 +57,15 @@ def _online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, PREC: tl.constex
 
 
 @triton.jit
+def store_to_cache(ptr, x, inv_scale, mask, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """Store keys or values into the cache; an FP8 cache gets x / scale, saturated, rounded to nearest (as
+    kv_quant.quantize_kv)."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -QMAX), QMAX)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -72,11 +81,8 @@ def _reshape_and_cache_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    if QUANT:   # FP8 cache: scale, saturate, round to nearest (as kv_quant.quantize_kv)
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -QMAX), QMAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -QMAX), QMAX)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    store_to_cache(k_cache_ptr + dst, k, inv_k_scale, mask, QUANT, QMAX)
+    store_to_cache(v_cache_ptr + dst, v, inv_v_scale, mask, QUANT, QMAX)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -219,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     else:
         part_out = part_lse = out   # unused
     kc, vc = kv_cache[0], kv_cache[1]
-    block_n, num_stages, num_warps = decode_tile(d_pad, kv_cache.dtype)
+    block_n, num_stages, num_warps = decode_tile(d_pad)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_out, part_lse,
         scale * k_scale * math.log2(math.e), v_scale,
@@ -239,15 +245,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
-def decode_tile(d_pad: int, cache_dtype: torch.dtype) -> tuple[int, int, int]:
+def decode_tile(d_pad: int) -> tuple[int, int, int]:
     """(keys per tile, pipeline stages, warps) of the decode kernel.
 
-    An fp8 tile of 64 keys is too little data in flight per load: 128 keys read the cache 1.3-1.5x faster
-    on an H100 at batch 8-128 (tests/kernels/bench_paged_decode.py). Scores on CUDA cores instead of tl.dot
-    (whose 16-row minimum leaves 15 of 16 rows padding for a model without GQA) were 1.3-2.7x slower there.
+    On an H100 (tests/kernels/bench_paged_decode.py, 32 heads x 128, 780 cached tokens): an fp8 tile of 64
+    keys is too little data in flight per load, 128 keys read the cache 1.3-1.5x faster at batch 8-128; an
+    fp16 tile of 128 keys takes 10.0 instead of 11.4 us at batch 1 and the same at 32 and 128; 256 keys,
+    8 warps or 3 stages were no faster. Scores on CUDA cores instead of tl.dot (whose 16-row minimum leaves
+    15 of 16 rows padding for a model without GQA) were 1.3-2.7x slower; converting fp8 tiles to fp16 by
+    moving bits with integer ops instead of conversion instructions, 1.3x slower.
     """
     if d_pad <= 128:
-        return (128 if is_fp8(cache_dtype) else 64), 2, 4
+        return 128, 2, 4
     return 32, 2, 4
 
 

@@ -15,13 +15,7 @@ import triton.language as tl
 
 from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
 from mmserve.kernels.fused_ops import _rotate, rotary_angles
-
-
-@triton.jit
-def _to_cache(ptr, x, inv_scale, mask, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    if QUANT:
-        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -QMAX), QMAX)
-    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+from mmserve.kernels.paged_attention import store_to_cache
 
 
 @triton.jit
@@ -44,11 +38,13 @@ def _rotary_cache_kernel(
     k1 = tl.load(k_row, mask=mask, other=0.0)
     k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
     k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    _to_cache(k_cache_ptr + dst, (k1f * cos - k2f * sin).to(k1.dtype), inv_k_scale, mask, QUANT, QMAX)
-    _to_cache(k_cache_ptr + dst + HALF, (k2f * cos + k1f * sin).to(k1.dtype), inv_k_scale, mask, QUANT, QMAX)
+    store_to_cache(k_cache_ptr + dst, (k1f * cos - k2f * sin).to(k1.dtype), inv_k_scale, mask, QUANT, QMAX)
+    store_to_cache(k_cache_ptr + dst + HALF, (k2f * cos + k1f * sin).to(k1.dtype), inv_k_scale, mask, QUANT, QMAX)
     v_row = v_ptr + t * stride_vt + h * stride_vh + c
-    _to_cache(v_cache_ptr + dst, tl.load(v_row, mask=mask, other=0.0), inv_v_scale, mask, QUANT, QMAX)
-    _to_cache(v_cache_ptr + dst + HALF, tl.load(v_row + HALF, mask=mask, other=0.0), inv_v_scale, mask, QUANT, QMAX)
+    v1 = tl.load(v_row, mask=mask, other=0.0)
+    v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+    store_to_cache(v_cache_ptr + dst, v1, inv_v_scale, mask, QUANT, QMAX)
+    store_to_cache(v_cache_ptr + dst + HALF, v2, inv_v_scale, mask, QUANT, QMAX)
 
 
 def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
