@@ -37,7 +37,7 @@ class ThroughputConfig:
     input_len: int = 128                 # text tokens per prompt (besides the image's placeholders)
     output_len: int = 128                # tokens generated per request (EOS ignored)
     warmup: int = 1                      # untimed warmup rounds (a few short requests each)
-    iters: int = 1                       # timed rounds; the best (shortest) is reported
+    iters: int = 1                       # timed rounds, each with new images; the best (shortest) is reported
     baseline: str = "hf"                 # hf | none
     hf_batch_size: int = 32              # transformers batch (static, left-padded)
     max_num_seqs: int = 64               # mmserve: requests running at once
@@ -66,7 +66,18 @@ def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: f
             "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + prompt_tokens) / elapsed}
 
 
-def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, Any]:
+def _image_rounds(cfg: ThroughputConfig, size: int) -> list[list[Any]]:
+    """One list of request images per timed round, each drawn afresh: a round must not find the pictures of an
+    earlier one in the prefix and encoder caches (same-image mode: one new picture per round, shared by that
+    round's requests)."""
+    seeds = [cfg.seed + r * 1_000_003 for r in range(cfg.iters)]
+    if cfg.same_image:
+        return [make_images(1, size, seed=seed) * cfg.num_requests for seed in seeds]
+    return [make_images(cfg.num_requests, size, seed=seed) for seed in seeds]
+
+
+def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
+                 ) -> dict[str, Any]:
     from mmserve.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -77,11 +88,11 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images
     params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
     try:
         for w in range(cfg.warmup):
-            warm = make_images(min(4, cfg.num_requests), images[0].width, seed=10_000 + w)
+            warm = make_images(min(4, cfg.num_requests), rounds[0][0].width, seed=10_000 + w)
             llm.generate([{"prompt": texts[0], "images": [im]} for im in warm],
                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         best: dict[str, float] | None = None
-        for _ in range(cfg.iters):
+        for images in rounds:
             prompts = [{"prompt": text, "images": [im]} for text, im in zip(texts, images)]
             sync(cfg.device)
             llm.engine.step_stats.reset()
@@ -105,17 +116,17 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], images
         free_device_memory(cfg.device)
 
 
-def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], images: list[Any]) -> dict[str, Any]:
+def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]) -> dict[str, Any]:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
     bs = cfg.hf_batch_size
     try:
         for w in range(cfg.warmup):
-            warm = make_images(min(bs, cfg.num_requests), images[0].width, seed=20_000 + w)
+            warm = make_images(min(bs, cfg.num_requests), rounds[0][0].width, seed=20_000 + w)
             hf.generate(texts[:len(warm)], warm, 4)
         best: dict[str, Any] | None = None
-        for _ in range(cfg.iters):
+        for images in rounds:
             out_tokens = prompt_tokens = 0
             sync(cfg.device)
             t0 = now()
@@ -141,21 +152,20 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
     model_dir = cfg.source.resolve()
     spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
+    rounds = _image_rounds(cfg, size)
     if cfg.same_image:
-        images = make_images(1, size, seed=cfg.seed) * cfg.num_requests
         texts = prompt_variants(PromptTemplate(model_dir), spec, cfg.num_requests)
     else:
-        images = make_images(cfg.num_requests, size, seed=cfg.seed)
         texts = [spec.text] * cfg.num_requests
     results: dict[str, Any] = {}
     errors: list[str] = []
     try:
-        results["mmserve"] = _run_mmserve(cfg, model_dir, texts, images)
+        results["mmserve"] = _run_mmserve(cfg, model_dir, texts, rounds)
     except Exception:
         errors.append("mmserve: " + traceback.format_exc())
     if cfg.baseline == "hf":
         try:
-            results["hf"] = _run_hf(cfg, model_dir, texts, images)
+            results["hf"] = _run_hf(cfg, model_dir, texts, rounds)
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     if "mmserve" in results and "hf" in results:

@@ -316,7 +316,22 @@ def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_di
     assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
     assert res["mmserve"]["cached_prompt_tokens"] > 0   # the image's blocks came from the prefix cache
     assert "one image shared by all requests, 4 distinct texts" in (tmp_path / "b.md").read_text()
-    # distinct images (the default): nothing to reuse
+    # distinct images (the default): nothing to reuse, not even in a second timed round
     rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
-               "--output-len", "2", "--baseline", "none", "--warmup", "0", "--out", str(tmp_path / "d.json")])
+               "--output-len", "2", "--baseline", "none", "--warmup", "0", "--iters", "2",
+               "--out", str(tmp_path / "d.json")])
     assert rc == 0 and _strict_json(tmp_path / "d.json")["results"]["mmserve"]["cached_prompt_tokens"] == 0
+
+
+def test_throughput_rounds_draw_new_images():
+    from mmserve.bench.throughput import ThroughputConfig, _image_rounds
+    from mmserve.bench.workload import ModelSource
+    from mmserve.multimodal.hashing import hash_image
+
+    for same_image in (False, True):
+        cfg = ThroughputConfig(source=ModelSource(preset="tiny"), device="cpu", dtype="float32", num_requests=3,
+                               iters=2, same_image=same_image)
+        rounds = [[hash_image(im) for im in images] for images in _image_rounds(cfg, 16)]
+        assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)
+        assert not set(rounds[0]) & set(rounds[1])           # no picture of round 1 again in round 2
+        assert len(set(rounds[0])) == (1 if same_image else 3)
