@@ -277,7 +277,11 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 # --------------------------------------------------------------------------------------------- prefill / mixed
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+# a mixed step passes its prompts' rows as slices after the decodes' (block_tables[d:], seq_lens[d:], ...),
+# whose 16-byte alignment follows the number of decodes: not specialized on, or each new alignment compiles a
+# variant mid-serving (seen: two ~0.7 s stalls at concurrency 8 on a fresh Triton cache)
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale, v_scale,
