@@ -18,7 +18,8 @@ from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
 from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
+from mmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.5   # host time of one step above which it is logged

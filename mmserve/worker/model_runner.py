@@ -5,8 +5,6 @@ Owns the model, the KV cache tensors and the encoder cache; knows nothing about 
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,74 +23,14 @@ from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
-from mmserve.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
+from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.transfer import to_device
 
 
 # cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
 # eager vision tower host-bound (about 10 ms for one CLIP-L image); flash / memory-efficient launch in µs
 _VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@dataclass
-class RunnerOutput:
-    """Per request that sampled this step: the new token and, when asked, its logprobs."""
-
-    token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float] = field(default_factory=dict)
-    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    ranks: dict[str, int | None] = field(default_factory=dict)   # rank of the sampled id (1 = most likely)
-    # prompt positions [start, start + n) of requests that asked for context logits: (start, [n, V] fp32 cpu)
-    context_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    generation_logits: dict[str, torch.Tensor] = field(default_factory=dict)   # [V] fp32 cpu
-
-
-class LaunchedStep:
-    """A step whose work is queued on the device.
-
-    `tokens` (on the device) feeds the next step's placeholder inputs; `result()` waits only for this
-    step's sampled values to reach the host (the copies are queued right behind the sampler).
-    """
-
-    def __init__(self, reqs: list, sampled: SamplerOutput | None, out: RunnerOutput) -> None:
-        self.reqs = reqs
-        self.out = out
-        self.tokens = sampled.token_ids if sampled is not None else None
-        self._host: list[torch.Tensor | None] | None = None
-        self._event = None
-        self.wait_s = 0.0   # how long result() blocked on the device
-        if sampled is None:
-            return
-        fields = [sampled.token_ids]
-        if sampled.logprobs is not None and any(r.params.logprobs is not None for r in reqs):
-            fields += [sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids, sampled.ranks]
-        self._host = [t.to("cpu", non_blocking=True) if t is not None else None for t in fields]
-        if sampled.token_ids.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def result(self) -> RunnerOutput:
-        if self._host is None:
-            return self.out
-        if self._event is not None:
-            t0 = time.perf_counter()
-            self._event.synchronize()
-            self.wait_s = time.perf_counter() - t0
-        host, self._host = self._host, None
-        token_ids = host[0].tolist()
-        lp = top_lp = top_ids = ranks = None
-        if len(host) > 1:
-            lp, top_lp, top_ids = host[1].tolist(), host[2].tolist(), host[3].tolist()
-            ranks = host[4].tolist() if host[4] is not None else None
-        for i, r in enumerate(self.reqs):
-            rid = r.request_id
-            self.out.token_ids[rid] = token_ids[i]
-            if lp is not None and r.params.logprobs is not None:
-                k = r.params.logprobs
-                self.out.logprobs[rid] = lp[i]
-                self.out.ranks[rid] = ranks[i] if ranks else None
-                self.out.top_logprobs[rid] = list(zip(top_ids[i][:k], top_lp[i][:k]))
-        return self.out
 
 
 class ModelRunner:
@@ -272,7 +210,9 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens,
                                              [s.block_ids for s in sched.scheduled])
         elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
-            hidden = self.piecewise_graphs.run(embeds, positions, slots, self._metadata(sched, slots, qsl, seq_lens))
+            # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
+            meta = self._metadata(sched, slots, qsl, seq_lens, self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
+            hidden = self.piecewise_graphs.run(embeds, positions, slots, meta)
         else:
             meta = self._metadata(sched, slots, qsl, seq_lens)
             hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
@@ -284,8 +224,8 @@ class ModelRunner:
         self._context_logits(sched, qsl, step.out, hidden=hidden)
         return step
 
-    def _metadata(self, sched: SchedulerOutput, slots: list[int], qsl: list[int],
-                  seq_lens: list[int]) -> AttentionMetadata:
+    def _metadata(self, sched: SchedulerOutput, slots: list[int], qsl: list[int], seq_lens: list[int],
+                  slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
         dev = self.device
         max_blocks = max(len(s.block_ids) for s in sched.scheduled)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
@@ -293,7 +233,7 @@ class ModelRunner:
             query_start_loc=to_device(qsl, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=to_device(tables, torch.int32, dev),
-            slot_mapping=to_device(slots, torch.int64, dev),
+            slot_mapping=to_device(slots, torch.int64, dev) if slot_mapping is None else slot_mapping,
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens),
             block_size=self.block_size, num_decodes=_num_leading_decodes(qsl))

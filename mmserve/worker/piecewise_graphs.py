@@ -53,10 +53,21 @@ class _Splitter:
         self._graph.capture_begin(pool=self.pool)
 
     def end(self) -> None:
-        self._graph.capture_end()
+        graph, self._graph = self._graph, None
+        graph.capture_end()
         if self.pool is None:
-            self.pool = self._graph.pool()
-        self.graphs.append(self._graph)
+            self.pool = graph.pool()
+        self.graphs.append(graph)
+
+    def abandon(self) -> None:
+        """End a capture left open by an exception in the model: an open capture would fail every later
+        CUDA call on its stream (and a graph is never replayed from a failed capture)."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.capture_end()
+            except RuntimeError:   # the capture was invalidated by the error: ending it is all that matters
+                pass
 
     def write_kv(self, *args) -> None:
         self.backend.write_kv(*args)
@@ -120,7 +131,11 @@ class PiecewiseGraphs:
                     layer.backend = splitter
                 with gc_paused(), torch.cuda.stream(stream):
                     splitter.begin()
-                    hidden = self.model(self.inputs.embeds[:t], self.inputs.positions[..., :t], meta)
+                    try:
+                        hidden = self.model(self.inputs.embeds[:t], self.inputs.positions[..., :t], meta)
+                    except BaseException:
+                        splitter.abandon()
+                        raise
                     splitter.end()
             finally:
                 for layer in self.layers:

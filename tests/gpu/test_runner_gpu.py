@@ -174,3 +174,36 @@ def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir):
         assert torch.backends.cudnn.allow_tf32 is True   # restored after each encode
     finally:
         torch.backends.cudnn.allow_tf32 = previous
+
+
+def test_piecewise_capture_failure_closes_the_capture_and_restores_the_backends(tiny_llava_dir):
+    """An exception inside the model while a piece is captured must end that capture (an open capture would
+    fail every later CUDA call) and give the attention layers their backend back; the engine keeps working."""
+    import torch
+
+    from mmserve.layers.attention import Attention
+    from mmserve.worker.piecewise_graphs import PiecewiseGraphs
+
+    llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=4)
+    runner = llm.engine.runner
+    layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    backend = layer.backend
+    forward = layer.forward
+
+    def fail_while_capturing(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("boom in capture")
+        return forward(*args, **kwargs)
+
+    layer.forward = fail_while_capturing
+    hidden = runner.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device="cuda")).shape[-1]
+    graphs = PiecewiseGraphs(runner.model, runner.device, runner.dtype, hidden, [16])
+    try:
+        with pytest.raises(RuntimeError, match="boom in capture"):
+            graphs.capture()
+    finally:
+        del layer.forward
+    assert layer.backend is backend and not graphs.pieces
+    assert torch.ones(4, device="cuda").sum().item() == 4   # no capture left open
+    outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
