@@ -73,8 +73,8 @@ class Engine:
             return None
         try:
             return self.inputs.blank_image_item()
-        except (ValueError, TypeError) as exc:   # the encoder graphs are then captured on first use
-            logger.warning("no vision encoder warm-up: a blank picture does not preprocess (%s)", exc)
+        except Exception as exc:   # best effort: the encoder graphs are then captured on first use
+            logger.warning("no vision encoder warm-up: a blank picture does not preprocess (%r)", exc)
             return None
 
     def _eos_ids(self) -> list[int]:
