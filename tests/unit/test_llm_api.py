@@ -190,3 +190,16 @@ def test_exact_repeat_of_text_and_picture_reuses_the_processed_inputs(llm):
     inputs.clear_recent()                                  # forgotten: the repeat runs the processor again
     fresh = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)]})
     assert fresh is not first and fresh.prompt_token_ids == first.prompt_token_ids
+
+
+def test_steps_over_the_host_time_limit_are_logged(llm, monkeypatch, caplog):
+    from mmserve.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 1e9)
+    with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
+        llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "slow step" not in caplog.text
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)   # every launched step is over the limit
+    with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
+        llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "slow step: prefill of" in caplog.text and "on the host" in caplog.text
