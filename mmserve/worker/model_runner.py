@@ -5,6 +5,7 @@ Owns the model, the KV cache tensors and the encoder cache; knows nothing about 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -96,7 +97,7 @@ class ModelRunner:
             return
         self.encoder_graphs = EncoderGraphs(self.model, self.device)
         if template is not None:
-            with sdpa_kernel(_VISION_SDPA):
+            with self._vision_kernels():   # a graph keeps the kernels chosen while it was captured
                 self.encoder_graphs.warm_up(self._on_device(template),
                                             cdiv(max_num_batched_tokens, template.length) + 1)
 
@@ -294,7 +295,7 @@ class ModelRunner:
             todo.setdefault(key, []).append(item)
         for group in todo.values():
             moved = [self._on_device(it) for it in group]
-            with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(self.dtype == torch.float32):
+            with self._vision_kernels():
                 if self.encoder_graphs is not None:
                     embeddings = self.encoder_graphs.encode(moved)
                 else:
@@ -304,6 +305,12 @@ class ModelRunner:
                 self.encoder_cache.put(item.content_hash, emb)
         return out
 
+    @contextlib.contextmanager
+    def _vision_kernels(self) -> Iterator[None]:
+        """The kernel settings every vision-encoder run (eager, or captured into a graph) uses: flash /
+        memory-efficient attention (_VISION_SDPA) and, for an fp32 model, exact fp32 convolutions."""
+        with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(self.dtype == torch.float32):
+            yield
 
     def _on_device(self, item: MultiModalItem) -> MultiModalItem:
         """`item` with its encoder inputs on the device, floating ones in the model's dtype."""

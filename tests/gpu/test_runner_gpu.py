@@ -156,13 +156,14 @@ def test_piecewise_graphs_match_eager(tiny_llava_dir):
                 assert got_step[tok].logprob == pytest.approx(want_step[tok].logprob, abs=1e-4)
 
 
-def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir):
+@pytest.mark.parametrize("enforce_eager", [True, False])   # False: the encoder graphs captured at startup
+def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir, enforce_eager):
     import torch
 
     previous = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = True     # PyTorch's default, which the test session turns off
     try:
-        llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=True)
+        llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=enforce_eager)
         runner = llm.engine.runner
         items = [it for i in range(3) for it in llm.engine.inputs.process(
             {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(80 + i)]}).mm_items]
