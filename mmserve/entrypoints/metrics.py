@@ -5,7 +5,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from mmserve.engine.step_stats import STEP_KINDS
-
 from mmserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)

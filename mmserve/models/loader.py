@@ -52,7 +52,8 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
     linears = decoder_linears(model)
     fp8 = sum(m.is_fp8 for _, m in linears)
     if in_checkpoint or fp8:
+        fused = fuse_activation_quantization(model)
         logger.info("FP8 weights in %d of %d decoder linear layers%s; %d norms / activations quantize for them",
                     fp8, len(linears), f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "",
-                    fuse_activation_quantization(model))
+                    fused)
     return model.eval()

@@ -48,8 +48,7 @@ class EncoderGraphs:
     @torch.inference_mode()
     def warm_up(self, template: MultiModalItem, max_items: int) -> None:
         """Capture the graphs of `template`'s shapes for every bucket up to the one holding max_items."""
-        top = BUCKETS[min(bisect.bisect_left(BUCKETS, max_items), len(BUCKETS) - 1)]
-        for bucket in BUCKETS[:BUCKETS.index(top) + 1]:
+        for bucket in BUCKETS[:bisect.bisect_left(BUCKETS, max_items) + 1]:
             self._captured(template, bucket)
 
     @torch.inference_mode()
