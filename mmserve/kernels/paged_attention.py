@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,6 +20,7 @@ from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
 
 _MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
+FP8_WIDE_BATCH = 16    # from this many sequences an fp8 cache takes the register-capped tile (decode_tile)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -225,15 +227,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     else:
         part_out = part_lse = out   # unused
     kc, vc = kv_cache[0], kv_cache[1]
-    block_n, num_stages, num_warps = decode_tile(d_pad)
+    tile = decode_tile(d_pad, kv_cache.element_size(), num_seqs)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_out, part_lse,
         scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, PREC=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, BLOCK_N=tile.keys, SPLIT=split, PREC=_precision(q.dtype),
+        num_warps=tile.warps, num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -245,19 +247,33 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
-def decode_tile(d_pad: int) -> tuple[int, int, int]:
-    """(keys per tile, pipeline stages, warps) of the decode kernel.
+class DecodeTile(NamedTuple):
+    """The decode kernel's tile: keys per loop iteration, pipeline stages, warps, and a cap on registers per
+    thread (None: the compiler's choice)."""
+    keys: int
+    stages: int
+    warps: int
+    maxnreg: int | None = None
 
-    On an H100 (tests/kernels/bench_paged_decode.py, 32 heads x 128, 780 cached tokens): an fp8 tile of 64
-    keys is too little data in flight per load, 128 keys read the cache 1.3-1.5x faster at batch 8-128; an
-    fp16 tile of 128 keys takes 10.0 instead of 11.4 us at batch 1 and the same at 32 and 128; 256 keys,
-    8 warps or 3 stages were no faster. Scores on CUDA cores instead of tl.dot (whose 16-row minimum leaves
-    15 of 16 rows padding for a model without GQA) were 1.3-2.7x slower; converting fp8 tiles to fp16 by
-    moving bits with integer ops instead of conversion instructions, 1.3x slower.
+
+def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int) -> DecodeTile:
+    """The decode kernel's tile for a head size (padded), a cache element size and a batch size.
+
+    On an H100 (tests/kernels/bench_paged_decode.py, 32 heads x 128, 780 cached tokens; docs/benchmarks.md):
+    fp16 caches read fastest in 128-key tiles (10.0 us at batch 1 vs 11.4 for 64 keys; the same at 32-128).
+    FP8 caches are bound by the instructions that turn one-byte values into fp16 tensor-core operands (values
+    are transposed byte by byte), and the compiler gives that loop ~250 registers, so two programs fit on an
+    SM: capped at 128 registers, 64-key tiles fit four and read 7-8 % faster at batch 32-128 (337 vs 363 us
+    at 128); at batch 1 (split-K, few programs) 128-key tiles stay faster (9.1 vs 10.8 us). Slower, measured:
+    256 keys, 8 warps, 3-6 stages, sub-tiles, register caps of 80-104 or 168, scores on CUDA cores, fp8 to
+    fp16 by integer bit moves, and a cache with values stored token-contiguous (3 % faster for fp8, 6 %
+    slower for fp16).
     """
-    if d_pad <= 128:
-        return 128, 2, 4
-    return 32, 2, 4
+    if d_pad > 128:
+        return DecodeTile(32, 2, 4)
+    if cache_bytes == 1 and num_seqs >= FP8_WIDE_BATCH:
+        return DecodeTile(64, 2, 4, maxnreg=128)
+    return DecodeTile(128, 2, 4)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:

@@ -207,6 +207,10 @@ def check_decode_and_prefill_over_fp8_cache_with_scales(device):
                   path="decode")
     run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float16, device, cache_dtype=fp8,
                   kv_scales=(0.03, 0.07), path="prefill")
+    # a batch wide enough for the fp8 cache's other tile (kernels.decode_tile)
+    from mmserve.kernels.paged_attention import FP8_WIDE_BATCH
+    run_attention([1] * FP8_WIDE_BATCH, [9 + 23 * i for i in range(FP8_WIDE_BATCH)], 4, 2, 64, 16, torch.float16,
+                  device, cache_dtype=fp8, kv_scales=(0.05, 0.02), num_splits=2, path="decode")
 
 
 @check
