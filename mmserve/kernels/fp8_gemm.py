@@ -22,11 +22,14 @@ import triton.language as tl
 from mmserve.kernels.fastest import bench_ms, run_fastest
 from mmserve.kernels.gemv import gemv
 from mmserve.layers.fp8_linear import AMAX_FLOOR, FP8, FP8_MAX
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, STATIC: tl.constexpr,
-                       ONE_PASS: tl.constexpr, BLOCK_K: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr):
+                       ONE_PASS: tl.constexpr, BLOCK_K: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
@@ -76,7 +79,7 @@ def quant_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tupl
     if m:
         _quant_rows_kernel[(m,)](x, q, s, input_scale if input_scale is not None else s, k, x.stride(0), q.stride(0),
                                  STATIC=input_scale is not None, ONE_PASS=block_k >= k, BLOCK_K=block_k,
-                                 QMAX=FP8_MAX, FLOOR=AMAX_FLOOR, num_warps=warps)
+                                 QMAX=FP8_MAX, FLOOR=AMAX_FLOOR, num_warps=warps, **pdl_options(x.device))
     return q, s
 
 
@@ -106,7 +109,9 @@ def _prune_m_tiles(configs, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune_m_tiles}, do_bench=bench_ms)
 @triton.jit
 def _fp8_gemm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, M_TILE,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -141,9 +146,9 @@ def fp8_gemm_small_m(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, w
             xq.stride(0), weight.stride(0), y.stride(0), _m_tile(m))
     if xq.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))   # noqa: E731
-        _fp8_gemm_kernel[grid](*args, HAS_BIAS=bias is not None)
+        _fp8_gemm_kernel[grid](*args, HAS_BIAS=bias is not None, **pdl_options(xq.device))
     else:   # Triton's interpreter (CPU tests): one fixed config
-        _fp8_gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](*args, HAS_BIAS=bias is not None,
+        _fp8_gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](*args, HAS_BIAS=bias is not None, PDL=False,
                                                                       BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
     return y
 

@@ -12,12 +12,14 @@ import triton.language as tl
 
 from mmserve.kernels.fp8_gemm import store_quantized_row
 from mmserve.layers.fp8_linear import AMAX_FLOOR, FP8, FP8_MAX, QuantizedRows
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, stride_x, stride_r, n, eps,
                      HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
-                     QMAX: tl.constexpr, FLOOR: tl.constexpr):
+                     QMAX: tl.constexpr, FLOOR: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -58,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, res2, weight, out, res_out, scales, input_scale if input_scale is not None else scales,
             x2.stride(0), res2.stride(0), n, eps, HAS_RESIDUAL=residual is not None, QUANT=quantize,
             STATIC=input_scale is not None, BLOCK=block, QMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
-            num_warps=4 if n <= 4096 else 8,
+            num_warps=4 if n <= 4096 else 8, **pdl_options(x.device),
         )
     y = QuantizedRows(out, scales, x.dtype) if quantize else out
     return y if residual is None else (y, res_out)
@@ -92,7 +94,8 @@ def rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr, 
 @triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr):
+                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
     _rotate(q_ptr, t, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
@@ -114,12 +117,14 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
             positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             num_heads, k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
             QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(k.shape[1]),
+            **pdl_options(q.device),
         )
     return q, k
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -137,7 +142,8 @@ def _silu_mul(x_row, cols, mask, d):
 
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, d, STATIC: tl.constexpr,
-                               BLOCK: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr):
+                               BLOCK: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
@@ -160,10 +166,11 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False, input_scale: torch.Ten
             _silu_and_mul_quant_kernel[(len(x2),)](
                 x2, q, scales, input_scale if input_scale is not None else scales, x2.stride(0), d,
                 STATIC=input_scale is not None, BLOCK=block, QMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
-                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
         return QuantizedRows(q, scales, x.dtype)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block,
+                                                                   **pdl_options(x.device))
     return out

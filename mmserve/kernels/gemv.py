@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms, run_fastest
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 2048, 4, 3),
@@ -30,7 +31,8 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
 @triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_ms)
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
-                 SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -63,9 +65,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x, weight, bias if bias is not None else weight, y, x_scale if scaled else y,
             weight_scale if scaled else y, n, k, weight.stride(0))
     if x.is_cuda:
-        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled)
+        _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, **pdl_options(x.device))
     else:   # Triton's interpreter (CPU tests) cannot time configs: one fixed config
-        _gemv_kernel.fn[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK_N=8, BLOCK_K=64)
+        _gemv_kernel.fn[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK_N=8, BLOCK_K=64, PDL=False)
     return y
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 _MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
@@ -73,8 +74,9 @@ def _reshape_and_cache_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, H_PAD)
@@ -106,7 +108,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
         kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX,
+        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX, **pdl_options(k.device),
     )
 
 
@@ -123,9 +125,10 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program = one sequence x one KV head x one split; it serves all GROUP query heads of that KV head."""
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,9 +174,10 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the split-K partials of one (sequence, head) by their log-sum-exp weights."""
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -236,13 +240,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=tile.keys, SPLIT=split, PREC=_precision(q.dtype),
         num_warps=tile.warps, num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
+        **pdl_options(q.device),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
             S_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant for every split count
-            num_warps=4,
+            num_warps=4, **pdl_options(q.device),
         )
     return out
 
@@ -304,13 +309,14 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program = one sequence x one KV head x BLOCK_M // GROUP of its new queries.
 
     The BLOCK_M rows are (query token, head of the group) pairs, so each K/V tile is loaded once per group.
     Query j of a sequence with q_len new tokens and context L is at position L - q_len + j.
     """
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     q_block = tl.program_id(2)
@@ -403,7 +409,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_options(q.device),
     )
     return out
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
 from mmserve.kernels.fused_ops import _rotate, rotary_angles
 from mmserve.kernels.paged_attention import store_to_cache
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
@@ -23,8 +24,9 @@ def _rotary_cache_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, inv_k_scale, inv_v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_cb, stride_cs, stride_ch,
     num_heads, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, QH_PAD: tl.constexpr,
-    KH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+    KH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
     _rotate(q_ptr, t, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
@@ -70,6 +72,6 @@ def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         kc.stride(0), kc.stride(1), kc.stride(2),
         num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
         QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX,
+        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX, **pdl_options(q.device),
     )
     return q
