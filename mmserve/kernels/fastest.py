@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from mmserve.worker.cuda_graph import graph_capture
+from mmserve.graph_capture import graph_capture
 
 _CHOICE: dict[Hashable, int] = {}
 TIMINGS: dict[Hashable, list[float]] = {}   # ms per candidate, as measured when the choice was made

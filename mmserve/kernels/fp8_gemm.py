@@ -26,6 +26,12 @@ from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
+def _to_fp8(x, scale, QMAX: tl.constexpr):
+    """x / scale saturated to the e4m3 range (IEEE division, as torch), still fp32."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, STATIC: tl.constexpr,
                        ONE_PASS: tl.constexpr, BLOCK_K: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
                        PDL: tl.constexpr):
@@ -33,24 +39,23 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, S
     row = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    elif ONE_PASS:   # the whole row in registers: one read
+    if ONE_PASS:   # the whole row in registers: one read
         x = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / QMAX
+        store_quantized_row(q_row, s_ptr, row, x, rk, rk < K, static_ptr, STATIC, QMAX, FLOOR)
     else:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = tl.load(x_row + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), FLOOR) / QMAX
         for k in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), FLOOR) / QMAX
-    for k in range(0, K, BLOCK_K):
-        mask = (k + rk) < K
-        if STATIC or not ONE_PASS:
+            mask = (k + rk) < K
             x = tl.load(x_row + k + rk, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)   # IEEE division, as torch
-        tl.store(q_row + k + rk, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+            tl.store(q_row + k + rk, _to_fp8(x, scale, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -62,8 +67,7 @@ def store_quantized_row(q_row, s_ptr, row, y, cols, mask, static_ptr, STATIC: tl
         scale = tl.load(static_ptr).to(tl.float32)
     else:
         scale = tl.maximum(tl.max(tl.abs(y), axis=0), FLOOR) / QMAX
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -QMAX), QMAX)
-    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(q_row + cols, _to_fp8(y, scale, QMAX).to(q_row.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

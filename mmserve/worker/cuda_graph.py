@@ -4,39 +4,17 @@ Inputs live in persistent device buffers; a replay copies the step's ids, positi
 lengths and block tables into them, pads the rest of the bucket (slot -1, context 0) and reads the
 logits of the real rows. Needs an attention backend without host syncs (the Triton one).
 
-`graph_capture` is how every graph here (decode, prefill, vision encoder) is captured.
+Captured with mmserve/graph_capture.py, as every graph of mmserve.
 """
 from __future__ import annotations
 
 import bisect
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's garbage collector off: a collection during a capture could free another engine's CUDA
-    graphs, and destroying a graph is not allowed while a stream captures."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global") -> Iterator[None]:
-    """torch.cuda.graph with Python's garbage collector paused (gc_paused)."""
-    with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-        yield
+from mmserve.graph_capture import graph_capture
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.request import MultiModalItem
-from mmserve.worker.cuda_graph import graph_capture
+from mmserve.graph_capture import graph_capture
 
 logger = logging.getLogger(__name__)
 # close together: padding images cost full encoder work (graphs are captured only for buckets in use)

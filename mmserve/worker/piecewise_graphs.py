@@ -23,7 +23,7 @@ from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.layers.attention import Attention
-from mmserve.worker.cuda_graph import gc_paused
+from mmserve.graph_capture import gc_paused
 from mmserve.worker.prefill_graphs import TokenInputs
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
-from mmserve.worker.cuda_graph import graph_capture
+from mmserve.graph_capture import graph_capture
 from mmserve.worker.transfer import copy_into
 
 SEQ_BUCKETS = (1, 4)
