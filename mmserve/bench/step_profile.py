@@ -1,6 +1,9 @@
 """`python -m mmserve.bench.step_profile`: where one decode step's time goes (GPU graph vs host work).
 
-Prints wall ms/step, the CUDA-graph replay's GPU time alone, and the torch profiler's top kernels.
+Prints wall ms/step, the CUDA-graph replay's GPU time alone, and the torch profiler's top kernels. With
+programmatic dependent launch (kernels/pdl.py, on by default on Hopper) a kernel's time in those tables starts
+when it is launched early and includes waiting for the kernel before it, so the times overlap; run with
+MMSERVE_DISABLE_PDL=1 for per-kernel times that add up.
 """
 from __future__ import annotations
 
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"batch {args.batch_size}: wall {wall:.3f} ms/step, graph replay (GPU only) {gpu:.3f} ms/step, "
           f"host + sampling {wall - gpu:.3f} ms/step")
     _print_kernel_choices()
+    from mmserve.kernels.pdl import pdl_options
+    if pdl_options(torch.device("cuda"))["PDL"]:
+        print("programmatic dependent launch is on: kernel times below overlap (MMSERVE_DISABLE_PDL=1 to separate)")
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
