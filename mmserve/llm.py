@@ -97,7 +97,7 @@ class LLM:
         while len(ids) < len(prompts) or engine.has_unfinished():
             ahead = len(futures) - len(ids) + len(engine.scheduler.waiting)
             for p in prompts[len(futures):len(futures) + max(0, PREPROCESS_AHEAD - ahead)]:
-                futures.append(self._preprocess.submit(engine.inputs.process, p))
+                futures.append(self._preprocess.submit(engine.preprocess, p))
             while len(ids) < len(futures) and (futures[len(ids)].done() or not engine.has_unfinished()):
                 i = len(ids)
                 rid = str(next(self._ids))

@@ -122,7 +122,7 @@ def _ttft_breakdown(engine, prompt: str, image, profile: bool = False) -> None:
     _, t_pre_cpu = timed(lambda: engine.inputs.process({"prompt": prompt, "images": [image]}))
     engine.inputs.device = device
     engine.inputs.clear_recent()   # else the second call is an exact repeat and skips the HF processor
-    inputs, t_pre = timed(lambda: engine.inputs.process({"prompt": prompt, "images": [image]}))
+    inputs, t_pre = timed(lambda: engine.preprocess({"prompt": prompt, "images": [image]}))
     moved = engine.runner._encode  # noqa: SLF001 - read-only timing of the runner's own encoder path
     _, t_enc = timed(lambda: moved(inputs.mm_items))
     engine.runner.encoder_cache.clear()
@@ -147,7 +147,7 @@ def _prefill_profile(engine, prompt: str, images: list) -> None:
     from mmserve import SamplingParams
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    inputs = [engine.inputs.process({"prompt": prompt, "images": [im]}) for im in images]
+    inputs = [engine.preprocess({"prompt": prompt, "images": [im]}) for im in images]
     torch.cuda.synchronize()
     t_pre = (time.perf_counter() - t0) * 1000
     for i, inp in enumerate(inputs):
@@ -183,7 +183,7 @@ def _mixed_profile(engine, prompt: str, images: list, num_decoding: int) -> None
     runner, piecewise = engine.runner, engine.runner.piecewise_graphs
 
     def mixed_round(tag: str, k: int, wrap=None) -> None:
-        inputs = [engine.inputs.process({"prompt": prompt, "images": [im]})
+        inputs = [engine.preprocess({"prompt": prompt, "images": [im]})
                   for im in new_images[k * per_round:(k + 1) * per_round]]
         for i, inp in enumerate(inputs):
             engine.add_processed(f"mixed-{tag}-{i}", inp, SamplingParams(max_tokens=1, temperature=0.0))

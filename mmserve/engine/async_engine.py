@@ -50,7 +50,7 @@ class AsyncEngine:
             raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        inputs = await loop.run_in_executor(self._preprocess, self.engine.inputs.process, prompt)
+        inputs = await loop.run_in_executor(self._preprocess, self.engine.preprocess, prompt)
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._commands.put(("add", rid, inputs, params, loop, stream, added))

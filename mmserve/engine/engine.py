@@ -9,7 +9,7 @@ import torch
 
 from mmserve.config import EngineConfig, resolve_device, resolve_dtype
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
@@ -84,11 +84,22 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:
         """Validate and queue a request. Raises ValueError/TypeError for bad input, EngineOverloaded when full."""
-        return self.add_processed(request_id, self.inputs.process(prompt), params)
+        return self.add_processed(request_id, self.preprocess(prompt), params)
+
+    def preprocess(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
+        """InputProcessor.process, plus the prompt's chained KV block hashes for the prefix cache; thread-safe, so
+        servers and LLM.generate run it off the engine thread. An exact repeat comes back as the same object
+        from the processor's recent-inputs cache, its hashes already made."""
+        inputs = self.inputs.process(prompt)
+        bs = self.kv.block_size
+        if self.kv.enable_prefix_caching and (inputs.block_hashes is None or inputs.block_hashes[0] != bs):
+            items = sorted(inputs.mm_items, key=lambda m: m.offset)
+            inputs.block_hashes = (bs, chain_block_hashes(inputs.prompt_token_ids, items, bs))
+        return inputs
 
     def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams,
                       stream: bool = True) -> Request:
-        """add_request after InputProcessor.process (which servers run off the engine thread).
+        """add_request after preprocess (which servers run off the engine thread).
 
         stream=False: step() reports this request only when it finishes (offline batches need no
         per-token outputs)."""
@@ -109,6 +120,8 @@ class Engine:
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_id=None if params.ignore_eos else eos, bad_words_ids=[b for b in bad if b])
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
+        if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:
+            req.block_hashes = list(inputs.block_hashes[1])   # the request's own list: it grows as it decodes
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids)

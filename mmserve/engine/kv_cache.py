@@ -21,13 +21,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_BLOCK_HASH_SEED = hashlib.sha256(b"mmserve-kv-block\0")   # copied for each block: the prefix is hashed once
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[tuple[str, int]]) -> bytes:
     """sha256 digest of a full block: its parent block's digest (None for the first block), its token ids
     and, for each media item with placeholders in it, (content hash, index of the item's first placeholder
     that falls in this block). Every field is length-prefixed, so no two inputs share a byte stream."""
-    h = hashlib.sha256(b"mmserve-kv-block\0")
+    return _hash_block_bytes(parent, array("q", token_ids).tobytes(), media)
+
+
+def _hash_block_bytes(parent: bytes | None, ids: bytes, media: Sequence[tuple[str, int]]) -> bytes:
+    h = _BLOCK_HASH_SEED.copy()
     h.update(parent if parent is not None else b"\0" * 32)
-    ids = array("q", token_ids).tobytes()
     h.update(len(ids).to_bytes(8, "little"))
     h.update(ids)
     for content_hash, offset in media:
@@ -36,6 +42,24 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[t
         h.update(key)
         h.update(offset.to_bytes(8, "little"))
     return h.digest()
+
+
+def chain_block_hashes(token_ids: Sequence[int], mm_items: Sequence, block_size: int, first_block: int = 0,
+                       parent: bytes | None = None) -> list[bytes]:
+    """hash_block of full blocks first_block, first_block + 1, ... of a sequence whose tokens from position
+    first_block * block_size on are token_ids, chained from `parent` (the digest of block first_block - 1).
+    mm_items: the sequence's media items (offset, end, content_hash), sorted by offset."""
+    ids = array("q", token_ids).tobytes()
+    width = 8 * block_size
+    out = []
+    for i in range(len(token_ids) // block_size):
+        start = (first_block + i) * block_size
+        end = start + block_size
+        media = [(m.content_hash, max(start, m.offset) - m.offset) for m in mm_items
+                 if m.offset < end and m.end > start]
+        parent = _hash_block_bytes(parent, ids[i * width:(i + 1) * width], media)
+        out.append(parent)
+    return out
 
 
 @dataclass
@@ -143,11 +167,10 @@ class KVCacheManager:
     def _extend_hashes(self, req: Request) -> None:
         """Append hashes for every full block of req's known tokens not hashed yet."""
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_known_tokens // bs):
-            start, end = i * bs, (i + 1) * bs
-            parent = req.block_hashes[i - 1] if i else None
-            media = [(m.content_hash, max(start, m.offset) - m.offset) for m in req.mm_items_in(start, end)]
-            req.block_hashes.append(hash_block(parent, req.token_ids(start, end), media))
+        first, full = len(req.block_hashes), req.num_known_tokens // bs
+        if full > first:
+            req.block_hashes += chain_block_hashes(req.token_ids(first * bs, full * bs), req.mm_items, bs, first,
+                                                   req.block_hashes[-1] if first else None)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.

@@ -29,6 +29,8 @@ class ProcessedInputs:
     mm_items: list[MultiModalItem] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None   # [3, P] for M-RoPE families (Qwen2-VL)
     mrope_delta: int = 0                          # decode position p maps to p + delta on all 3 axes
+    # (block size, chained KV block hashes of the prompt's full blocks), made by Engine.preprocess
+    block_hashes: tuple[int, list[bytes]] | None = None
 
 
 def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:

@@ -152,3 +152,29 @@ def test_blocks_of_a_launched_step_serve_the_next_admission(tiny_llava_dir):
             engine.step()
         assert engine.kv.usage == 0
     assert hits[0] > 0 and hits[1] == hits[0]
+
+
+def test_preprocessing_makes_the_block_hashes_once_per_exact_repeat(tiny_llava_dir):
+    """Engine.preprocess (run off the engine thread by servers and LLM.generate) attaches the prompt's block hash
+    chain; an exact repeat gets the recent-inputs cache's same object, so its hashes are not made again, and the
+    request it becomes hits the prefix cache as one hashed on the engine thread would."""
+    from mmserve.engine.kv_cache import chain_block_hashes
+    prompt = {"prompt": "USER: <image>\nquestion " + "word " * 30 + "ASSISTANT:", "images": [make_test_image(91)]}
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine = _llm(tiny_llava_dir, True, max_num_batched_tokens=256).engine
+    first = engine.preprocess(prompt)
+    bs, hashes = first.block_hashes
+    assert bs == 8 and len(hashes) == len(first.prompt_token_ids) // 8
+    assert hashes == chain_block_hashes(first.prompt_token_ids, first.mm_items, 8)
+    again = engine.preprocess({"prompt": prompt["prompt"], "images": [make_test_image(91)]})
+    assert again is first and again.block_hashes[1] is hashes
+    a = engine.add_processed("a", first, params)
+    assert a.block_hashes == hashes and a.block_hashes is not hashes   # the request's own list grows
+    while engine.has_unfinished():
+        engine.step()
+    b = engine.add_processed("b", again, params)
+    engine.step()
+    assert b.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 8 * 8   # all but the last token's block
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.usage == 0 and hashes == chain_block_hashes(first.prompt_token_ids, first.mm_items, 8)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.engine.kv_cache import KVCacheManager, hash_block
+from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes, hash_block
 from mmserve.engine.request import MultiModalItem, Request
 from mmserve.sampling_params import SamplingParams
 
@@ -128,3 +128,18 @@ def test_block_hashes_are_sha256_chains_over_every_field():
     kv._extend_hashes(b)   # noqa: SLF001
     assert len(a.block_hashes) == 2 and a.block_hashes[1] != b.block_hashes[1]
     assert a.block_hashes[1] == hash_block(a.block_hashes[0], [1, 2, 3, 4], [])
+
+
+def test_chain_block_hashes_match_block_by_block_hashing():
+    tokens = list(range(100, 114))                                           # 3 full blocks of 4 and 2 tokens
+    req = _req("r", tokens, [(3, 6, "pic")])                                 # placeholders at positions 3..8
+    item = req.mm_items[0]
+    want, parent = [], None
+    for start, media in [(0, [("pic", 0)]), (4, [("pic", 1)]), (8, [("pic", 5)])]:
+        parent = hash_block(parent, tokens[start:start + 4], media)
+        want.append(parent)
+    assert chain_block_hashes(tokens, [item], 4) == want
+    # continued from a known parent, as a request's chain grows while it decodes
+    assert chain_block_hashes(tokens[4:], [item], 4, first_block=1, parent=want[0]) == want[1:]
+    KVCacheManager(16, 4)._extend_hashes(req)   # noqa: SLF001
+    assert req.block_hashes == want
