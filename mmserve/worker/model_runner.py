@@ -26,7 +26,7 @@ from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
-from mmserve.worker.transfer import to_device
+from mmserve.worker.transfer import host_tensor, to_device
 
 
 # cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
@@ -345,4 +345,4 @@ def _cat_positions(parts: list) -> torch.Tensor:
     """Per-request positions (ranges, or [3, n] tensors for M-RoPE) -> [T] or [3, T] int64 on the host."""
     if parts and isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, dim=1)
-    return torch.tensor([p for r in parts for p in r], dtype=torch.int64)
+    return host_tensor([p for r in parts for p in r], torch.int64)
