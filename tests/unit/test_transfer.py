@@ -1,4 +1,5 @@
-"""worker/transfer.host_tensor: the fast list -> tensor conversion gives exactly what torch.tensor gives."""
+"""worker/transfer.host_tensor (the fast list -> tensor conversion gives exactly what torch.tensor gives) and the
+slot ids of a step's tokens (model_runner.slot_ids), the host-side inputs of every step."""
 from __future__ import annotations
 
 import pytest
@@ -33,3 +34,13 @@ def test_to_device_and_copy_into_on_cpu() -> None:
     dst = torch.zeros(2, 2, dtype=torch.int64)
     copy_into(dst, [5, 6, 7, 8])
     assert dst.tolist() == [[5, 6], [7, 8]]
+
+
+def test_slot_ids_match_the_per_token_formula() -> None:
+    from mmserve.worker.model_runner import slot_ids
+    blocks = [7, 2, 9, 4, 11]
+    for bs in (1, 4, 16):
+        table = blocks * (64 // bs)   # enough blocks for 64 positions
+        for start, end in [(0, 1), (0, 16), (3, 4), (5, 37), (15, 17), (16, 32), (31, 64), (63, 64)]:
+            want = [table[p // bs] * bs + p % bs for p in range(start, end)]
+            assert slot_ids(table, start, end, bs) == want, (bs, start, end)
