@@ -11,22 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    round_up,
-    DEFAULT_MAX_SHARD_BYTES,
-    check_token_ids,
-    make_tensor,
-    prepare_dir,
-    replace_sizes,
-    save_processor_and_config,
-    write_sharded_weights,
-)
+    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
+    round_up, write_checkpoint)
 
 if TYPE_CHECKING:
     from transformers import Blip2Config
 
 IMAGE_TOKEN = "<image>"
-LAYOUTS = ("transformers", "hub")
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,7 @@ def blip2_sizes(preset: str = "tiny", **overrides: object) -> Blip2Sizes:
 
 def token_ids(s: Blip2Sizes) -> dict[str, int]:
     """unk, bos, eos from the BPE layout; pad right after the base vocab; the processor adds image last."""
-    return {"unk": 0, "bos": 1, "eos": 2, "pad": s.text_vocab, "image": s.text_vocab + 1}
+    return bpe_token_ids(s.text_vocab, ("pad", "image"))
 
 
 def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
@@ -117,10 +110,7 @@ def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
         vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
         num_query_tokens=s.num_query_tokens, image_token_index=ids["image"],
     )
-    cfg.architectures = ["Blip2ForConditionalGeneration"]
-    for c in (cfg, cfg.text_config, cfg.vision_config, cfg.qformer_config):
-        c.dtype = s.dtype
-    return cfg
+    return finish_config(cfg, "Blip2ForConditionalGeneration", s.dtype)
 
 
 def blip2_config(preset: str = "tiny", **overrides: object) -> Blip2Config:
@@ -136,26 +126,20 @@ _TEXT_FFN = (("intermediate.dense.weight", "ffn_in"), ("intermediate.dense.bias"
 
 
 def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(checkpoint name, shape, kind) for every saved tensor, from a meta-device model (no memory used)."""
+    """(checkpoint name, shape, kind) for every saved tensor, from :func:`~mmserve.testing.writer.meta_tensors`."""
     from transformers import Blip2ForConditionalGeneration
 
-    with torch.device("meta"):
-        model = Blip2ForConditionalGeneration(config)
-    norms = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm):
-            norms.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
     specs = []
-    for name, t in model.state_dict().items():
+    for name, shape, is_norm in meta_tensors(Blip2ForConditionalGeneration, config):
         if name == "language_model.lm_head.weight":
             continue   # tied to the word embeddings: "hub" adds it back below
-        if name in norms:
+        if is_norm:
             kind = "norm_" + name.rsplit(".", 1)[1]
         elif name.endswith("self_attn.qkv.bias"):
             kind = "qv_bias"
         else:
             kind = "normal"
-        specs.append((name, tuple(t.shape), kind))
+        specs.append((name, shape, kind))
     if layout == "hub":
         specs.append(("language_model.lm_head.weight",
                       (config.text_config.vocab_size, config.text_config.hidden_size), "normal"))
@@ -209,21 +193,14 @@ def make_blip2_checkpoint(
     """
     from transformers import BlipImageProcessor, Blip2Processor
 
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     s = blip2_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    ids = token_ids(s)
     tok = build_bpe_tokenizer([], vocab_size=s.text_vocab)
     image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
     processor = Blip2Processor(image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens)
-    check_token_ids(tok, ids, {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
-
-    out = prepare_dir(out_dir)
-    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
+    check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
     dtype = getattr(torch, s.dtype)
-    write_sharded_weights(out, _param_specs(config, s, layout), lambda name: name, dtype, seed, max_shard_bytes,
-                          make_fn=lambda sp: _make(*sp, s, seed, dtype))
-    return out
+    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s, layout),
+                            lambda name: name, dtype, seed, max_shard_bytes,
+                            make_fn=lambda sp: _make(*sp, s, seed, dtype))

@@ -1,34 +1,27 @@
 """Random llava-hf style LLaVA-1.5 checkpoints (CLIP vision tower + Llama text model) written offline.
 
 Presets: "tiny" / "tiny-mha" for CPU tests and "llava-1.5-7b" (real shapes, random fp16) for benchmarks.
+LLaVA-NeXT and LLaVA-OneVision reuse its tokenizer, text / CLIP configs, tensor names and init stds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    round_up,
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
-    ParamSpec,
-    check_layout,
-    check_token_ids,
-    param_specs,
-    prepare_dir,
-    replace_sizes,
-    save_processor_and_config,
-    write_sharded_weights,
-)
+    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, ParamSpec, check_layout, check_token_ids, finish_config, param_specs,
+    replace_sizes, round_up, write_checkpoint)
 
 if TYPE_CHECKING:
-    from transformers import LlavaConfig, PreTrainedTokenizerFast
+    from transformers import CLIPVisionConfig, LlavaConfig, PreTrainedConfig, PreTrainedTokenizerFast
+
+    from mmserve.testing.llava_next import LlavaNextSizes
+    from mmserve.testing.llava_onevision import LlavaOnevisionSizes
 
 IMAGE_TOKEN = "<image>"
 # llava-1.5 prompt format: images of a user turn first (one "<image>\n" each), then its text.
@@ -123,47 +116,48 @@ def image_tokens_per_image(s: LlavaSizes) -> int:
     return n if s.vision_feature_select_strategy == "default" else n + 1
 
 
-def token_ids(s: LlavaSizes) -> dict[str, int]:
-    """Ids fixed by :func:`build_bpe_tokenizer`'s layout: unk, bos, eos first; image, pad after the base vocab."""
-    return _ids_after(s.text_vocab)
+def llava_token_ids(text_vocab: int) -> dict[str, int]:
+    """Ids of the llava tokenizer: unk, bos, eos first; image, pad right after the ``text_vocab`` base ids."""
+    return bpe_token_ids(text_vocab, ("image", "pad"))
 
 
-def _ids_after(text_vocab: int) -> dict[str, int]:
-    return {"unk": 0, "bos": 1, "eos": 2, "image": text_vocab, "pad": text_vocab + 1}
-
-
-def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    ids = token_ids(s)
-    n_tok = s.text_vocab + 2
-    vocab = round_up(n_tok, s.vocab_multiple)
-    text = LlamaConfig(
-        vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,
-        head_dim=s.text_hidden // s.text_heads, max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        initializer_range=s.text_init_std, tie_word_embeddings=False,
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+def llama_text_kwargs(s: LlavaSizes | LlavaNextSizes) -> dict[str, object]:
+    """LlamaConfig / MistralConfig keywords of the text model: vocab = the tokenizer's, rounded up to
+    ``vocab_multiple``; special ids of :func:`llava_token_ids`; shared with LLaVA-NeXT."""
+    ids = llava_token_ids(s.text_vocab)
+    return dict(
+        vocab_size=round_up(s.text_vocab + 2, s.vocab_multiple), hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate, num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads, head_dim=s.text_hidden // s.text_heads,
+        max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
+        tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
     )
-    vision = CLIPVisionConfig(
+
+
+def clip_vision_config(s: LlavaSizes | LlavaNextSizes) -> CLIPVisionConfig:
+    """The CLIP vision tower's config; shared with LLaVA-NeXT."""
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
         hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
         num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
         projection_dim=s.vision_projection_dim, hidden_act=s.vision_act, layer_norm_eps=1e-5,
         initializer_range=s.vision_init_std,
     )
+
+
+def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
+    from transformers import LlamaConfig, LlavaConfig
+
     layer = s.vision_feature_layer
     cfg = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=ids["image"],
-        image_seq_length=image_tokens_per_image(s), projector_hidden_act=s.projector_act,
-        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_config=clip_vision_config(s), text_config=LlamaConfig(**llama_text_kwargs(s)),
+        image_token_index=llava_token_ids(s.text_vocab)["image"], image_seq_length=image_tokens_per_image(s),
+        projector_hidden_act=s.projector_act, vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
         vision_feature_select_strategy=s.vision_feature_select_strategy, tie_word_embeddings=False,
     )
-    cfg.architectures = ["LlavaForConditionalGeneration"]
-    cfg.dtype = s.dtype
-    text.dtype = s.dtype
-    vision.dtype = s.dtype
-    return cfg
+    return finish_config(cfg, "LlavaForConditionalGeneration", s.dtype)
 
 
 def llava_config(preset: str = "tiny", **overrides: object) -> LlavaConfig:
@@ -189,32 +183,24 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     raise ValueError(f"unexpected llava parameter {name!r}")
 
 
-def llava_std_of(text_hidden: int, vision_init_std: float, text_init_std: float) -> Callable[[str], float]:
-    """Init std by parameter name for the llava families: vision_init_std for the vision tower,
-    1/sqrt(text_hidden) for LLaVA-NeXT/OneVision's image_newline (as HF inits it), text_init_std otherwise."""
+def llava_param_specs(model_cls: type, config: PreTrainedConfig,
+                      s: LlavaSizes | LlavaNextSizes | LlavaOnevisionSizes) -> list[ParamSpec]:
+    """:func:`~mmserve.testing.writer.param_specs` of the llava families. Init std: vision_init_std for
+    the vision tower, 1/sqrt(text_hidden) for LLaVA-NeXT/OneVision's image_newline (as HF inits it),
+    text_init_std otherwise."""
     def std_of(name: str) -> float:
         if name == "model.image_newline":
-            return 1 / math.sqrt(text_hidden)
-        return vision_init_std if name.startswith("model.vision_tower.") else text_init_std
+            return 1 / math.sqrt(s.text_hidden)
+        return s.vision_init_std if name.startswith("model.vision_tower.") else s.text_init_std
 
-    return std_of
-
-
-def _param_specs(config: LlavaConfig, s: LlavaSizes) -> list[ParamSpec]:
-    """(name, shape, kind, std) for every saved tensor, from a meta-device model (no memory used)."""
-    from transformers import LlavaForConditionalGeneration
-
-    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
-    return param_specs(LlavaForConditionalGeneration, config, std_of)
+    return param_specs(model_cls, config, std_of)
 
 
 def build_llava_tokenizer(text_vocab: int, model_vocab: int, chat_template: str) -> PreTrainedTokenizerFast:
-    """The small BPE with ``<image>``, ``<pad>`` after ``text_vocab`` base ids (the ids of :func:`token_ids`)
+    """The small BPE with ``<image>``, ``<pad>`` after ``text_vocab`` base ids (the ids of :func:`llava_token_ids`)
     and ``chat_template`` (its ``__EOS__`` replaced by the EOS token) set; shared with LLaVA-NeXT."""
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
     tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
-    check_token_ids(tok, _ids_after(text_vocab), {"image": IMAGE_TOKEN}, model_vocab)
+    check_token_ids(tok, llava_token_ids(text_vocab), {"image": IMAGE_TOKEN}, model_vocab)
     tok.chat_template = chat_template.replace("__EOS__", tok.eos_token)
     return tok
 
@@ -239,14 +225,12 @@ def make_llava_checkpoint(
     BPE; for "llava-1.5-7b" it is padded with unreachable filler tokens to 32000 base ids so that
     ``<image>`` = 32000, ``<pad>`` = 32001 and the model vocab (32064) exceed the tokenizer as in llava-hf.
     """
-    from transformers import CLIPImageProcessor, LlavaProcessor
+    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
 
     check_layout(layout)
     s = llava_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    ids = token_ids(s)
     tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
-    out = prepare_dir(out_dir)
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
         do_center_crop=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
@@ -257,7 +241,6 @@ def make_llava_checkpoint(
         vision_feature_select_strategy=s.vision_feature_select_strategy, num_additional_image_tokens=1,
         chat_template=tok.chat_template,
     )
-    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
-    write_sharded_weights(out, _param_specs(config, s), lambda n: checkpoint_key(n, layout), s.dtype, seed,
-                          max_shard_bytes)
-    return out
+    specs = llava_param_specs(LlavaForConditionalGeneration, config, s)
+    return write_checkpoint(out_dir, config, processor, image_processor, specs, lambda n: checkpoint_key(n, layout),
+                            s.dtype, seed, max_shard_bytes)

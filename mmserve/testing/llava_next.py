@@ -11,24 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.llava import build_llava_tokenizer, checkpoint_key, llava_std_of
+from mmserve.testing.llava import (
+    build_llava_tokenizer, checkpoint_key, clip_vision_config, llama_text_kwargs, llava_param_specs, llava_token_ids)
 from mmserve.testing.writer import (
-    round_up,
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
-    check_layout,
-    param_specs,
-    prepare_dir,
-    replace_sizes,
-    save_processor_and_config,
-    write_sharded_weights,
-)
+    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, check_layout, finish_config, replace_sizes, write_checkpoint)
 
 if TYPE_CHECKING:
     from transformers import LlavaNextConfig
-
-IMAGE_TOKEN = "<image>"
 
 # llava-v1.6-mistral prompt format: "[INST] <image>\nWhat is shown? [/INST]" (BOS comes from the tokenizer)
 CHAT_TEMPLATE = (
@@ -119,46 +108,24 @@ def llava_next_sizes(preset: str = "tiny", **overrides: object) -> LlavaNextSize
     return replace_sizes(PRESETS, preset, "llava_next", overrides)
 
 
-def token_ids(s: LlavaNextSizes) -> dict[str, int]:
-    return {"unk": 0, "bos": 1, "eos": 2, "image": s.text_vocab, "pad": s.text_vocab + 1}
-
-
 def _config_from_sizes(s: LlavaNextSizes) -> LlavaNextConfig:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, MistralConfig
+    from transformers import LlamaConfig, LlavaNextConfig, MistralConfig
 
-    ids = token_ids(s)
-    vocab = round_up(s.text_vocab + 2, s.vocab_multiple)
-    common = dict(
-        vocab_size=vocab, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,
-        head_dim=s.text_hidden // s.text_heads, max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
-        tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
-    )
     if s.text_model == "mistral":
-        text = MistralConfig(sliding_window=None, **common)
+        text = MistralConfig(sliding_window=None, **llama_text_kwargs(s))
     elif s.text_model == "llama":
-        text = LlamaConfig(**common)
+        text = LlamaConfig(**llama_text_kwargs(s))
     else:
         raise ValueError(f"text_model must be 'mistral' or 'llama', got {s.text_model!r}")
-    vision = CLIPVisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
-        projection_dim=s.vision_projection_dim, hidden_act=s.vision_act, layer_norm_eps=1e-5,
-        initializer_range=s.vision_init_std,
-    )
     layer = s.vision_feature_layer
     cfg = LlavaNextConfig(
-        vision_config=vision, text_config=text, image_token_index=ids["image"],
+        vision_config=clip_vision_config(s), text_config=text, image_token_index=llava_token_ids(s.text_vocab)["image"],
         image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], projector_hidden_act=s.projector_act,
         vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
         vision_feature_select_strategy="default", image_seq_length=(s.image_size // s.patch_size) ** 2,
         tie_word_embeddings=False,
     )
-    cfg.architectures = ["LlavaNextForConditionalGeneration"]
-    for c in (cfg, text, vision):
-        c.dtype = s.dtype
-    return cfg
+    return finish_config(cfg, "LlavaNextForConditionalGeneration", s.dtype)
 
 
 def llava_next_config(preset: str = "tiny", **overrides: object) -> LlavaNextConfig:
@@ -195,9 +162,7 @@ def make_llava_next_checkpoint(
     check_layout(layout)
     s = llava_next_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    ids = token_ids(s)
     tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
-    out = prepare_dir(out_dir)
     image_processor = LlavaNextImageProcessor(
         size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
         image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=CLIP_MEAN, image_std=CLIP_STD,
@@ -207,8 +172,6 @@ def make_llava_next_checkpoint(
         image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
         vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=tok.chat_template,
     )
-    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
-    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
-    specs = param_specs(LlavaNextForConditionalGeneration, config, std_of)
-    write_sharded_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
-    return out
+    specs = llava_param_specs(LlavaNextForConditionalGeneration, config, s)
+    return write_checkpoint(out_dir, config, processor, image_processor, specs,
+                            lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)

@@ -11,19 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.llava import llava_std_of
+from mmserve.testing.llava import llava_param_specs
 from mmserve.testing.llava_next import next_checkpoint_key
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    round_up,
-    DEFAULT_MAX_SHARD_BYTES,
-    check_layout,
-    check_token_ids,
-    param_specs,
-    prepare_dir,
-    replace_sizes,
-    save_processor_and_config,
-    write_sharded_weights,
-)
+    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, replace_sizes, round_up, write_checkpoint)
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig
@@ -109,8 +101,7 @@ def llava_onevision_sizes(preset: str = "tiny", **overrides: object) -> LlavaOne
 
 
 def token_ids(s: LlavaOnevisionSizes) -> dict[str, int]:
-    v = s.text_vocab
-    return {"unk": 0, "bos": 1, "eos": 2, "image": v, "video": v + 1, "im_start": v + 2, "pad": v + 3}
+    return bpe_token_ids(s.text_vocab, ("image", "video", "im_start", "pad"))
 
 
 def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
@@ -140,10 +131,7 @@ def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
         projector_hidden_act=s.projector_act, vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
         vision_feature_select_strategy="full", tie_word_embeddings=s.tie_word_embeddings,
     )
-    cfg.architectures = ["LlavaOnevisionForConditionalGeneration"]
-    for c in (cfg, text, vision):
-        c.dtype = s.dtype
-    return cfg
+    return finish_config(cfg, "LlavaOnevisionForConditionalGeneration", s.dtype)
 
 
 def llava_onevision_config(preset: str = "tiny", **overrides: object) -> LlavaOnevisionConfig:
@@ -174,18 +162,13 @@ def make_llava_onevision_checkpoint(
         LlavaOnevisionVideoProcessor,
     )
 
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
     check_layout(layout)
     s = llava_onevision_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    ids = token_ids(s)
     tok = build_bpe_tokenizer([IMAGE_TOKEN, VIDEO_TOKEN, IM_START], vocab_size=s.text_vocab, bos="<|endoftext|>",
                               eos=IM_END, extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN})
-    check_token_ids(tok, ids, {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN, "im_start": IM_START},
+    check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN, "im_start": IM_START},
                     config.text_config.vocab_size)
-
-    out = prepare_dir(out_dir)
     tok.chat_template = CHAT_TEMPLATE
     size = {"height": s.image_size, "width": s.image_size}
     image_processor = LlavaOnevisionImageProcessor(
@@ -198,8 +181,6 @@ def make_llava_onevision_checkpoint(
         num_image_tokens=(s.image_size // s.patch_size) ** 2, vision_feature_select_strategy="full",
         vision_aspect_ratio=s.vision_aspect_ratio, chat_template=CHAT_TEMPLATE,
     )
-    save_processor_and_config(out, processor, image_processor, config, ids["bos"], ids["eos"], ids["pad"])
-    std_of = llava_std_of(s.text_hidden, s.vision_init_std, s.text_init_std)
-    specs = param_specs(LlavaOnevisionForConditionalGeneration, config, std_of)
-    write_sharded_weights(out, specs, lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
-    return out
+    specs = llava_param_specs(LlavaOnevisionForConditionalGeneration, config, s)
+    return write_checkpoint(out_dir, config, processor, image_processor, specs,
+                            lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)

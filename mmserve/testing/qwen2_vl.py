@@ -11,19 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    round_up,
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
-    ParamSpec,
-    check_layout,
-    param_specs,
-    prepare_dir,
-    replace_sizes,
-    save_processor_and_config,
-    write_sharded_weights,
-)
+    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, ParamSpec, check_layout, check_token_ids, finish_config, param_specs,
+    replace_sizes, round_up, write_checkpoint)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen2VLConfig
@@ -164,12 +155,11 @@ def _config_from_sizes(s: Qwen2VLSizes) -> Qwen2VLConfig:
         max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps, initializer_range=s.text_init_std,
         rope_parameters={"rope_type": "mrope", "mrope_section": list(s.mrope_section), "rope_theta": s.rope_theta},
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-        dtype=s.dtype,
     )
     vision = dict(
         depth=s.vision_depth, num_heads=s.vision_heads, hidden_act=s.vision_act, patch_size=s.patch_size,
         temporal_patch_size=s.temporal_patch_size, spatial_merge_size=s.merge_size,
-        initializer_range=s.vision_init_std, dtype=s.dtype,
+        initializer_range=s.vision_init_std,
     )
     if s.version == "2":
         vision.update(embed_dim=s.vision_embed, hidden_size=s.text_hidden, mlp_ratio=s.vision_mlp_ratio)
@@ -183,9 +173,7 @@ def _config_from_sizes(s: Qwen2VLSizes) -> Qwen2VLConfig:
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=s.tie_word_embeddings,
     )
-    cfg.architectures = [arch]
-    cfg.dtype = s.dtype
-    return cfg
+    return finish_config(cfg, arch, s.dtype)
 
 
 def qwen2_vl_config(preset: str = "tiny", **overrides: object) -> Qwen2VLConfig:
@@ -222,14 +210,11 @@ def _param_specs(config: Qwen2VLConfig, s: Qwen2VLSizes) -> list[ParamSpec]:
 def _build_tokenizer(s: Qwen2VLSizes) -> PreTrainedTokenizerFast:
     from tokenizers import processors
 
-    from mmserve.testing.tokenizer import build_bpe_tokenizer
-
     tok = build_bpe_tokenizer(SPECIAL_TOKENS, vocab_size=s.text_vocab, pad="<|endoftext|>",
                               extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # Qwen2 adds no BOS
     tok.eos_token = "<|im_end|>"
-    got = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    assert got == token_ids(s) and len(tok) <= _model_vocab(s), (got, len(tok))
+    check_token_ids(tok, token_ids(s), {t: t for t in SPECIAL_TOKENS}, _model_vocab(s))
     return tok
 
 
@@ -261,8 +246,6 @@ def make_qwen2_vl_checkpoint(
     config = _config_from_sizes(s)
     tok = _build_tokenizer(s)
     tok.chat_template = CHAT_TEMPLATE
-
-    out = prepare_dir(out_dir)
     common = dict(patch_size=s.patch_size, temporal_patch_size=s.temporal_patch_size, merge_size=s.merge_size,
                   image_mean=CLIP_MEAN, image_std=CLIP_STD)
     image_processor = Qwen2VLImageProcessor(min_pixels=s.min_pixels, max_pixels=s.max_pixels, **common)
@@ -271,9 +254,5 @@ def make_qwen2_vl_checkpoint(
     processor_cls = getattr(transformers, VERSIONS[s.version][2])
     processor = processor_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                               chat_template=CHAT_TEMPLATE)
-    ids = token_ids(s)
-    save_processor_and_config(out, processor, image_processor, config, ids["<|endoftext|>"], ids["<|im_end|>"],
-                              ids["<|endoftext|>"])
-    write_sharded_weights(out, _param_specs(config, s), lambda n: checkpoint_key(n, layout), s.dtype, seed,
-                          max_shard_bytes)
-    return out
+    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s),
+                            lambda n: checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)

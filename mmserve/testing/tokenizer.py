@@ -116,6 +116,12 @@ def build_bpe_tokenizer(
     )
 
 
+def bpe_token_ids(vocab_size: int, after: tuple[str, ...]) -> dict[str, int]:
+    """Ids of :func:`build_bpe_tokenizer`'s layout by name: unk, bos, eos = 0, 1, 2, then the tokens
+    named ``after``, in order, from ``vocab_size`` on."""
+    return {"unk": 0, "bos": 1, "eos": 2, **{name: vocab_size + i for i, name in enumerate(after)}}
+
+
 def _pad_vocab(tok: Tokenizer, vocab_size: int) -> Tokenizer:
     """Append unreachable filler entries to the BPE vocab (no merges produce them)."""
     spec = json.loads(tok.to_str())

@@ -1,8 +1,9 @@
 """Shared pieces of the random-checkpoint writers in :mod:`mmserve.testing`.
 
 Every family (llava, llava_next, llava_onevision, qwen2_vl, blip2) builds a list of parameter specs
-``(name, shape, kind, std)`` from a meta-device transformers model and streams seeded random tensors
-into (sharded) safetensors files with :func:`write_sharded_weights`, one tensor in RAM at a time.
+``(name, shape, kind, std)`` from a meta-device transformers model and writes its checkpoint with
+:func:`write_checkpoint`, which streams seeded random tensors into (sharded) safetensors files with
+:func:`write_sharded_weights`, one tensor in RAM at a time.
 A tensor's values depend only on its canonical name and the seed, never on layout or write order.
 """
 
@@ -32,6 +33,7 @@ ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # (name, shape, kind, std): kind is "normal" (N(0, std)), "ones" or "zeros"
 ParamSpec = tuple[str, tuple[int, ...], str, float]
 SizesT = TypeVar("SizesT")
+ConfigT = TypeVar("ConfigT", bound="PreTrainedConfig")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -126,29 +128,35 @@ def write_sharded_weights(
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def param_specs(model_cls: type, config: PreTrainedConfig, std_of: Callable[[str], float],
-                random_bias: Callable[[str], bool] = lambda name: False) -> list[ParamSpec]:
-    """(name, shape, kind, std) of every saved tensor, from a meta-device model (no memory used).
-
-    Norm scales are ones and norm shifts zeros; other biases are zeros unless ``random_bias(name)``;
-    the rest is N(0, ``std_of(name)``). A tied ``lm_head.weight`` is not saved.
-    """
+def meta_tensors(model_cls: type, config: PreTrainedConfig) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, is a norm's parameter) of every tensor in the state dict of ``model_cls(config)``,
+    built on the meta device (no memory used)."""
     with torch.device("meta"):
         model = model_cls(config)
     norm_params = set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
             norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
+    return [(name, tuple(t.shape), name in norm_params) for name, t in model.state_dict().items()]
+
+
+def param_specs(model_cls: type, config: PreTrainedConfig, std_of: Callable[[str], float],
+                random_bias: Callable[[str], bool] = lambda name: False) -> list[ParamSpec]:
+    """(name, shape, kind, std) of every saved tensor, from :func:`meta_tensors`.
+
+    Norm scales are ones and norm shifts zeros; other biases are zeros unless ``random_bias(name)``;
+    the rest is N(0, ``std_of(name)``). A tied ``lm_head.weight`` is not saved.
+    """
     tied = getattr(config, "tie_word_embeddings", False)
     specs = []
-    for name, t in model.state_dict().items():
+    for name, shape, is_norm in meta_tensors(model_cls, config):
         if tied and name == "lm_head.weight":
             continue
-        if name in norm_params:
+        if is_norm:
             kind = "zeros" if name.endswith(".bias") else "ones"
         else:
             kind = "zeros" if name.endswith(".bias") and not random_bias(name) else "normal"
-        specs.append((name, tuple(t.shape), kind, std_of(name)))
+        specs.append((name, shape, kind, std_of(name)))
     return specs
 
 
@@ -184,25 +192,36 @@ def check_token_ids(tok: PreTrainedTokenizerBase, expected: dict[str, int], toke
     assert got == expected and len(tok) <= model_vocab, (got, expected, len(tok))
 
 
-def prepare_dir(out_dir: str | Path) -> Path:
-    """Create ``out_dir`` and delete weight files of an earlier build in it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    return out
+def finish_config(config: ConfigT, architecture: str, dtype: str) -> ConfigT:
+    """Name the model class in ``config`` and set ``dtype`` on it and on each of its sub-configs."""
+    config.architectures = [architecture]
+    for c in (config, *(getattr(config, key) for key in config.sub_configs)):
+        c.dtype = dtype
+    return config
 
 
-def save_processor_and_config(out: Path, processor: Any, image_processor: Any, config: PreTrainedConfig,
-                              bos: int, eos: int, pad: int) -> None:
-    """Save the processor, the standalone image processor, the config and a GenerationConfig into ``out``.
+def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: Any, image_processor: Any,
+                     specs: Sequence[tuple[Any, ...]], key_fn: Callable[[str], str], dtype: torch.dtype | str,
+                     seed: int, max_shard_bytes: int,
+                     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None) -> Path:
+    """Write a whole checkpoint into ``out_dir`` (created if missing) and return its path.
 
+    Saved: the processor, the standalone image processor, the config, a GenerationConfig with the
+    text model's special ids, and the weights of ``specs`` (see :func:`write_sharded_weights`).
     transformers 5 nests the image processor in processor_config.json; the standalone
     preprocessor_config.json is what published repos (and non-transformers loaders) have.
     """
     from transformers import GenerationConfig
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
     processor.save_pretrained(out)
     image_processor.save_pretrained(out)
     config.save_pretrained(out)
-    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    text = config.get_text_config()
+    GenerationConfig(bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
+                     pad_token_id=text.pad_token_id).save_pretrained(out)
+    write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn)
+    return out
