@@ -61,6 +61,13 @@ class IncrementalDetokenizer:
         self.token_ids.append(int(token_id))
         return self._advance(self._decode_step(final=False))
 
+    def extend(self, token_ids: list[int]) -> None:
+        """Append ids without decoding them: for a caller that reads `.text` only after flush() and has no stop
+        strings (flush() then decodes the whole window at once, the same text as pushing them one by one)."""
+        if self._finished or self._stops:
+            raise RuntimeError("extend() needs an unfinished detokenizer without stop strings")
+        self.token_ids += token_ids
+
     def check_stop(self) -> str | None:
         """The stop string that matched (`.text` is already truncated accordingly), else None."""
         return self._stop_match

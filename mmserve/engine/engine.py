@@ -237,7 +237,8 @@ class Engine:
     def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
         if req.request_id in result.generation_logits:
             req.generation_logits.append(result.generation_logits[req.request_id])
-        self._detok[req.request_id].push(token)
+        if req.stream or req.params.stop:   # otherwise the text is decoded once, when the request finishes
+            self._detok[req.request_id].push(token)
         if req.params.logprobs is not None and req.request_id in result.logprobs:
             lp = result.logprobs[req.request_id]
             req.cumulative_logprob += lp
@@ -284,6 +285,8 @@ class Engine:
         """The final output (held-back text released), then forget the request."""
         detok = self._detok[req.request_id]
         if not detok.finished:
+            if not (req.stream or req.params.stop):   # tokens not pushed one by one (_append_token)
+                detok.extend(req.output_token_ids[len(detok.token_ids):req.num_known_output_tokens])
             detok.flush()
         req.drop_pending()
         out = self._make_output(req)

@@ -178,3 +178,25 @@ def test_preprocessing_makes_the_block_hashes_once_per_exact_repeat(tiny_llava_d
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.usage == 0 and hashes == chain_block_hashes(first.prompt_token_ids, first.mm_items, 8)
+
+
+def test_offline_text_decoded_at_the_end_equals_the_streamed_text(tiny_llava_dir):
+    """LLM.generate's requests (not streamed, no stop strings) skip per-token detokenization and decode their ids
+    once when they finish; the text is what a streamed request of the same prompt shows."""
+    llm = _llm(tiny_llava_dir, True)
+    prompts = _prompts(5)
+    params = [SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True, skip_special_tokens=i % 2 == 0)
+              for i in range(5)]
+    offline = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", prompt, p)
+    streamed = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] = out
+    for i, out in enumerate(offline):
+        ids = out.outputs[0].token_ids
+        assert ids == streamed[f"s{i}"].outputs[0].token_ids
+        assert out.outputs[0].text == streamed[f"s{i}"].outputs[0].text
+        assert out.outputs[0].text == llm.engine.tokenizer.decode(ids, skip_special_tokens=params[i].skip_special_tokens)

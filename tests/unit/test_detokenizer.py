@@ -86,6 +86,23 @@ def test_matches_full_decode_for_random_ids(tok, skip_special: bool):
         assert det.check_stop() is None and det.finished
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_extend_then_flush_gives_the_streamed_text(tok, skip_special: bool):
+    """The engine's offline batches (no streaming, no stop strings) add ids without decoding them and decode once
+    at the end: the same text as one push per id."""
+    rng = random.Random(5)
+    params = SamplingParams(skip_special_tokens=skip_special)
+    for _ in range(100):
+        ids = chunked_ids(tok, MULTI_BYTE, rng)[: rng.randint(1, 40)] + [rng.randrange(len(tok))]
+        det = IncrementalDetokenizer(tok, [], params)
+        det.push(ids[0])
+        det.extend(ids[1:])
+        det.flush()
+        assert det.text == stream(tok, ids, params)[0].text == tok.decode(ids, skip_special_tokens=skip_special)
+    with pytest.raises(RuntimeError):
+        IncrementalDetokenizer(tok, [], SamplingParams(stop=["x"])).extend([1])
+
+
 def test_no_replacement_char_in_deltas_for_split_characters(tok):
     rng = random.Random(1)
     texts = [MULTI_BYTE, "日本語", "🎉🙂🚀", "café crème brûlée", "Καλημέρα 日本 🙂 ok"]
