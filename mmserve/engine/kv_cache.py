@@ -149,6 +149,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[KVBlock]] = {}
+        # the same tables as block ids, kept alongside: a step reads every running request's ids (block_ids)
+        self._ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -162,7 +164,9 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """The request's block ids in order. The list itself, not a copy: it grows as the request does, and a
+        launched step has read what it needs from it (ModelRunner.launch) before the next allocation."""
+        return self._ids.get(request_id, [])
 
     def _extend_hashes(self, req: Request) -> None:
         """Append hashes for every full block of req's known tokens not hashed yet."""
@@ -214,9 +218,9 @@ class KVCacheManager:
                 del self._tables[req.request_id]
             return False
         self.pool.touch(computed_blocks)
-        table.extend(computed_blocks)
-        if num_new_blocks > 0:
-            table.extend(self.pool.take(num_new_blocks))
+        new = computed_blocks + (self.pool.take(num_new_blocks) if num_new_blocks > 0 else [])
+        table.extend(new)
+        self._ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
         self._num_registered.setdefault(req.request_id, len(computed_blocks))
         return True
 
@@ -235,6 +239,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release all of req's blocks; the tail goes first into the LRU so prefixes outlive suffixes."""
         table = self._tables.pop(req.request_id, [])
+        self._ids.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
         self.pool.release(list(reversed(table)))
 

@@ -143,3 +143,22 @@ def test_chain_block_hashes_match_block_by_block_hashing():
     assert chain_block_hashes(tokens[4:], [item], 4, first_block=1, parent=want[0]) == want[1:]
     KVCacheManager(16, 4)._extend_hashes(req)   # noqa: SLF001
     assert req.block_hashes == want
+
+
+def test_block_ids_follow_the_block_table_through_hits_growth_failures_and_free():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", list(range(9)))
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)
+    ids = kv.block_ids("a")
+    assert ids == [b.block_id for b in kv._tables["a"]] and len(ids) == 3   # noqa: SLF001
+    assert kv.allocate_slots(a, 4) and kv.block_ids("a") is ids and len(ids) == 4   # grown in place, no copy
+    b = _req("b", list(range(9)) + [50, 51])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and kv.allocate_slots(b, 3, hits)
+    assert kv.block_ids("b")[:2] == ids[:2] and kv.block_ids("b") == [x.block_id for x in kv._tables["b"]]  # noqa: SLF001
+    c = _req("c", list(range(100, 130)))
+    assert not kv.allocate_slots(c, 30) and kv.block_ids("c") == []   # too few blocks: nothing changes
+    kv.free(a)
+    assert kv.block_ids("a") == [] and len(ids) == 4   # a step that kept the list still reads what it had
