@@ -149,6 +149,11 @@ class SamplingBatch:
         params[i].seed is set."""
         device = torch.device(device)
         num_rows = len(params)
+        if all(_plain_greedy(p, out, bad) for p, out, bad in zip(params, output_token_ids, bad_words_ids)):
+            return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=True, greedy=None,
+                       temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None, mask_rows=None,
+                       mask_ids=None, prompt_ids=None, output_ids=None, repetition_penalty=None,
+                       presence_penalty=None, frequency_penalty=None)
         greedy = [p.greedy or p.temperature < _TEMP_EPS for p in params]
         all_greedy = all(greedy)
 
@@ -218,6 +223,14 @@ class SamplingBatch:
         )
 
 
+def _plain_greedy(p: SamplingParams, output_token_ids: list[int], bad_words: list[list[int]]) -> bool:
+    """A row that takes the argmax of its logits as they are: greedy, no penalty, no id to mask, no logprobs (the
+    common batch, which SamplingBatch.build then makes without its per-row lists)."""
+    return ((p.greedy or p.temperature < _TEMP_EPS) and not bad_words and len(output_token_ids) >= p.min_tokens
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.logprobs is None)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                   # [B] int64, the sampled ids
@@ -231,6 +244,9 @@ class Sampler:
     """Stateless: turns logits [B, V] into one token per row following SamplingBatch (see module doc)."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None:
+            # widening to fp32 is exact, so the argmax of the logits as they are is the same id, without a copy
+            return SamplerOutput(token_ids=logits[:, :batch.vocab_size].argmax(dim=-1))
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         if logits.shape[1] > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")

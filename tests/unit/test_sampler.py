@@ -61,6 +61,25 @@ def test_all_greedy_half_precision_and_padded_vocab():
     assert out.token_ids.tolist() == [3, 6]
 
 
+def test_plain_greedy_batches_skip_the_per_row_lists_and_the_fp32_copy():
+    """A batch of plain greedy rows is built without the per-row lists and sampled by an argmax of the logits
+    as given; any row with something to apply (a penalty, a pending min_tokens, logprobs) takes the full path."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40, dtype=torch.float16) * 4
+    logits[:, 37:] = 100.0   # padded lm_head columns beyond the vocabulary
+    plain = [SamplingParams(temperature=0.0, max_tokens=5), SamplingParams(temperature=1e-9),
+             SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])] + [SamplingParams(temperature=0.0)] * 2
+    outputs = [[1], [], [7, 8], [], [2, 2, 2]]   # row 2 has reached min_tokens
+    batch = make_batch(plain, 37, outputs=outputs)
+    assert batch.all_greedy and batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None
+    out = Sampler()(logits, batch)
+    assert out.token_ids.tolist() == logits.float()[:, :37].argmax(-1).tolist()
+    for odd in (SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[5]),
+                SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, logprobs=2)):
+        mixed = make_batch(plain[:4] + [odd], 37, outputs=outputs)
+        assert mixed.mask_rows is not None or mixed.has_penalties or mixed.max_num_logprobs is not None
+
+
 def test_no_optional_tensors_without_need():
     batch = make_batch([SamplingParams(), SamplingParams(temperature=0.0)], 16)
     assert batch.temperature is None and batch.top_k is None and batch.top_p is None and batch.min_p is None
