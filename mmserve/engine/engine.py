@@ -266,18 +266,20 @@ class Engine:
     # ---- outputs -------------------------------------------------------------------------
     def _make_output(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
+        finished, params = req.finished, req.params   # read once: a streamed step makes one per request
+        logprobs = params.logprobs is not None
         completion = CompletionOutput(
             index=0, text=detok.text, token_ids=req.output_token_ids[:req.num_known_output_tokens],
-            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
-            finish_reason=req.status.value if req.finished else None,
+            cumulative_logprob=req.cumulative_logprob if logprobs else None,
+            logprobs=list(req.output_logprobs) if logprobs else None,
+            finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 time.time() if req.finished else None, req.num_cached_tokens)
-        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, metrics)
-        if req.finished and req.params.return_context_logits and req.context_logits:
+                                 time.time() if finished else None, req.num_cached_tokens)
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
+        if finished and params.return_context_logits and req.context_logits:
             out.context_logits = torch.cat(req.context_logits)        # [P, V] fp32
-        if req.finished and req.params.return_generation_logits and req.generation_logits:
+        if finished and params.return_generation_logits and req.generation_logits:
             out.generation_logits = torch.stack(req.generation_logits)   # [G, V] fp32
         return out
 

@@ -28,10 +28,10 @@ class ScheduledRequest:
     num_tokens: int
     block_ids: list[int]
     samples: bool = False   # the chunk reaches the request's last token, so a new token is sampled
+    end: int = field(init=False)   # start + num_tokens: a field, read several times per request per step
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    def __post_init__(self) -> None:
+        self.end = self.start + self.num_tokens
 
 
 @dataclass
