@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.5   # host time of one step above which it is logged
 
 
+def _decodes_per_token(req: Request) -> bool:
+    """Streamed requests and those with stop strings need their text as each token arrives; the rest (offline
+    batches) decode it once, when they finish."""
+    return req.stream or bool(req.params.stop)
+
+
 class EngineOverloaded(RuntimeError):
     """Too many requests are waiting; callers should retry later (HTTP 503)."""
 
@@ -237,7 +243,7 @@ class Engine:
     def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
         if req.request_id in result.generation_logits:
             req.generation_logits.append(result.generation_logits[req.request_id])
-        if req.stream or req.params.stop:   # otherwise the text is decoded once, when the request finishes
+        if _decodes_per_token(req):
             self._detok[req.request_id].push(token)
         if req.params.logprobs is not None and req.request_id in result.logprobs:
             lp = result.logprobs[req.request_id]
@@ -287,7 +293,7 @@ class Engine:
         """The final output (held-back text released), then forget the request."""
         detok = self._detok[req.request_id]
         if not detok.finished:
-            if not (req.stream or req.params.stop):   # tokens not pushed one by one (_append_token)
+            if not _decodes_per_token(req):   # its tokens were not pushed one by one (_append_token)
                 detok.extend(req.output_token_ids[len(detok.token_ids):req.num_known_output_tokens])
             detok.flush()
         req.drop_pending()

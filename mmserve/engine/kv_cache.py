@@ -28,12 +28,9 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[t
     """sha256 digest of a full block: its parent block's digest (None for the first block), its token ids
     and, for each media item with placeholders in it, (content hash, index of the item's first placeholder
     that falls in this block). Every field is length-prefixed, so no two inputs share a byte stream."""
-    return _hash_block_bytes(parent, array("q", token_ids).tobytes(), media)
-
-
-def _hash_block_bytes(parent: bytes | None, ids: bytes, media: Sequence[tuple[str, int]]) -> bytes:
     h = _BLOCK_HASH_SEED.copy()
     h.update(parent if parent is not None else b"\0" * 32)
+    ids = array("q", token_ids).tobytes()
     h.update(len(ids).to_bytes(8, "little"))
     h.update(ids)
     for content_hash, offset in media:
@@ -49,15 +46,13 @@ def chain_block_hashes(token_ids: Sequence[int], mm_items: Sequence, block_size:
     """hash_block of full blocks first_block, first_block + 1, ... of a sequence whose tokens from position
     first_block * block_size on are token_ids, chained from `parent` (the digest of block first_block - 1).
     mm_items: the sequence's media items (offset, end, content_hash), sorted by offset."""
-    ids = array("q", token_ids).tobytes()
-    width = 8 * block_size
     out = []
     for i in range(len(token_ids) // block_size):
         start = (first_block + i) * block_size
         end = start + block_size
         media = [(m.content_hash, max(start, m.offset) - m.offset) for m in mm_items
                  if m.offset < end and m.end > start]
-        parent = _hash_block_bytes(parent, ids[i * width:(i + 1) * width], media)
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], media)
         out.append(parent)
     return out
 

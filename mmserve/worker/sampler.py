@@ -154,7 +154,7 @@ class SamplingBatch:
                        temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None, mask_rows=None,
                        mask_ids=None, prompt_ids=None, output_ids=None, repetition_penalty=None,
                        presence_penalty=None, frequency_penalty=None)
-        greedy = [p.greedy or p.temperature < _TEMP_EPS for p in params]
+        greedy = [_is_greedy(p) for p in params]
         all_greedy = all(greedy)
 
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
@@ -223,10 +223,14 @@ class SamplingBatch:
         )
 
 
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.greedy or p.temperature < _TEMP_EPS
+
+
 def _plain_greedy(p: SamplingParams, output_token_ids: list[int], bad_words: list[list[int]]) -> bool:
     """A row that takes the argmax of its logits as they are: greedy, no penalty, no id to mask, no logprobs (the
     common batch, which SamplingBatch.build then makes without its per-row lists)."""
-    return ((p.greedy or p.temperature < _TEMP_EPS) and not bad_words and len(output_token_ids) >= p.min_tokens
+    return (_is_greedy(p) and not bad_words and len(output_token_ids) >= p.min_tokens
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and p.logprobs is None)
 
