@@ -13,6 +13,14 @@ def _req(rid: str, tokens: list[int], images: list[tuple[int, int, str]] = ()) -
     return Request(rid, None, tokens, SamplingParams(max_tokens=4), items)
 
 
+def _computed(kv: KVCacheManager, req: Request) -> Request:
+    """req's whole prompt allocated, computed and registered in the prefix cache."""
+    assert kv.allocate_slots(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    return req
+
+
 def test_allocate_and_free_returns_every_block():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     r = _req("a", list(range(10)))
@@ -38,10 +46,7 @@ def test_allocation_failure_changes_nothing():
 
 def test_same_prefix_shares_blocks_and_refcounts():
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    a = _req("a", list(range(13)))
-    assert kv.allocate_slots(a, 13)
-    a.num_computed_tokens = 13
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", list(range(13))))
     b = _req("b", list(range(12)) + [99, 98])
     hits, n = kv.get_computed_blocks(b)
     assert n == 12 and [x.block_id for x in hits] == kv.block_ids("a")[:3]
@@ -55,10 +60,7 @@ def test_same_prefix_shares_blocks_and_refcounts():
 
 def test_hit_leaves_at_least_one_token_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    a = _req("a", list(range(8)))
-    kv.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", list(range(8))))
     _, n = kv.get_computed_blocks(_req("b", list(range(8))))
     assert n == 4   # the last block is recomputed so the final position yields logits
 
@@ -66,10 +68,7 @@ def test_hit_leaves_at_least_one_token_to_compute():
 def test_image_content_hash_decides_hits_not_placeholder_ids():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     tokens = [1, 2, 7, 7, 7, 7, 7, 7, 3, 4, 5]
-    a = _req("a", tokens, [(2, 6, "cat")])
-    kv.allocate_slots(a, len(tokens))
-    a.num_computed_tokens = len(tokens)
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", tokens, [(2, 6, "cat")]))
     _, same = kv.get_computed_blocks(_req("b", tokens, [(2, 6, "cat")]))
     _, other = kv.get_computed_blocks(_req("c", tokens, [(2, 6, "dog")]))
     assert same == 8
@@ -78,10 +77,7 @@ def test_image_content_hash_decides_hits_not_placeholder_ids():
 
 def test_lru_evicts_least_recently_freed_and_keeps_prefix_longest():
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    a = _req("a", [1, 2, 3, 4, 5])
-    kv.allocate_slots(a, 5)
-    a.num_computed_tokens = 5
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", [1, 2, 3, 4, 5]))
     first, second, tail = kv.block_ids("a")
     kv.free(a)   # tail first into the LRU, then block 2, then block 1
     c = _req("c", [50, 51])
@@ -96,10 +92,7 @@ def test_lru_evicts_least_recently_freed_and_keeps_prefix_longest():
 
 def test_free_cached_blocks_count_against_allocation_when_hit():
     kv = KVCacheManager(num_blocks=3, block_size=2)
-    a = _req("a", [1, 2, 3, 4])
-    kv.allocate_slots(a, 4)
-    a.num_computed_tokens = 4
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", [1, 2, 3, 4]))
     kv.free(a)
     b = _req("b", [1, 2, 3, 4, 5, 6, 7, 8])
     hits, n = kv.get_computed_blocks(b)
@@ -147,10 +140,7 @@ def test_chain_block_hashes_match_block_by_block_hashing():
 
 def test_block_ids_follow_the_block_table_through_hits_growth_failures_and_free():
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    a = _req("a", list(range(9)))
-    assert kv.allocate_slots(a, 9)
-    a.num_computed_tokens = 9
-    kv.cache_computed_blocks(a)
+    a = _computed(kv, _req("a", list(range(9))))
     ids = kv.block_ids("a")
     assert ids == [b.block_id for b in kv._tables["a"]] and len(ids) == 3   # noqa: SLF001
     assert kv.allocate_slots(a, 4) and kv.block_ids("a") is ids and len(ids) == 4   # grown in place, no copy
