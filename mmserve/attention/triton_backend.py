@@ -11,6 +11,7 @@ import torch
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.kernels import paged_attention as kernels
+from mmserve.kernels import paged_decode
 from mmserve.kernels.rotary_cache import rotary_and_cache
 
 
@@ -37,7 +38,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     out: where to write it (rows no sequence owns are left as they are); None allocates it."""
     # Decode kernel maps row i to sequence i, so it needs exactly one query row per sequence.
     if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
-        return kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+        return paged_decode.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                                               k_scale=k_scale, v_scale=v_scale, out=out)
     d = meta.num_decodes
     if not 0 < d < meta.num_seqs:
@@ -47,6 +48,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     out = kernels.paged_prefill_attention(q, kv_cache, meta.block_tables[d:], meta.seq_lens[d:],
                                           meta.query_start_loc[d:], meta.max_query_len, scale,
                                           k_scale=k_scale, v_scale=v_scale, out=out)
-    kernels.paged_decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
+    paged_decode.paged_decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
                                    k_scale=k_scale, v_scale=v_scale, out=out[:d])
     return out

@@ -91,6 +91,7 @@ def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_siz
 
     from mmserve.attention import torch_backend, triton_backend
     from mmserve.kernels import paged_attention as kernels
+    from mmserve.kernels import paged_decode
 
     q, k, v, cache, meta = make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                       device, num_pad_rows, seed=seed, cache_dtype=cache_dtype,
@@ -105,7 +106,7 @@ def run_attention(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_siz
 
     scale = head_dim ** -0.5
     if path == "decode":
-        out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, num_splits,
+        out = paged_decode.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, num_splits,
                                              k_scale=ks, v_scale=vs)
     elif path == "prefill":
         out = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -208,9 +209,24 @@ def check_decode_and_prefill_over_fp8_cache_with_scales(device):
     run_attention([5, 9, 1], [21, 9, 40], 8, 2, 64, 4, torch.float16, device, cache_dtype=fp8,
                   kv_scales=(0.03, 0.07), path="prefill")
     # a batch wide enough for the fp8 cache's other tile (kernels.decode_tile)
-    from mmserve.kernels.paged_attention import FP8_WIDE_BATCH
+    from mmserve.kernels.paged_decode import FP8_WIDE_BATCH
     run_attention([1] * FP8_WIDE_BATCH, [9 + 23 * i for i in range(FP8_WIDE_BATCH)], 4, 2, 64, 16, torch.float16,
                   device, cache_dtype=fp8, kv_scales=(0.05, 0.02), num_splits=2, path="decode")
+
+
+@check
+def check_decode_cuda_core_kernel_over_fp8_cache(device):
+    # ungrouped heads over an fp8 cache from ROWS_MIN_BATCH sequences: the per-key-row softmax kernel, with and
+    # without split-K, padding rows, a head size that is not a power of two, fp16 and fp32 queries
+    from mmserve.kernels.paged_decode import ROWS_MIN_BATCH, decode_tile
+    fp8 = torch.float8_e4m3fn
+    assert decode_tile(64, 1, ROWS_MIN_BATCH, 1).rows and not decode_tile(64, 1, ROWS_MIN_BATCH, 2).rows
+    ctx = [1, 31, 32, 33, 95, 140, 17, 64][:ROWS_MIN_BATCH] + [50] * max(0, ROWS_MIN_BATCH - 8)
+    for splits in (1, 3):
+        run_attention([1] * len(ctx), ctx, 4, 4, 64, 16, torch.float16, device, num_pad_rows=2, cache_dtype=fp8,
+                      kv_scales=(0.05, 0.02), num_splits=splits, path="decode")
+    run_attention([1] * len(ctx), ctx, 2, 2, 20, 8, torch.float32, device, cache_dtype=fp8, num_splits=2,
+                  path="decode")
 
 
 @check

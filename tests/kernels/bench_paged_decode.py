@@ -12,8 +12,8 @@ import torch
 import triton.testing
 
 from mmserve.attention import torch_backend, triton_backend
-from mmserve.kernels import paged_attention as kernels
-from mmserve.kernels.paged_attention import default_num_splits
+from mmserve.kernels import paged_decode as kernels
+from mmserve.kernels.paged_decode import default_num_splits
 from tests.kernels.attention_checks import make_batch
 
 HEADS, HEAD_DIM, BLOCK = 32, 128, 16
@@ -26,8 +26,9 @@ def main(context: int) -> None:
     prefill_line()
 
 
-# (keys per tile, stages, warps, register cap): kernels.DecodeTile
-SWEEP_TILES = [(128, 2, 4, None), (64, 2, 4, 128), (128, 2, 4, 168), (64, 2, 4, None)]
+# (keys per tile, stages, warps, register cap, CUDA-core kernel): kernels.DecodeTile
+SWEEP_TILES = [(128, 2, 4, None, False), (64, 2, 4, 128, False), (32, 2, 4, 96, True), (32, 2, 4, 128, True),
+               (64, 2, 8, 128, True)]
 
 
 def sweep(context: int) -> None:
@@ -40,7 +41,7 @@ def sweep(context: int) -> None:
         batches = {b: make_batch([1] * b, [context] * b, HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, dev,
                                  extra_blocks=0, cache_dtype=cache_dtype) for b in (1, 8, 16, 32, 128)}
         for tile in SWEEP_TILES:
-            kernels.decode_tile = lambda d_pad, nbytes, num_seqs, tile=tile: kernels.DecodeTile(*tile)
+            kernels.decode_tile = lambda d_pad, nbytes, num_seqs, group, tile=tile: kernels.DecodeTile(*tile)
             cells = []
             for b, (q, _, _, cache, meta) in batches.items():
                 err = (triton_backend.paged_attention(q, cache, meta, scale).float()

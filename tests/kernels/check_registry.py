@@ -32,7 +32,7 @@ def interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Ten
     (GPUs convert in hardware and match torch bit for bit): it may round to the other neighbour (adjacent
     codes), and a round-up that carries into the exponent loses the carry (got = want / 2, want a power of 2)."""
     g, w = got.float(), want.float()
-    codes = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
-    adjacent = (torch.sign(g) == torch.sign(w)) & (codes == 1)
+    gb, wb = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    adjacent = ((gb >> 7) == (wb >> 7)) & ((gb - wb).abs() == 1)   # same sign bit (-0 next to the least subnormal)
     carry = (g * 2 == w) & (torch.frexp(w.abs())[0] == 0.5)
     return adjacent | carry

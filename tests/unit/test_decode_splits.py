@@ -1,15 +1,15 @@
-"""Split-K partition counts of the decode kernel (host-side choice, kernels/paged_attention.py)."""
+"""Split-K partition counts of the decode kernel (host-side choice, kernels/paged_decode.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mmserve.kernels import paged_attention
+from mmserve.kernels import paged_decode
 
 
 @pytest.fixture
 def h100_sms(monkeypatch):
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
 
 
 @pytest.mark.parametrize("num_seqs, kv_heads, max_context, want", [
@@ -21,5 +21,5 @@ def h100_sms(monkeypatch):
     (256, 32, 4096, 1),   # a full batch needs no split
 ])
 def test_split_count(h100_sms, num_seqs, kv_heads, max_context, want):
-    got = paged_attention.default_num_splits(num_seqs, kv_heads, max_context, torch.device("cuda"))
+    got = paged_decode.default_num_splits(num_seqs, kv_heads, max_context, torch.device("cuda"))
     assert got == want

@@ -1,0 +1,292 @@
+"""Split-K decode attention over the paged KV cache (one new query per sequence), in Triton.
+
+Two kernels, chosen per launch from host shapes by `decode_tile`:
+- `_decode_kernel` (tensor cores): one program per (sequence, KV head, split) serves the KV head's GROUP query
+  heads as rows of a tile padded to 16; scores and P·V are `tl.dot`s with an online softmax.
+- `_decode_rows_kernel` (CUDA cores), for one query head per KV head over an fp8 cache: each row of the key tile
+  keeps its own softmax state (max, sum, accumulator) across the loop and the rows are merged once at the end,
+  so the loop has no cross-thread reduction but the dot over head_dim. With a single real query row the
+  tensor-core kernel spends 15/16 of its softmax work on padding and moves fp8 values into the tensor cores'
+  layout a byte at a time; on an H100 this one reads an fp8 cache at 2.8 instead of 2.4 TB/s (docs/benchmarks.md).
+Partitions of a split sequence are merged by `_decode_reduce_kernel` by their log-sum-exp weights.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.attention.kv_quant import cache_scales
+from mmserve.kernels.paged_attention import (_check_last_dim_contiguous, _load_kv_tile, _online_softmax_step,
+                                             _precision)
+from mmserve.kernels.pdl import pdl_options, wait_for_previous
+
+_MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
+_MAX_SPLITS = 32
+FP8_WIDE_BATCH = 16    # from this many sequences an fp8 cache of grouped heads takes the register-capped tile
+ROWS_MIN_BATCH = 8     # from this many sequences an fp8 cache of ungrouped heads takes the CUDA-core kernel
+
+
+@triton.jit
+def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """[first, last) key tile of this split-K partition of a sequence of seq_len cached tokens."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+
+# the block-table width changes from step to step outside CUDA graphs: not specialized on (a new value class
+# would compile a new variant mid-serving)
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    """Tensor cores: one program = one sequence x one KV head x one split; it serves all GROUP query heads of
+    that KV head (as rows of a 16-row tile, at least)."""
+    wait_for_previous(PDL)
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)              # 0 for CUDA-graph padding rows: no tiles, zero output
+    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([GROUP_PAD], -1e30, tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        tok_mask = tok < seq_len
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, kvh, d, d_mask,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        m, l, acc = _online_softmax_step(q, k, v, tok_mask[None, :], m, l, acc, qk_scale, PREC)
+
+    o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split     # part_lse [B, H, S]
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_rows_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """CUDA cores: one program = one sequence x one head (its own KV head) x one split. Key-tile row r folds
+    keys r, r + BLOCK_N, r + 2 BLOCK_N, ... into its own (m, l, acc); the BLOCK_N states merge at the end."""
+    wait_for_previous(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + head * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32) * qk_scale
+
+    m = tl.full([BLOCK_N], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        tok_mask = tok < seq_len
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, head, d, d_mask,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        s = tl.where(tok_mask, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        m = m_new
+
+    m_all = tl.max(m, 0)
+    w = tl.exp2(m - m_all)          # rows that saw no key keep m = -1e30: weight 0 (all rows: seq_len 0)
+    l_all = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) * (v_scale / tl.where(l_all > 0, l_all, 1.0))
+    if SPLIT:
+        row = (seq * tl.num_programs(1) + head) * num_splits + split     # part_lse [B, H, S]
+        tl.store(part_lse_ptr + row, tl.where(l_all > 0, m_all + tl.log2(tl.where(l_all > 0, l_all, 1.0)),
+                                              float("-inf")))
+        tl.store(part_out_ptr + row * HEAD_DIM + d, o, mask=d_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Merge the split-K partials of one (sequence, head) by their log-sum-exp weights."""
+    wait_for_previous(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    row = (seq * tl.num_programs(1) + head) * num_splits + s
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)   # every split empty (seq_len 0)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    den = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
+                           k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    """Attention of one query per sequence over its whole cached context.
+
+    Args:
+        q: [B, H, D], row i belongs to sequence i.
+        kv_cache: [2, num_blocks, block_size, KVH, D].
+        block_tables: [B, max_blocks] int32; its width bounds every context (and picks the split count).
+        seq_lens: [B] int32 on device; 0 marks a padding row (its output is zero).
+        scale: softmax scale.
+        num_splits: split-K partitions per sequence; None picks one from host shapes only.
+        k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
+        out: where to write the result ([B, H, D], q's dtype, last dim contiguous); None allocates it.
+    Returns:
+        out [B, H, D] in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    _check_last_dim_contiguous(q, kv_cache, out)
+    k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out   # unused
+    kc, vc = kv_cache[0], kv_cache[1]
+    tile = decode_tile(d_pad, kv_cache.element_size(), num_seqs, group)
+    args = (q, kc, vc, block_tables, seq_lens, out, part_out, part_lse, scale * k_scale * math.log2(math.e), v_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0))
+    launch = dict(BLOCK_SIZE=block_size, BLOCK_N=tile.keys, SPLIT=split, num_warps=tile.warps,
+                  num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}), **pdl_options(q.device))
+    if tile.rows:
+        _decode_rows_kernel[(num_seqs, num_heads, num_splits)](
+            *args, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), **launch)
+    else:
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            *args, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+            PREC=_precision(q.dtype), **launch)
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+            S_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant for every split count
+            num_warps=4, **pdl_options(q.device),
+        )
+    return out
+
+
+class DecodeTile(NamedTuple):
+    """The decode kernel and its tile: keys per loop iteration, pipeline stages, warps, a cap on registers per
+    thread (None: the compiler's choice), and whether it is the CUDA-core kernel (`_decode_rows_kernel`)."""
+    keys: int
+    stages: int
+    warps: int
+    maxnreg: int | None = None
+    rows: bool = False
+
+
+def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int, group: int) -> DecodeTile:
+    """The decode kernel and tile for a head size (padded), a cache element size, a batch size and the number
+    of query heads per KV head.
+
+    On an H100 (tests/kernels/bench_paged_decode.py, 32 heads x 128, 780 cached tokens; docs/benchmarks.md):
+    fp16 caches read fastest in 128-key tiles on tensor cores (10.0 us at batch 1 vs 11.4 for 64 keys; the
+    CUDA-core kernel is slower for fp16 at every batch: 572 vs 542 us at 128). FP8 caches of ungrouped heads
+    (LLaVA-7B) read fastest with the CUDA-core kernel in 32-key tiles capped at 96 registers from batch 8
+    (29 vs 34 us at 8, 294 vs 341 us at 128; at batch 1 it ties at 780 tokens and loses at 2048, 14.0 vs
+    11.7 us). For grouped heads the tensor-core kernel serves the whole group per tile; there the fp8 loop
+    is bound by the instructions that transpose one-byte values into tensor-core operands, and the compiler
+    gives it ~250 registers (two programs per SM): capped at 128 registers, 64-key tiles fit four and read
+    7-8 % faster at batch 32-128 (MHA numbers, 337 vs 363 us at 128); at batch 1 (split-K, few programs)
+    128-key tiles stay faster. Slower, measured: 256 keys, 8 warps, 3-6 stages, sub-tiles, other register
+    caps, scores alone on CUDA cores, fp8 to fp16 by integer bit moves, and a cache with values stored
+    token-contiguous (3 % faster for fp8, 6 % slower for fp16).
+    """
+    if d_pad > 128:
+        return DecodeTile(32, 2, 4)
+    if cache_bytes == 1 and group == 1 and num_seqs >= ROWS_MIN_BATCH:
+        return DecodeTile(32, 2, 4, maxnreg=96, rows=True)
+    if cache_bytes == 1 and num_seqs >= FP8_WIDE_BATCH:
+        return DecodeTile(64, 2, 4, maxnreg=128)
+    return DecodeTile(128, 2, 4)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split-K partitions for decode, from host ints only (so a captured CUDA graph stays valid).
+
+    Enough programs to fill the GPU about twice (four times when the (sequence, KV head) pairs fill under a
+    quarter of the SMs: batch 1 is bound by each program's sequential tiles, not bandwidth; on an H100 7.8
+    instead of 8.8 us at 600 tokens), but no partition shorter than _MIN_TOKENS_PER_SPLIT tokens of the
+    largest possible context (max_context = block-table width x block size)."""
+    programs = num_seqs * num_kv_heads
+    sms = _num_sms(device)
+    wanted = triton.cdiv((4 if 4 * programs <= sms else 2) * sms, programs)
+    by_length = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the Triton CPU interpreter: a few splits so tests exercise split-K
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
