@@ -67,8 +67,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate(x_ptr, t, stride_t, stride_h, num_heads, cos, sin, HALF: tl.constexpr,
-            H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotate(x_ptr, out_ptr, t, stride_t, stride_h, out_stride_t, out_stride_h, num_heads, cos, sin,
+            HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Rotate token t's heads of x into out (which may be x itself)."""
     h = tl.arange(0, H_PAD)[:, None]
     c = tl.arange(0, HALF_PAD)[None, :]
     mask = (h < num_heads) & (c < HALF)
@@ -76,8 +77,9 @@ def _rotate(x_ptr, t, stride_t, stride_h, num_heads, cos, sin, HALF: tl.constexp
     x1 = tl.load(base + c, mask=mask, other=0.0)
     x2 = tl.load(base + HALF + c, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + c, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(base + HALF + c, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    dst = out_ptr + t * out_stride_t + h * out_stride_h
+    tl.store(dst + c, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + HALF + c, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
 
 
 @triton.jit
@@ -98,8 +100,9 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
-    _rotate(q_ptr, t, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
-    _rotate(k_ptr, t, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, KH_PAD, HALF_PAD)
+    _rotate(q_ptr, q_ptr, t, stride_qt, stride_qh, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
+    _rotate(k_ptr, k_ptr, t, stride_kt, stride_kh, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, KH_PAD,
+            HALF_PAD)
 
 
 def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -294,7 +294,7 @@ def check_rotary_and_cache_write_fused_match_unfused(device):
         positions = torch.randint(0, 64, (7,), generator=gen).to(device)
         split = lambda x: (x[:, :6 * head_dim].view(7, 6, head_dim), x[:, 6 * head_dim: 9 * head_dim].view(7, 3, head_dim),  # noqa: E731
                            x[:, 9 * head_dim:].view(7, 3, head_dim))
-        want_cache, want_qkv = cache.clone(), qkv.clone()
+        want_cache, want_qkv, qkv_before = cache.clone(), qkv.clone(), qkv.clone()
         q, k, v = split(want_qkv)
         apply_rotary_(positions, q, k, rope.cos, rope.sin)
         reshape_and_cache(k, v, want_cache, meta.slot_mapping, *scales)
@@ -303,5 +303,12 @@ def check_rotary_and_cache_write_fused_match_unfused(device):
         assert rotary_and_cache(positions, q, k, v, cache, meta.slot_mapping, rope.cos, rope.sin, *scales) is q
         assert torch.equal(q, split(want_qkv)[0]), f"rotated queries {dtype}"
         assert torch.equal(k, k_before), "the fused kernel leaves k as given"
+        assert_cache_equal(cache, want_cache, dtype)
+        # into another buffer (the piecewise graphs' persistent queries): same values, q and the cache as before
+        q, k, v = split(qkv_before)
+        q_before, out = q.clone(), torch.full((7, 6, head_dim), 7.0, dtype=dtype, device=device)
+        assert rotary_and_cache(positions, q, k, v, cache, meta.slot_mapping, rope.cos, rope.sin, *scales,
+                                q_out=out) is out
+        assert torch.equal(out, split(want_qkv)[0]) and torch.equal(q, q_before), f"rotated into q_out {dtype}"
         assert_cache_equal(cache, want_cache, dtype)
 
