@@ -3,11 +3,12 @@
 Two kernels, chosen per launch from host shapes by `decode_tile`:
 - `_decode_kernel` (tensor cores): one program per (sequence, KV head, split) serves the KV head's GROUP query
   heads as rows of a tile padded to 16; scores and P·V are `tl.dot`s with an online softmax.
-- `_decode_rows_kernel` (CUDA cores), for one query head per KV head over an fp8 cache: each row of the key tile
+- `_decode_rows_kernel` (CUDA cores), for one query head per KV head from 8 sequences: each row of the key tile
   keeps its own softmax state (max, sum, accumulator) across the loop and the rows are merged once at the end,
   so the loop has no cross-thread reduction but the dot over head_dim. With a single real query row the
   tensor-core kernel spends 15/16 of its softmax work on padding and moves fp8 values into the tensor cores'
-  layout a byte at a time; on an H100 this one reads an fp8 cache at 2.8 instead of 2.4 TB/s (docs/benchmarks.md).
+  layout a byte at a time; on an H100 this one reads an fp8 cache at 2.8 instead of 2.4 TB/s (docs/benchmarks.md),
+  and an fp16 cache as fast or faster (up to 10 % at batch 16).
 Partitions of a split sequence are merged by `_decode_reduce_kernel` by their log-sum-exp weights.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mmserve.kernels.pdl import pdl_options, wait_for_previous
 _MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
 _MAX_SPLITS = 32
 FP8_WIDE_BATCH = 16    # from this many sequences an fp8 cache of grouped heads takes the register-capped tile
-ROWS_MIN_BATCH = 8     # from this many sequences an fp8 cache of ungrouped heads takes the CUDA-core kernel
+ROWS_MIN_BATCH = 8     # from this many sequences ungrouped heads take the CUDA-core kernel
 
 
 @triton.jit
@@ -246,11 +247,11 @@ def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int, group: int) -> Deco
     of query heads per KV head.
 
     On an H100 (tests/kernels/bench_paged_decode.py, 32 heads x 128, 780 cached tokens; docs/benchmarks.md):
-    fp16 caches read fastest in 128-key tiles on tensor cores (10.0 us at batch 1 vs 11.4 for 64 keys; the
-    CUDA-core kernel is slower for fp16 at every batch: 572 vs 542 us at 128). FP8 caches of ungrouped heads
-    (LLaVA-7B) read fastest with the CUDA-core kernel in 32-key tiles capped at 96 registers from batch 8
-    (29 vs 34 us at 8, 294 vs 341 us at 128; at batch 1 it ties at 780 tokens and loses at 2048, 14.0 vs
-    11.7 us). For grouped heads the tensor-core kernel serves the whole group per tile; there the fp8 loop
+    ungrouped heads (LLaVA-7B) read fastest with the CUDA-core kernel in 32-key tiles from batch 8: fp8 caches
+    capped at 96 registers (29 vs 34 us at 8, 294 vs 341 us at 128; at batch 1 it ties at 780 tokens and loses
+    at 2048, 14.0 vs 11.7 us), fp16 caches at 128 (44 vs 46 us at 8, 71 vs 80 at 16, a tie at 128; without
+    the cap 5-30 % slower). Below batch 8 both take the tensor-core kernel in 128-key tiles (fp16: 10.0 us
+    at batch 1 vs 11.4 for 64 keys). For grouped heads the tensor-core kernel serves the whole group per tile; there the fp8 loop
     is bound by the instructions that transpose one-byte values into tensor-core operands, and the compiler
     gives it ~250 registers (two programs per SM): capped at 128 registers, 64-key tiles fit four and read
     7-8 % faster at batch 32-128 (MHA numbers, 337 vs 363 us at 128); at batch 1 (split-K, few programs)
@@ -260,8 +261,8 @@ def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int, group: int) -> Deco
     """
     if d_pad > 128:
         return DecodeTile(32, 2, 4)
-    if cache_bytes == 1 and group == 1 and num_seqs >= ROWS_MIN_BATCH:
-        return DecodeTile(32, 2, 4, maxnreg=96, rows=True)
+    if group == 1 and num_seqs >= ROWS_MIN_BATCH:
+        return DecodeTile(32, 2, 4, maxnreg=96 if cache_bytes == 1 else 128, rows=True)
     if cache_bytes == 1 and num_seqs >= FP8_WIDE_BATCH:
         return DecodeTile(64, 2, 4, maxnreg=128)
     return DecodeTile(128, 2, 4)

@@ -215,18 +215,22 @@ def check_decode_and_prefill_over_fp8_cache_with_scales(device):
 
 
 @check
-def check_decode_cuda_core_kernel_over_fp8_cache(device):
-    # ungrouped heads over an fp8 cache from ROWS_MIN_BATCH sequences: the per-key-row softmax kernel, with and
-    # without split-K, padding rows, a head size that is not a power of two, fp16 and fp32 queries
+def check_decode_cuda_core_kernel(device):
+    # ungrouped heads from ROWS_MIN_BATCH sequences: the per-key-row softmax kernel over fp8 (with scales), fp16
+    # and fp32 caches, with and without split-K, padding rows, a head size that is not a power of two
     from mmserve.kernels.paged_decode import ROWS_MIN_BATCH, decode_tile
     fp8 = torch.float8_e4m3fn
-    assert decode_tile(64, 1, ROWS_MIN_BATCH, 1).rows and not decode_tile(64, 1, ROWS_MIN_BATCH, 2).rows
+    assert decode_tile(64, 1, ROWS_MIN_BATCH, 1).rows and decode_tile(64, 2, ROWS_MIN_BATCH, 1).rows
+    assert not decode_tile(64, 1, ROWS_MIN_BATCH, 2).rows and not decode_tile(64, 1, ROWS_MIN_BATCH - 1, 1).rows
     ctx = [1, 31, 32, 33, 95, 140, 17, 64][:ROWS_MIN_BATCH] + [50] * max(0, ROWS_MIN_BATCH - 8)
     for splits in (1, 3):
         run_attention([1] * len(ctx), ctx, 4, 4, 64, 16, torch.float16, device, num_pad_rows=2, cache_dtype=fp8,
                       kv_scales=(0.05, 0.02), num_splits=splits, path="decode")
     run_attention([1] * len(ctx), ctx, 2, 2, 20, 8, torch.float32, device, cache_dtype=fp8, num_splits=2,
                   path="decode")
+    run_attention([1] * len(ctx), ctx, 4, 4, 64, 16, torch.float16, device, num_pad_rows=1, num_splits=2,
+                  path="decode")
+    run_attention([1] * len(ctx), ctx, 2, 2, 20, 8, torch.float32, device, num_splits=1, path="decode")
 
 
 @check
