@@ -26,10 +26,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def write_kv_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_scale: float = 1.0, v_scale: float = 1.0, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, q_out: torch.Tensor | None = None,
+                    axis: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary embedding (rotates q into q_out, default q itself; returns the rotated queries) and write_kv of the
-    rotated keys, in one launch."""
-    return rotary_and_cache(positions, q, k, v, kv_cache, slot_mapping, cos, sin, k_scale, v_scale, q_out)
+    rotated keys, in one launch; axis: M-RoPE's per-frequency position row (kernels/rotary_cache.py)."""
+    return rotary_and_cache(positions, q, k, v, kv_cache, slot_mapping, cos, sin, k_scale, v_scale, q_out, axis)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

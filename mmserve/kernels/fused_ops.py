@@ -83,43 +83,66 @@ def _rotate(x_ptr, out_ptr, t, stride_t, stride_h, out_stride_t, out_stride_h, n
 
 
 @triton.jit
-def rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """cos, sin [1, HALF_PAD] (fp32) of token t's position."""
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def rotary_angles(pos_ptr, t, stride_axis, axis_ptr, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr,
+                  HALF_PAD: tl.constexpr, MROPE: tl.constexpr):
+    """cos, sin [1, HALF_PAD] (fp32) of token t. 1D RoPE: every frequency turns with the position pos[t];
+    M-RoPE: frequency c turns with position row axis[c] (positions [3, T], rows stride_axis apart)."""
     c = tl.arange(0, HALF_PAD)[None, :]
-    # cos/sin caches are [max_pos, D] = cat(freqs, freqs): the first half holds every frequency
+    if MROPE:
+        axis = tl.load(axis_ptr + c, mask=c < HALF, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + axis * stride_axis + t).to(tl.int64)
+    else:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+    # only the first HALF columns are read: RotaryEmbedding's tables are [max_pos, D] = cat(freqs, freqs),
+    # MRotaryEmbedding's [max_pos, D / 2]
     cos = tl.load(cos_ptr + pos * stride_cos + c, mask=c < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + c, mask=c < HALF, other=0.0).to(tl.float32)
     return cos, sin
 
 
+def rotary_position_args(positions: torch.Tensor, axis: torch.Tensor | None) -> tuple:
+    """(positions, stride between position rows, axis table, MROPE) for kernels calling rotary_angles.
+
+    1D RoPE: positions [T], axis None. M-RoPE: axis [D / 2] (which of the 3 position rows drives each
+    frequency) with positions [3, T], or [T] for text-only tokens (all three rows equal)."""
+    if positions.stride(-1) != 1:
+        raise ValueError("rotary positions need a contiguous last dim")
+    if axis is None:
+        if positions.dim() != 1:
+            raise ValueError(f"1D rotary takes positions [T], got {tuple(positions.shape)}")
+        return positions, 0, positions, False
+    return positions, positions.stride(0) if positions.dim() == 2 else 0, axis, True
+
+
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, PDL: tl.constexpr):
+def _rotary_kernel(pos_ptr, stride_axis, axis_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, MROPE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
+    cos, sin = rotary_angles(pos_ptr, t, stride_axis, axis_ptr, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD, MROPE)
     _rotate(q_ptr, q_ptr, t, stride_qt, stride_qh, stride_qt, stride_qh, num_heads, cos, sin, HALF, QH_PAD, HALF_PAD)
     _rotate(k_ptr, k_ptr, t, stride_kt, stride_kh, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, KH_PAD,
             HALF_PAD)
 
 
 def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  sin: torch.Tensor, axis: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, KVH, D] in place (half-split layout); returns (q, k).
 
-    positions [T]; cos, sin [max_pos, D] as in RotaryEmbedding (scaling folded in).
+    cos, sin: the rotary module's tables (scaling folded in), [max_pos, D] or [max_pos, D / 2]; positions and
+    axis as in rotary_position_args (axis None: 1D RoPE).
     """
     num_tokens, num_heads, head_dim = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("rotary needs contiguous last dims and matching cos/sin layouts")
+    pos, stride_axis, axis, mrope = rotary_position_args(positions, axis)
     half = head_dim // 2
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            num_heads, k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(k.shape[1]),
+            pos, stride_axis, axis, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), num_heads, k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(k.shape[1]), MROPE=mrope,
             **pdl_options(q.device),
         )
     return q, k

@@ -2,8 +2,9 @@
 
 A decode step of a 32-layer model otherwise launches the rotary kernel and the cache write 32 times each;
 both are a few microseconds of launch and tail latency over a few kilobytes. Here one program per token
-rotates the token's query heads (in place, or into a given buffer) and writes its rotated keys and its values straight into the
-cache (keys are only ever read from the cache afterwards, so the rotated keys are not stored back). It
+rotates the token's query heads (in place, or into a given buffer) and writes its rotated keys and its values
+straight into the cache (keys are only ever read from the cache afterwards, so the rotated keys are not stored
+back). 1D RoPE and M-RoPE (positions [3, T], fused_ops.rotary_angles) alike. It
 rounds where the two unfused kernels round: the rotation to the activation dtype, then the cache's
 conversion (fp8: scaled by 1 / scale, saturated), so the cache holds the same bits either way.
 """
@@ -14,21 +15,23 @@ import triton
 import triton.language as tl
 
 from mmserve.attention.kv_quant import FP8_MAX, cache_scales, is_fp8
-from mmserve.kernels.fused_ops import _rotate, rotary_angles
+from mmserve.kernels.fused_ops import _rotate, rotary_angles, rotary_position_args
 from mmserve.kernels.paged_attention import store_to_cache
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
 def _rotary_cache_kernel(
-    pos_ptr, slot_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, inv_k_scale,
-    inv_v_scale, stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_cb, stride_cs, stride_ch,
+    pos_ptr, stride_axis, axis_ptr, slot_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr,
+    sin_ptr, inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh,
+    stride_vt, stride_vh, stride_cos, stride_cb, stride_cs, stride_ch,
     num_heads, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, QH_PAD: tl.constexpr,
-    KH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr,
+    KH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, MROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cos, sin = rotary_angles(pos_ptr, t, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD)
+    cos, sin = rotary_angles(pos_ptr, t, stride_axis, axis_ptr, cos_ptr, sin_ptr, stride_cos, HALF, HALF_PAD, MROPE)
     _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads, cos, sin, HALF, QH_PAD,
             HALF_PAD)
 
@@ -52,10 +55,12 @@ def _rotary_cache_kernel(
 
 def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_scale: float = 1.0, v_scale: float = 1.0, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, q_out: torch.Tensor | None = None,
+                     axis: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q [T, H, D] into q_out (default: q itself, in place) and store rotated k and v [T, KVH, D] into
-    kv_cache at slot_mapping [T] (slots < 0 skipped); positions [T]; cos, sin [max_pos, D] as in
-    layers/rotary.RotaryEmbedding. Returns the rotated queries (q_out).
+    kv_cache at slot_mapping [T] (slots < 0 skipped). cos, sin, positions and axis as in
+    fused_ops.apply_rotary_ (axis None: 1D RoPE, positions [T]; M-RoPE: positions [3, T] or [T]). Returns the
+    rotated queries (q_out).
 
     Same results as fused_ops.apply_rotary_ followed by paged_attention.reshape_and_cache; k is left as given.
     """
@@ -69,14 +74,17 @@ def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if num_tokens == 0:
         return q_out
     k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
+    pos, stride_axis, axis, mrope = rotary_position_args(positions, axis)
     kc, vc = kv_cache[0], kv_cache[1]
     half = head_dim // 2
     _rotary_cache_kernel[(num_tokens,)](
-        positions, slot_mapping, q, q_out, k, v, kc, vc, cos, sin, 1.0 / k_scale, 1.0 / v_scale,
-        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        pos, stride_axis, axis, slot_mapping, q, q_out, k, v, kc, vc, cos, sin, 1.0 / k_scale, 1.0 / v_scale,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
         QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX, **pdl_options(q.device),
+        BLOCK_SIZE=kv_cache.shape[2], QUANT=is_fp8(kv_cache.dtype), QMAX=FP8_MAX, MROPE=mrope,
+        **pdl_options(q.device),
     )
     return q_out

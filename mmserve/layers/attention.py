@@ -24,14 +24,14 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rotary: nn.Module | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]. rotary(positions, q, k), if given, is applied first: in the
-        same launch as the cache write where the backend has one (`write_kv_rotary`, 1D RoPE on CUDA)."""
+        same launch as the cache write where the backend has one (`write_kv_rotary`; 1D RoPE and M-RoPE on CUDA)."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         fused = getattr(self.backend, "write_kv_rotary", None)
-        if rotary is not None and fused is not None and type(rotary) is RotaryEmbedding and q.is_cuda:
+        if rotary is not None and fused is not None and isinstance(rotary, RotaryEmbedding) and q.is_cuda:
             q = fused(positions, q, k, v, self.kv_cache, meta.slot_mapping, rotary.cos, rotary.sin,
-                      self.k_scale, self.v_scale)
+                      self.k_scale, self.v_scale, axis=rotary.axis)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (1D), with the checkpoint's rope scaling via transformers' init functions."""
+"""Rotary position embedding: 1D, and the multimodal (t, h, w) M-RoPE of Qwen2-VL; rope scaling via transformers'
+init functions."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,10 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position (the half-split layout of Llama/Qwen checkpoints)."""
+    """Rotates q and k by position (the half-split layout of Llama/Qwen checkpoints).
+
+    On CUDA the rotation is a Triton kernel over `cos` / `sin` (and `axis`, for M-RoPE), which attention layers
+    also fuse with their KV cache write (kernels/rotary_cache.py)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_position: int, scaling: float = 1.0) -> None:
         super().__init__()
@@ -28,6 +32,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)   # [max_pos, D]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("axis", None, persistent=False)   # M-RoPE's position row (t, h, w) per frequency
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, KVH, D]
@@ -42,3 +47,31 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE: the head's rotary frequencies are split into (t, h, w) sections (`mrope_section`),
+    each section rotated by its own position axis."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, mrope_section: list[int],
+                 scaling: float = 1.0) -> None:
+        nn.Module.__init__(self)
+        if sum(mrope_section) != len(inv_freq):
+            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim // 2 = {len(inv_freq)}")
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)   # [max_pos, D/2]
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
+        self.register_buffer("axis", axis, persistent=False)                  # [D/2]: which position drives it
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [3, T] (or [T]: text only, all axes equal); q [T, H, D]; k [T, KVH, D]
+        if q.is_cuda:
+            from mmserve.kernels.fused_ops import apply_rotary_
+            return apply_rotary_(positions, q, k, self.cos, self.sin, self.axis)
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        idx = positions[self.axis].T                                          # [T, D/2]
+        cos = self.cos.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)   # [T, 1, D]
+        sin = self.sin.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -10,10 +10,9 @@ import itertools
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from mmserve.engine.request import MultiModalItem
-from mmserve.layers.rotary import _rotate_half, rope_inv_freq
+from mmserve.layers.rotary import MRotaryEmbedding, rope_inv_freq
 from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import Qwen2VisionTransformer
@@ -32,31 +31,6 @@ TEXT, IMAGE, VIDEO = 0, 1, 2
 # modality -> (HF processor output with its patches, output with one (t, h, w) row per item)
 MM_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 GRID_KEYS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
-
-
-class MRotaryEmbedding(nn.Module):
-    """Multimodal RoPE: the head's rotary frequencies are split into (t, h, w) sections (`mrope_section`),
-    each section rotated by its own position axis."""
-
-    def __init__(self, inv_freq: torch.Tensor, max_position: int, mrope_section: list[int],
-                 scaling: float = 1.0) -> None:
-        super().__init__()
-        if sum(mrope_section) != len(inv_freq):
-            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim // 2 = {len(inv_freq)}")
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)   # [max_pos, D/2]
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
-        self.register_buffer("axis", axis, persistent=False)                  # [D/2]: which position drives it
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [3, T] (or [T]: text only, all axes equal); q [T, H, D]; k [T, KVH, D]
-        if positions.dim() == 1:
-            positions = positions.expand(3, -1)
-        idx = positions[self.axis].T                                          # [T, D/2]
-        cos = self.cos.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)   # [T, 1, D]
-        sin = self.sin.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 class Qwen2VLForConditionalGeneration(MultiModalCausalLM):

@@ -73,11 +73,12 @@ class _Splitter:
     def write_kv(self, *args) -> None:
         self.backend.write_kv(*args)
 
-    def write_kv_rotary(self, positions: torch.Tensor, q: torch.Tensor, *args) -> torch.Tensor:
+    def write_kv_rotary(self, positions: torch.Tensor, q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # the rotated queries go straight into the persistent buffer: paged_attention below then copies nothing
         # (a strided copy of a 2048-token step's queries took ~24 us per layer on an H100)
         t, heads, head_dim = q.shape
-        return self.backend.write_kv_rotary(positions, q, *args, q_out=self.buffers[(heads, head_dim, q.dtype)][0][:t])
+        return self.backend.write_kv_rotary(positions, q, *args, **kwargs,
+                                            q_out=self.buffers[(heads, head_dim, q.dtype)][0][:t])
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,6 +60,44 @@ def check_rotary_in_place_matches_layer(device):
 
 
 @check
+def check_mrope_rotary_matches_torch_formula(device):
+    # M-RoPE (Qwen2-VL): frequency sections turn with the t, h or w position; positions [3, T] read through a
+    # row stride (slices of a persistent [3, max] buffer) or [T] for text-only tokens; the torch formula on CPU
+    # is the reference, the kernel runs as the module's CUDA path and as the fused rotary + cache write
+    from mmserve.kernels.fused_ops import apply_rotary_
+    from mmserve.kernels.paged_attention import reshape_and_cache
+    from mmserve.kernels.rotary_cache import rotary_and_cache
+    from mmserve.layers.rotary import MRotaryEmbedding
+    from tests.kernels.attention_checks import assert_cache_equal, make_batch
+
+    head_dim, tokens = 16, 6
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    rope_cpu = MRotaryEmbedding(inv_freq, 64, [2, 3, 3], scaling=0.9)
+    rope = MRotaryEmbedding(inv_freq, 64, [2, 3, 3], scaling=0.9).to(device)
+    gen = torch.Generator().manual_seed(4)
+    buffer = torch.randint(0, 64, (3, 10), generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        for positions in (buffer[:, :tokens], buffer[0, :tokens]):
+            qkv = torch.randn(tokens, 8 * head_dim, generator=gen).to(dtype)
+            q = qkv[:, :4 * head_dim].view(tokens, 4, head_dim)
+            k = qkv[:, 4 * head_dim:6 * head_dim].view(tokens, 2, head_dim)
+            want_q, want_k = rope_cpu(positions, q.clone(), k.clone())
+            dq, dk = q.to(device, copy=True), k.to(device, copy=True)
+            got_q, got_k = apply_rotary_(positions.to(device), dq, dk, rope.cos, rope.sin, rope.axis)
+            assert_close(got_q.cpu(), want_q, f"M-RoPE q {dtype} positions {tuple(positions.shape)}")
+            assert_close(got_k.cpu(), want_k, f"M-RoPE k {dtype} positions {tuple(positions.shape)}")
+            # fused with the cache write: the same bits as the rotary kernel followed by the cache write
+            _, _, _, cache, meta = make_batch([tokens], [tokens], 4, 2, head_dim, 4, dtype, device)
+            want_cache, out = cache.clone(), torch.empty_like(dq)
+            v = torch.randn(tokens, 2, head_dim, generator=gen).to(device=device, dtype=dtype)
+            reshape_and_cache(got_k, v, want_cache, meta.slot_mapping)
+            rotary_and_cache(positions.to(device), q.to(device, copy=True), k.to(device, copy=True), v, cache,
+                             meta.slot_mapping, rope.cos, rope.sin, q_out=out, axis=rope.axis)
+            assert torch.equal(out, got_q), f"fused M-RoPE q {dtype}"
+            assert_cache_equal(cache, want_cache, dtype)
+
+
+@check
 def check_silu_and_mul_matches_layer(device):
     from mmserve.kernels.fused_ops import silu_and_mul
     from mmserve.layers.activation import SiluAndMul
