@@ -41,7 +41,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     # Decode kernel maps row i to sequence i, so it needs exactly one query row per sequence.
     if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
         return paged_decode.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                              k_scale=k_scale, v_scale=v_scale, out=out)
+                                                   k_scale=k_scale, v_scale=v_scale, out=out)
     d = meta.num_decodes
     if not 0 < d < meta.num_seqs:
         return kernels.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -51,5 +51,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                                           meta.query_start_loc[d:], meta.max_query_len, scale,
                                           k_scale=k_scale, v_scale=v_scale, out=out)
     paged_decode.paged_decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale,
-                                   k_scale=k_scale, v_scale=v_scale, out=out[:d])
+                                        k_scale=k_scale, v_scale=v_scale, out=out[:d])
     return out

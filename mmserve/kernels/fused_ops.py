@@ -114,7 +114,9 @@ def rotary_position_args(positions: torch.Tensor, axis: torch.Tensor | None) -> 
     return positions, positions.stride(0) if positions.dim() == 2 else 0, axis, True
 
 
-@triton.jit
+# M-RoPE positions' row stride follows the step's token count outside graphs: not specialized on (each new
+# value class would compile a variant mid-serving)
+@triton.jit(do_not_specialize=["stride_axis"])
 def _rotary_kernel(pos_ptr, stride_axis, axis_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_cos, num_heads, num_kv_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                    QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, MROPE: tl.constexpr, PDL: tl.constexpr):

@@ -214,7 +214,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0))
     launch = dict(BLOCK_SIZE=block_size, BLOCK_N=tile.keys, SPLIT=split, num_warps=tile.warps,
-                  num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}), **pdl_options(q.device))
+                  num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
+                  **pdl_options(q.device))
     if tile.rows:
         _decode_rows_kernel[(num_seqs, num_heads, num_splits)](
             *args, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), **launch)
@@ -251,13 +252,13 @@ def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int, group: int) -> Deco
     capped at 96 registers (29 vs 34 us at 8, 294 vs 341 us at 128; at batch 1 it ties at 780 tokens and loses
     at 2048, 14.0 vs 11.7 us), fp16 caches at 128 (44 vs 46 us at 8, 71 vs 80 at 16, a tie at 128; without
     the cap 5-30 % slower). Below batch 8 both take the tensor-core kernel in 128-key tiles (fp16: 10.0 us
-    at batch 1 vs 11.4 for 64 keys). For grouped heads the tensor-core kernel serves the whole group per tile; there the fp8 loop
-    is bound by the instructions that transpose one-byte values into tensor-core operands, and the compiler
-    gives it ~250 registers (two programs per SM): capped at 128 registers, 64-key tiles fit four and read
-    7-8 % faster at batch 32-128 (MHA numbers, 337 vs 363 us at 128); at batch 1 (split-K, few programs)
-    128-key tiles stay faster. Slower, measured: 256 keys, 8 warps, 3-6 stages, sub-tiles, other register
-    caps, scores alone on CUDA cores, fp8 to fp16 by integer bit moves, and a cache with values stored
-    token-contiguous (3 % faster for fp8, 6 % slower for fp16).
+    at batch 1 vs 11.4 for 64 keys). For grouped heads the tensor-core kernel serves the whole group per tile; there
+    the fp8 loop is bound by the instructions that transpose one-byte values into tensor-core operands, and the
+    compiler gives it ~250 registers (two programs per SM): capped at 128 registers, 64-key tiles fit four and read
+    7-8 % faster at batch 32-128 (MHA numbers, 337 vs 363 us at 128); at batch 1 (split-K, few programs) 128-key
+    tiles stay faster. Slower, measured: 256 keys, 8 warps, 3-6 stages, sub-tiles, other register caps, scores alone
+    on CUDA cores, fp8 to fp16 by integer bit moves, and a cache with values stored token-contiguous (3 % faster for
+    fp8, 6 % slower for fp16).
     """
     if d_pad > 128:
         return DecodeTile(32, 2, 4)

@@ -20,7 +20,9 @@ from mmserve.kernels.paged_attention import store_to_cache
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
-@triton.jit
+# M-RoPE positions' row stride follows the step's token count outside graphs: not specialized on (each new
+# value class would compile a variant mid-serving)
+@triton.jit(do_not_specialize=["stride_axis"])
 def _rotary_cache_kernel(
     pos_ptr, stride_axis, axis_ptr, slot_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr,
     sin_ptr, inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh,
