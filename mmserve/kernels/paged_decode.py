@@ -137,7 +137,8 @@ def _decode_rows_kernel(
         m = m_new
 
     m_all = tl.max(m, 0)
-    w = tl.exp2(m - m_all)          # rows that saw no key keep m = -1e30: weight 0 (all rows: seq_len 0)
+    # a row that saw no key keeps m = -1e30 and gets weight 0; when none did (seq_len 0) l_all = 0: zero output
+    w = tl.exp2(m - m_all)
     l_all = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) * (v_scale / tl.where(l_all > 0, l_all, 1.0))
     if SPLIT:
