@@ -99,8 +99,7 @@ class Engine:
         inputs = self.inputs.process(prompt)
         bs = self.kv.block_size
         if self.kv.enable_prefix_caching and (inputs.block_hashes is None or inputs.block_hashes[0] != bs):
-            items = sorted(inputs.mm_items, key=lambda m: m.offset)
-            inputs.block_hashes = (bs, chain_block_hashes(inputs.prompt_token_ids, items, bs))
+            inputs.block_hashes = (bs, chain_block_hashes(inputs.prompt_token_ids, inputs.mm_items, bs))
         return inputs
 
     def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams,

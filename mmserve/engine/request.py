@@ -61,7 +61,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.mm_items = sorted(mm_items or [], key=lambda m: m.offset)
+        self.mm_items = list(mm_items or [])   # in prompt order (ProcessedInputs sorts them)
         self.eos_token_id = eos_token_id
         self.bad_words_ids = bad_words_ids or []
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -91,10 +91,13 @@ class Request:
         self.last_sample_row = -1
 
     def positions(self, start: int, end: int) -> torch.Tensor | range:
-        """Rotary positions of tokens [start, end): a range, or [3, n] for M-RoPE families."""
+        """Rotary positions of tokens [start, end): a range (for M-RoPE families the same on all three axes,
+        as for generated tokens), or [3, n] for M-RoPE prompt tokens."""
         if self.mrope_positions is None:
             return range(start, end)
         p = self.num_prompt_tokens
+        if start >= p:   # decode: no tensor per request per step
+            return range(start + self.mrope_delta, end + self.mrope_delta)
         parts = []
         if start < p:
             parts.append(self.mrope_positions[:, start:min(end, p)])

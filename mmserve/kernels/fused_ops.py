@@ -101,7 +101,7 @@ def rotary_angles(pos_ptr, t, stride_axis, axis_ptr, cos_ptr, sin_ptr, stride_co
 
 
 def rotary_position_args(positions: torch.Tensor, axis: torch.Tensor | None) -> tuple:
-    """(positions, stride between position rows, axis table, MROPE) for kernels calling rotary_angles.
+    """(stride between position rows, axis table, MROPE) for kernels calling rotary_angles with positions.
 
     1D RoPE: positions [T], axis None. M-RoPE: axis [D / 2] (which of the 3 position rows drives each
     frequency) with positions [3, T], or [T] for text-only tokens (all three rows equal)."""
@@ -110,8 +110,8 @@ def rotary_position_args(positions: torch.Tensor, axis: torch.Tensor | None) -> 
     if axis is None:
         if positions.dim() != 1:
             raise ValueError(f"1D rotary takes positions [T], got {tuple(positions.shape)}")
-        return positions, 0, positions, False
-    return positions, positions.stride(0) if positions.dim() == 2 else 0, axis, True
+        return 0, positions, False   # the axis pointer is unused: any tensor does
+    return positions.stride(0) if positions.dim() == 2 else 0, axis, True
 
 
 # M-RoPE positions' row stride follows the step's token count outside graphs: not specialized on (each new
@@ -138,11 +138,11 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
     num_tokens, num_heads, head_dim = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("rotary needs contiguous last dims and matching cos/sin layouts")
-    pos, stride_axis, axis, mrope = rotary_position_args(positions, axis)
+    stride_axis, axis, mrope = rotary_position_args(positions, axis)
     half = head_dim // 2
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            pos, stride_axis, axis, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            positions, stride_axis, axis, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0), num_heads, k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
             QH_PAD=triton.next_power_of_2(num_heads), KH_PAD=triton.next_power_of_2(k.shape[1]), MROPE=mrope,
             **pdl_options(q.device),

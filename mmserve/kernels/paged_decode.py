@@ -33,12 +33,19 @@ ROWS_MIN_BATCH = 8     # from this many sequences ungrouped heads take the CUDA-
 
 
 @triton.jit
-def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
-    """[first, last) key tile of this split-K partition of a sequence of seq_len cached tokens."""
+def _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """(seq_len, first key tile, last key tile + 1) of this program's split-K partition of sequence seq."""
+    seq_len = tl.load(seq_lens_ptr + seq)              # 0 for CUDA-graph padding rows: no tiles, zero output
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
-    return tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return seq_len, tile_lo, tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _partition_lse(m, l):
+    """Base-2 log-sum-exp of a partition's scores from its running max m and sum l; -inf if it saw no key."""
+    return tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized on (a new value class
@@ -61,8 +68,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq)              # 0 for CUDA-graph padding rows: no tiles, zero output
-    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+    seq_len, tile_lo, tile_hi = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -87,8 +93,7 @@ def _decode_kernel(
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
         row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split     # part_lse [B, H, S]
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        tl.store(part_lse_ptr + row, _partition_lse(m, l), mask=g_mask)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
     else:
         tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -113,8 +118,7 @@ def _decode_rows_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tile_lo, tile_hi = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+    seq_len, tile_lo, tile_hi = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + head * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32) * qk_scale
@@ -143,8 +147,7 @@ def _decode_rows_kernel(
     o = tl.sum(acc * w[:, None], 0) * (v_scale / tl.where(l_all > 0, l_all, 1.0))
     if SPLIT:
         row = (seq * tl.num_programs(1) + head) * num_splits + split     # part_lse [B, H, S]
-        tl.store(part_lse_ptr + row, tl.where(l_all > 0, m_all + tl.log2(tl.where(l_all > 0, l_all, 1.0)),
-                                              float("-inf")))
+        tl.store(part_lse_ptr + row, _partition_lse(m_all, l_all))
         tl.store(part_out_ptr + row * HEAD_DIM + d, o, mask=d_mask)
     else:
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -76,11 +76,11 @@ def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if num_tokens == 0:
         return q_out
     k_scale, v_scale = cache_scales(kv_cache.dtype, k_scale, v_scale)
-    pos, stride_axis, axis, mrope = rotary_position_args(positions, axis)
+    stride_axis, axis, mrope = rotary_position_args(positions, axis)
     kc, vc = kv_cache[0], kv_cache[1]
     half = head_dim // 2
     _rotary_cache_kernel[(num_tokens,)](
-        pos, stride_axis, axis, slot_mapping, q, q_out, k, v, kc, vc, cos, sin, 1.0 / k_scale, 1.0 / v_scale,
+        positions, stride_axis, axis, slot_mapping, q, q_out, k, v, kc, vc, cos, sin, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),

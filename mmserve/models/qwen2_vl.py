@@ -74,7 +74,7 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
             for k, key in enumerate(keys):
                 data = {"pixel_values": enc[pix_key][starts[k]:starts[k + 1]], "grid_thw": grids[k]}
                 items.append(MultiModalItem(modality, data, offsets[k], lengths[k], key))
-        return sorted(items, key=lambda it: it.offset)
+        return items   # ProcessedInputs puts them in prompt order
 
     @classmethod
     def mrope_positions(cls, hf_config, enc, ids: list[int]) -> tuple[torch.Tensor, int]:

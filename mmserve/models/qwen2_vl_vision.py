@@ -7,6 +7,7 @@ MLP, and all but `fullatt_block_indexes` attend within windows of the frame.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import _rotate_half
+from mmserve.worker.transfer import to_device
 
 
 def vision_rope_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
@@ -47,6 +49,33 @@ def window_order(grid_thw: list[list[int]], merge: int, window: int) -> tuple[to
     return torch.cat(order), seqlens
 
 
+@dataclass
+class VisionRope:
+    """The 2D rotary of one tower call. On CUDA: positions [2, N] (h, w) on the device and the module's
+    [max_pos, head_dim / 2] cos / sin tables, which the fused Triton rotary reads per frequency through
+    `axis` (first half of the frequencies: row, second half: column). Elsewhere: cos, sin [N, head_dim]."""
+
+    positions: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    axis: torch.Tensor | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q, k [N, H, D] (in fp32, rounded back to their dtype, as transformers does)."""
+        if self.axis is not None:   # in place, one kernel instead of ~10 elementwise ones over fp32 copies
+            from mmserve.kernels.fused_ops import apply_rotary_
+            return apply_rotary_(self.positions, q, k, self.cos, self.sin, self.axis)
+        cos, sin = self.cos[:, None], self.sin[:, None]
+        return ((q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype),
+                (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype))
+
+    def permute(self, perm: torch.Tensor) -> "VisionRope":
+        """The rotary of the tokens reordered by perm (a device index)."""
+        if self.axis is not None:
+            return VisionRope(self.positions[:, perm].contiguous(), self.cos, self.sin, self.axis)
+        return VisionRope(None, self.cos[perm], self.sin[perm])
+
+
 class VisionRotary(nn.Module):
     """2D RoPE: the first half of each head's rotary frequencies follows the row, the second the column."""
 
@@ -55,12 +84,29 @@ class VisionRotary(nn.Module):
         dim = head_dim // 2
         self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
                              persistent=False)
+        half = len(self.inv_freq)
+        self.register_buffer("axis", torch.arange(2 * half) // half, persistent=False)   # [head_dim / 2]: 0 h, 1 w
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # pos [N, 2] -> cos, sin [N, head_dim] in float32
+    def forward(self, pos: torch.Tensor, device: torch.device) -> VisionRope:
+        """pos [N, 2] (host) -> the rotary for tokens on `device`."""
+        if device.type == "cuda":
+            cos, sin = self.tables(int(pos.max()) + 1 if len(pos) else 1)
+            return VisionRope(to_device(pos.T.contiguous(), torch.int64, device), cos, sin, self.axis)
+        pos = pos.to(device)
         freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)   # [N, 2 * dim/2]: h freqs, w freqs
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return VisionRope(None, emb.cos(), emb.sin())
+
+    def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, head_dim / 2] of positions 0..P-1 (P a power of two >= num_positions), built on the device
+        once and kept: the same products pos * inv_freq in fp32 as forward's, so the same bits."""
+        if self._tables is None or len(self._tables[0]) < num_positions:
+            size = 1 << max(num_positions - 1, 1).bit_length()
+            inv = torch.cat((self.inv_freq, self.inv_freq)).float()
+            freqs = torch.arange(size, device=inv.device, dtype=torch.float)[:, None] * inv[None, :]
+            self._tables = (freqs.cos(), freqs.sin())
+        return self._tables
 
 
 class VisionAttention(nn.Module):
@@ -70,13 +116,11 @@ class VisionAttention(nn.Module):
         self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
         self.proj = ReplicatedLinear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
         # x [N, dim]; seqlens: lengths of the packed attention segments (sum N)
         n = len(x)
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)    # [N, H, D] each
-        cos, sin = cos[:, None], sin[:, None]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        q, k = rope.apply(q, k)
         out, start = [], 0
         for length, run in itertools.groupby(seqlens):   # consecutive equal segments attend as one batch
             m = len(list(run))
@@ -85,7 +129,7 @@ class VisionAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim ** -0.5)
             out.append(o.transpose(1, 2).reshape(m * length, -1))
             start += m * length
-        return self.proj(torch.cat(out))
+        return self.proj(out[0] if len(out) == 1 else torch.cat(out))
 
 
 class VisionMLP(nn.Module):
@@ -126,8 +170,8 @@ class VisionBlock(nn.Module):
             self.mlp = VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
         self.attn = VisionAttention(dim, config.num_heads)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), seqlens, rope)
         return x + self.mlp(self.norm2(x))
 
 
@@ -175,14 +219,15 @@ class Qwen2VisionTransformer(nn.Module):
         x = pixel_values.to(self.patch_embed.proj.weight.dtype)
         x = self.patch_embed.proj(x.view(-1, self.in_channels, self.temporal, self.patch, self.patch))
         x = x.view(len(x), -1)                                                  # [N, dim]
-        cos, sin = self.rotary(vision_rope_positions(grid_thw, self.merge).to(x.device))
+        # host-built index tensors go up pinned: a pageable copy would wait for the steps queued on the GPU
+        rope = self.rotary(vision_rope_positions(grid_thw, self.merge), x.device)
         seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]           # one segment per frame
         if self.window is not None:   # reorder merge blocks window by window (frames stay contiguous)
             order, window_seqlens = window_order(grid_thw, self.merge, self.window)
             unit = self.merge ** 2
-            perm = (order[:, None] * unit + torch.arange(unit)).flatten().to(x.device)
-            x, cos, sin = x[perm], cos[perm], sin[perm]
+            perm = to_device((order[:, None] * unit + torch.arange(unit)).flatten(), torch.int64, x.device)
+            x, rope = x[perm], rope.permute(perm)
         for i, block in enumerate(self.blocks):
-            x = block(x, seqlens if i in self.full_blocks else window_seqlens, cos, sin)
+            x = block(x, seqlens if i in self.full_blocks else window_seqlens, rope)
         x = self.merger(x)
-        return x if self.window is None else x[torch.argsort(order).to(x.device)]
+        return x if self.window is None else x[to_device(torch.argsort(order), torch.int64, x.device)]

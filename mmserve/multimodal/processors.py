@@ -32,6 +32,9 @@ class ProcessedInputs:
     # (block size, chained KV block hashes of the prompt's full blocks), made by Engine.preprocess
     block_hashes: tuple[int, list[bytes]] | None = None
 
+    def __post_init__(self) -> None:
+        self.mm_items = sorted(self.mm_items, key=lambda m: m.offset)   # prompt order: hashes, scheduling
+
 
 def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
     """Offsets of consecutive runs of token_id with the given lengths (in order); ValueError if they don't fit."""
@@ -216,6 +219,9 @@ class InputProcessor:
             stream = self._streams.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
             enc = fn()
+            for key, value in list(enc.items()):   # sizes and grids to the host here, not later on the engine's
+                if isinstance(value, torch.Tensor) and value.is_cuda and not value.is_floating_point():
+                    enc[key] = value.cpu()   # waits for this thread's stream only
         stream.synchronize()
         engine_stream = torch.cuda.default_stream(self.device)
         for value in enc.values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,6 +39,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
                  vocab_size: int, attention_backend: str = "auto") -> None:
         self.model = model
+        self.uses_mrope = getattr(model, "uses_mrope", False)   # positions [3, T] (Qwen2-VL)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_config.cache_dtype(dtype)
@@ -77,7 +79,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
         max_blocks = cdiv(max_model_len, self.block_size)
-        mrope = getattr(self.model, "uses_mrope", False)
+        mrope = self.uses_mrope
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
                                    mrope=mrope)
         self.graphs.capture()
@@ -120,7 +122,7 @@ class ModelRunner:
             max_seq_len=num_tokens, block_size=self.block_size)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        if getattr(self.model, "uses_mrope", False):
+        if self.uses_mrope:
             positions = positions.expand(3, -1)
         hidden = self.model(self.model.embed_input_ids(ids), positions, meta)
         self.model.compute_logits(hidden[-64:])
@@ -189,7 +191,7 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
         decode_only = len(input_ids) == len(sched.scheduled) and not any(
             s.request.mm_items_in(s.start, s.end) for s in sched.scheduled)
-        positions = _cat_positions(positions)
+        positions = _cat_positions(positions, self.uses_mrope)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled],
                                      fill)
@@ -313,8 +315,17 @@ class ModelRunner:
             yield
 
     def _on_device(self, item: MultiModalItem) -> MultiModalItem:
-        """`item` with its encoder inputs on the device, floating ones in the model's dtype."""
-        data = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in item.data.items()}
+        """`item` with its floating encoder inputs on the device in the model's dtype, copied without a host sync;
+        integer ones (grid and image sizes, which models read as shapes) stay on the host, where the
+        preprocessing put them, so reading them never waits for the steps queued on the GPU."""
+        data = {}
+        for k, v in item.data.items():
+            if not v.is_floating_point():
+                data[k] = v
+            elif v.device.type == "cpu" and self.device.type == "cuda":
+                data[k] = to_device(v, self.dtype, self.device)   # pinned: a pageable copy would sync the stream
+            else:
+                data[k] = v.to(self.device, self.dtype)
         return MultiModalItem(item.modality, data, item.offset, item.length, item.content_hash)
 
 
@@ -351,8 +362,20 @@ def _num_leading_decodes(query_start_loc: list[int]) -> int:
     return n
 
 
-def _cat_positions(parts: list) -> torch.Tensor:
-    """Per-request positions (ranges, or [3, n] tensors for M-RoPE) -> [T] or [3, T] int64 on the host."""
-    if parts and isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts, dim=1)
-    return host_tensor([p for r in parts for p in r], torch.int64)
+def _cat_positions(parts: list, mrope: bool) -> torch.Tensor:
+    """Per-request positions (ranges; for M-RoPE ranges meaning all three axes, or [3, n] tensors) -> [T], or
+    [3, T] for M-RoPE, int64 on the host."""
+    if not mrope:
+        return host_tensor([p for r in parts for p in r], torch.int64)
+    out = np.empty((3, sum(len(r) if isinstance(r, range) else r.shape[1] for r in parts)), dtype=np.int64)
+    i = 0
+    for r in parts:
+        n = len(r) if isinstance(r, range) else r.shape[1]
+        if isinstance(r, torch.Tensor):
+            out[:, i:i + n] = r.numpy()
+        elif n == 1:   # a decode: one column
+            out[:, i] = r.start
+        else:
+            out[:, i:i + n] = np.arange(r.start, r.stop)
+        i += n
+    return torch.from_numpy(out)

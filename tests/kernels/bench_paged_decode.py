@@ -2,7 +2,8 @@
 
 `PYTHONPATH=. python3 -m tests.kernels.bench_paged_decode [context]`. Prints µs per call; "graph" times a
 CUDA-graph replay (kernel time without Python launch overhead), "eager" a plain call.
-`... bench_paged_decode sweep [context]`: graph times of the decode kernel's tile choices only (decode_tile).
+`... bench_paged_decode sweep [context [heads kv_heads]]`: graph times of the decode kernel's tile choices only
+(decode_tile); grouped heads (e.g. `sweep 780 28 4`, Qwen2-7B; `32 8`, Mistral-7B) sweep the tensor-core tiles.
 """
 from __future__ import annotations
 
@@ -31,16 +32,21 @@ SWEEP_TILES = [(128, 2, 4, None, False), (64, 2, 4, 128, False), (32, 2, 4, 96, 
                (64, 2, 8, 128, True)]
 
 
-def sweep(context: int) -> None:
+# the tensor-core kernel's tiles for grouped heads (the CUDA-core kernel serves one query head per KV head)
+GROUPED_SWEEP_TILES = [(128, 2, 4, None, False), (64, 2, 4, 128, False), (64, 2, 4, None, False),
+                       (32, 2, 4, None, False), (128, 2, 8, None, False), (128, 3, 4, None, False)]
+
+
+def sweep(context: int, heads: int = HEADS, kv_heads: int = HEADS) -> None:
     dev = torch.device("cuda")
     scale = HEAD_DIM ** -0.5
     default = kernels.decode_tile
-    print(f"{torch.cuda.get_device_name()} decode tiles, {HEADS} heads x {HEAD_DIM} (MHA), context {context}: "
-          f"graph us (GB/s) per batch")
+    print(f"{torch.cuda.get_device_name()} decode tiles, {heads} heads / {kv_heads} KV heads x {HEAD_DIM}, "
+          f"context {context}: graph us (GB/s) per batch, default {[default(HEAD_DIM, 1, 32, heads // kv_heads)]}")
     for cache_dtype in (torch.float16, torch.float8_e4m3fn):
-        batches = {b: make_batch([1] * b, [context] * b, HEADS, HEADS, HEAD_DIM, BLOCK, torch.float16, dev,
+        batches = {b: make_batch([1] * b, [context] * b, heads, kv_heads, HEAD_DIM, BLOCK, torch.float16, dev,
                                  extra_blocks=0, cache_dtype=cache_dtype) for b in (1, 8, 16, 32, 128)}
-        for tile in SWEEP_TILES:
+        for tile in SWEEP_TILES if heads == kv_heads else GROUPED_SWEEP_TILES:
             kernels.decode_tile = lambda d_pad, nbytes, num_seqs, group, tile=tile: kernels.DecodeTile(*tile)
             cells = []
             for b, (q, _, _, cache, meta) in batches.items():
@@ -49,7 +55,7 @@ def sweep(context: int) -> None:
                 assert err < 2e-2, f"tile {tile} batch {b}: max error {err}"
                 us = triton.testing.do_bench_cudagraph(
                     lambda: triton_backend.paged_attention(q, cache, meta, scale), rep=50) * 1e3
-                gbs = 2 * b * context * HEADS * HEAD_DIM * cache.element_size() / (us * 1e-6) / 1e9
+                gbs = 2 * b * context * kv_heads * HEAD_DIM * cache.element_size() / (us * 1e-6) / 1e9
                 cells.append(f"b{b} {us:7.1f} ({gbs:5.0f})")
             print(f"{str(cache_dtype).split('.')[-1]:>14} {str(tile):>12}  " + "  ".join(cells))
     kernels.decode_tile = default
@@ -87,6 +93,6 @@ def prefill_line() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["sweep"]:
-        sweep(int(sys.argv[2]) if len(sys.argv) > 2 else 780)
+        sweep(*(int(a) for a in sys.argv[2:5])) if len(sys.argv) > 2 else sweep(780)
     else:
         main(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)

@@ -98,6 +98,38 @@ def check_mrope_rotary_matches_torch_formula(device):
 
 
 @check
+def check_vision_rope_fused_matches_torch_formula(device):
+    # Qwen2-VL's tower: 2D (h, w) rotary as the fused kernel with an axis table over positions [2, N], in place on
+    # the strided q / k views of the qkv output, against the torch formula of the CPU path; Qwen2.5-VL's window
+    # permutation of the positions too
+    from mmserve.models.qwen2_vl_vision import VisionRope, VisionRotary, vision_rope_positions
+
+    heads, head_dim = 3, 20
+    rotary = VisionRotary(head_dim, 10000.0)
+    pos = vision_rope_positions([[1, 4, 6], [2, 2, 2]], 2)                     # [N, 2]: two items, 32 patches
+    n = len(pos)
+    gen = torch.Generator().manual_seed(5)
+    perm = torch.randperm(n, generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(n, 3 * heads * head_dim, generator=gen).to(dtype)
+        q, k, _ = qkv.view(n, 3, heads, head_dim).unbind(1)
+        for reorder in (False, True):
+            ref = rotary(pos, torch.device("cpu"))   # the torch formula
+            fused = VisionRope(pos.T.contiguous().to(device), *rotary.to(device).tables(int(pos.max()) + 1),
+                               rotary.axis)            # what forward gives on CUDA
+            assert fused.cos.shape[1] == head_dim // 2 and len(fused.cos) >= int(pos.max()) + 1
+            if reorder:
+                ref, fused = ref.permute(perm), fused.permute(perm.to(device))
+            want_q, want_k = ref.apply(q[perm] if reorder else q.clone(), k[perm] if reorder else k.clone())
+            dqkv = qkv.to(device, copy=True)
+            dq, dk, _ = dqkv.view(n, 3, heads, head_dim).unbind(1)
+            dq, dk = (dq[perm.to(device)], dk[perm.to(device)]) if reorder else (dq, dk)
+            got_q, got_k = fused.apply(dq, dk)
+            assert_close(got_q.cpu(), want_q, f"vision rope q {dtype} reorder={reorder}")
+            assert_close(got_k.cpu(), want_k, f"vision rope k {dtype} reorder={reorder}")
+
+
+@check
 def check_silu_and_mul_matches_layer(device):
     from mmserve.kernels.fused_ops import silu_and_mul
     from mmserve.layers.activation import SiluAndMul
