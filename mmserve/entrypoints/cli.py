@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
     elif args.command == "demo-model":
-        _demo_model(args)
+        try:
+            _demo_model(args)
+        except ValueError as exc:   # an unknown family or preset: a usage error, not a traceback
+            demo.error(str(exc))
     elif args.command == "models":
         from mmserve.models.registry import supported_architectures
         print("\n".join(supported_architectures()))

@@ -3,7 +3,8 @@
 Every family (llava, llava_next, llava_onevision, qwen2_vl, blip2) builds a list of parameter specs
 ``(name, shape, kind, std)`` from a meta-device transformers model and writes its checkpoint with
 :func:`write_checkpoint`, which streams seeded random tensors into (sharded) safetensors files with
-:func:`write_sharded_weights`, one tensor in RAM at a time.
+:func:`write_sharded_weights`, one tensor in RAM at a time, with a progress bar over the bytes written when
+stderr is a terminal.
 A tensor's values depend only on its canonical name and the seed, never on layout or write order.
 """
 
@@ -14,6 +15,7 @@ import json
 import math
 import re
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,8 +64,12 @@ def make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: 
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                      make: Callable[[int], torch.Tensor]) -> None:
-    """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time."""
+                      make: Callable[[int], torch.Tensor],
+                      on_written: Callable[[int], object] | None = None) -> None:
+    """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time.
+
+    ``on_written(nbytes)`` is called after each tensor's data is written (progress reporting).
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -78,7 +84,10 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dt
         f.write(raw)
         for i in range(len(entries)):
             t = make(i).contiguous()
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            f.write(data)
+            if on_written is not None:
+                on_written(len(data))
 
 
 def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
@@ -94,6 +103,18 @@ def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
     return shards
 
 
+def progress_bar(total_bytes: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar on stderr over ``total_bytes``, or None when ``enabled`` is False or stderr is not a terminal
+    (logs and pipes get no carriage-return noise)."""
+    stream = sys.stderr
+    if not enabled or stream is None or not getattr(stream, "isatty", lambda: False)():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
+                dynamic_ncols=True)
+
+
 def write_sharded_weights(
     out_dir: Path,
     specs: Sequence[tuple[Any, ...]],
@@ -102,12 +123,15 @@ def write_sharded_weights(
     seed: int,
     max_shard_bytes: int,
     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
+    progress: bool = True,
 ) -> None:
     """Write ``specs`` as ``model.safetensors`` or as numbered shards plus ``model.safetensors.index.json``.
 
     A spec is ``(name, shape, ...)``; ``key_fn(name)`` is its on-disk key, and tensors are written
     sorted by :func:`natural_key` of that key. ``make_fn(spec)`` builds a tensor; the default is
     :func:`make_tensor` of a ``(name, shape, kind, std)`` spec with ``seed`` and ``dtype``.
+    ``progress``: a bar over the bytes written on stderr, shown only when stderr is a terminal; the files
+    written are the same either way.
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if make_fn is None:
@@ -118,11 +142,19 @@ def write_sharded_weights(
     nbytes = [itemsize * math.prod(sp[1]) for sp in specs]
     shards = plan_shards(nbytes, max_shard_bytes)
     weight_map: dict[str, str] = {}
-    for k, idx in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        entries = [(key_fn(specs[i][0]), specs[i][1]) for i in idx]
-        write_safetensors(out_dir / fname, entries, dtype, lambda j, idx=idx: make_fn(specs[idx[j]]))
-        weight_map.update({key: fname for key, _ in entries})
+    bar = progress_bar(sum(nbytes), progress, f"writing {Path(out_dir).name or out_dir}")
+    try:
+        for k, idx in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            entries = [(key_fn(specs[i][0]), specs[i][1]) for i in idx]
+            if bar is not None:
+                bar.set_postfix_str(fname, refresh=False)
+            write_safetensors(out_dir / fname, entries, dtype, lambda j, idx=idx: make_fn(specs[idx[j]]),
+                              None if bar is None else bar.update)
+            weight_map.update({key: fname for key, _ in entries})
+    finally:
+        if bar is not None:
+            bar.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -203,13 +235,15 @@ def finish_config(config: ConfigT, architecture: str, dtype: str) -> ConfigT:
 def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: Any, image_processor: Any,
                      specs: Sequence[tuple[Any, ...]], key_fn: Callable[[str], str], dtype: torch.dtype | str,
                      seed: int, max_shard_bytes: int,
-                     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None) -> Path:
+                     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
+                     progress: bool = True) -> Path:
     """Write a whole checkpoint into ``out_dir`` (created if missing) and return its path.
 
     Saved: the processor, the standalone image processor, the config, a GenerationConfig with the
     text model's special ids, and the weights of ``specs`` (see :func:`write_sharded_weights`).
     transformers 5 nests the image processor in processor_config.json; the standalone
     preprocessor_config.json is what published repos (and non-transformers loaders) have.
+    ``progress``: a bar over the weight bytes on stderr when it is a terminal (see :func:`progress_bar`).
     """
     from transformers import GenerationConfig
 
@@ -223,5 +257,5 @@ def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: A
     text = config.get_text_config()
     GenerationConfig(bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
                      pad_token_id=text.pad_token_id).save_pretrained(out)
-    write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn)
+    write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn, progress)
     return out

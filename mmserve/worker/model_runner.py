@@ -149,9 +149,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = max(0, free - activation_peak) * cache_config.kv_cache_memory_fraction
+            source = (f"kv_cache_memory_fraction {cache_config.kv_cache_memory_fraction} of the "
+                      f"{free / 2**30:.2f} GiB free after the weights, less the activation peak of "
+                      f"{activation_peak / 2**30:.2f} GiB")
         else:
             budget = cache_config.kv_cache_size_gb * 2**30
-        return max(2, int(budget // self.kv_bytes_per_block()))
+            source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
+        blocks = int(budget // self.kv_bytes_per_block())
+        if blocks < 2:
+            raise ValueError(f"the KV cache would get {blocks} blocks of {self.kv_bytes_per_block()} bytes "
+                             f"({source}): free GPU memory, raise the fraction or the size, or set num_blocks")
+        return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []

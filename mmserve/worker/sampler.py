@@ -1,6 +1,6 @@
 """Batched token sampling: SamplingBatch (per-step tensors built from SamplingParams) and Sampler.
 
-Order of processing, per step, on fp32 copies of the logits [B, V]:
+Order of processing, per step, on fp32 copies of the logits [B, V] (steps 1-4 only for rows that need them):
   1. bad words: a bad word's last id gets -inf when its prefix (all ids but the last) equals the tail of
      the row's output ids (a one-token bad word always applies);
   2. min_tokens: while len(output) < min_tokens, the row's EOS (unless ignore_eos) and stop_token_ids get -inf;
@@ -15,6 +15,10 @@ Order of processing, per step, on fp32 copies of the logits [B, V]:
      argmax(probs / q), q ~ Exp(1) i.i.d. Rows with a seed draw q from their own torch.Generator (on the
      logits' device), so a seeded request's draws do not depend on the rest of the batch; others use the
      global RNG.
+On CUDA, steps 5-6 are one Triton kernel (kernels/sampling.py: the same filters, a draw by inversion from
+Philox noise, no sort; top-k's threshold from torch.topk), and when no row needs steps 1-4 it reads the logits as they are, without the fp32 copy. Its
+noise comes from per-row seeds (SamplingBatch.seeds): a seeded request's from its seed and output position,
+so its draws do not depend on the batch either; the others' from one draw of torch's global (CPU) RNG per step.
 Columns >= vocab_size (a padded lm_head) are never sampled.
 """
 from __future__ import annotations
@@ -27,6 +31,20 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.worker.transfer import to_device
 
 _TEMP_EPS = 1e-5  # temperatures below this are treated as greedy: logits / 1e-30 would overflow fp32
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: spreads nearby integers (a seed and its next output position) far apart."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1   # 63 bits: fits int64
+
+
+def row_seed(seed: int, position: int) -> int:
+    """The fused sampler's Philox seed for a seeded request's draw of output token `position`."""
+    return _mix64(_mix64(seed & _MASK64) ^ position)
 
 
 def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -133,6 +151,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None   # [B] fp32
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # sampling rows with their own RNG
     any_unseeded: bool = False               # some sampling row draws from the global RNG
+    seeds: torch.Tensor | None = None        # [B] int64 Philox seeds of the fused sampler (None when all greedy)
     max_num_logprobs: int | None = None      # K = max requested logprobs; None = nobody asked
 
     @property
@@ -197,6 +216,12 @@ class SamplingBatch:
         any_unseeded = any(not greedy[i] and i not in seeded_rows for i in range(num_rows))
 
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        base = int(torch.empty((), dtype=torch.int64).random_(1 << 62))   # global RNG, like the torch path
+        if any(p.seed is not None and not g for p, g in zip(params, greedy)):
+            seeds = to_device([row_seed(p.seed, len(out)) if p.seed is not None else base + i
+                               for i, (p, out) in enumerate(zip(params, output_token_ids))], torch.int64, device)
+        else:
+            seeds = torch.arange(base, base + num_rows, dtype=torch.int64, device=device)
         return cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
@@ -219,6 +244,7 @@ class SamplingBatch:
             frequency_penalty=to_device(freq, torch.float32, device) if any_freq else None,
             seeded=seeded,
             any_unseeded=any_unseeded,
+            seeds=seeds,
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -245,12 +271,21 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: turns logits [B, V] into one token per row following SamplingBatch (see module doc)."""
+    """Stateless: turns logits [B, V] into one token per row following SamplingBatch (see module doc).
+
+    fused: draw with the Triton kernel (None: on CUDA tensors)."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if batch.all_greedy and batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None:
+        as_is = batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None
+        if batch.all_greedy and as_is:
             # widening to fp32 is exact, so the argmax of the logits as they are is the same id, without a copy
             return SamplerOutput(token_ids=logits[:, :batch.vocab_size].argmax(dim=-1))
+        fused = self.fused if self.fused is not None else logits.is_cuda
+        if fused and as_is:
+            return SamplerOutput(token_ids=self._fused_sample(logits, batch))
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         if logits.shape[1] > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
@@ -267,6 +302,8 @@ class Sampler:
 
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
+        elif fused:
+            token_ids = self._fused_sample(logits, batch)
         else:
             greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
             token_ids = self._sample(logits, batch)
@@ -280,6 +317,12 @@ class Sampler:
         top_vals, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)  # [B, K] each
         return SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), top_logprobs=top_vals,
                              top_token_ids=top_ids, ranks=ranks)
+
+    @staticmethod
+    def _fused_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        from mmserve.kernels.sampling import sample
+        return sample(logits if logits.stride(1) == 1 else logits.contiguous(), batch.vocab_size, batch.seeds,
+                      batch.greedy, batch.temperature, batch.top_k, batch.max_top_k, batch.top_p, batch.min_p)
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -12,8 +12,35 @@ import traceback
 
 import torch
 
-from tests.kernels import attention_checks  # noqa: F401  (registers the attention checks)
-from tests.kernels.check_registry import CHECKS, INTERPRET, assert_close, check, interpreter_fp8_rounding
+from tests.kernels import attention_checks, sampling_checks  # noqa: F401  (register their checks)
+from tests.kernels.check_registry import CHECKS, INTERPRET, TOLERANCE, assert_close, check, interpreter_fp8_rounding
+
+# --------------------------------------------------------------------------------------------- torch references
+# Explicit formulas in fp32, independent of mmserve's layers: on CUDA RMSNorm, RotaryEmbedding and SiluAndMul
+# dispatch to the very Triton kernels under test, so a layer is no reference there. Compare a kernel's output
+# (in its dtype) with these at TOLERANCE[dtype] (also used by tests/gpu/test_triton_kernels_gpu.py).
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rotary_reference(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor,
+                     scaling: float = 1.0) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] at positions [T], in fp32: angle = position * inv_freq [D / 2], the first
+    half of each head turned with the second (x1 cos - x2 sin, x2 cos + x1 sin); cos / sin times scaling."""
+    angle = positions.float()[:, None] * inv_freq.float().to(positions.device)[None, :]   # [T, D / 2]
+    cos, sin = (angle.cos() * scaling)[:, None], (angle.sin() * scaling)[:, None]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] -> gate * sigmoid(gate) * up, in fp32."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
 
 
 # --------------------------------------------------------------------------------------------- fused ops
@@ -22,24 +49,25 @@ from tests.kernels.check_registry import CHECKS, INTERPRET, assert_close, check,
 @check
 def check_rms_norm_with_and_without_residual(device):
     from mmserve.kernels.fused_ops import rms_norm
-    from mmserve.layers.norm import RMSNorm
 
+    eps = 1e-5
     for dtype in (torch.float32, torch.float16):
         gen = torch.Generator().manual_seed(1)
-        norm = RMSNorm(40, eps=1e-5)
-        norm.weight.data = torch.randn(40, generator=gen)
-        norm = norm.to(device=device, dtype=dtype)
+        weight = torch.randn(40, generator=gen).to(device=device, dtype=dtype)
         x = torch.randn(2, 3, 40, generator=gen).to(device=device, dtype=dtype)
         res = torch.randn(2, 3, 40, generator=gen).to(device=device, dtype=dtype)
-        assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), f"rms_norm {dtype}")
-        got, got_res = rms_norm(x, norm.weight, norm.eps, residual=res)
-        want, want_res = norm(x, res)
-        assert_close(got, want, f"rms_norm+residual {dtype}")
-        assert torch.equal(got_res, want_res), f"residual sum {dtype}"
+        tol = TOLERANCE[dtype]
+        assert_close(rms_norm(x, weight, eps), rms_norm_reference(x, weight, eps), f"rms_norm {dtype}", tol)
+        got, got_res = rms_norm(x, weight, eps, residual=res)
+        summed = x + res   # the residual stream: the sum rounded to x's dtype, then normalised
+        assert torch.equal(got_res, summed), f"residual sum {dtype}"
+        assert_close(got, rms_norm_reference(summed, weight, eps), f"rms_norm+residual {dtype}", tol)
 
 
 @check
 def check_rotary_in_place_matches_layer(device):
+    # the kernel over RotaryEmbedding's tables (as the layer calls it on CUDA) against rotate-half RoPE with cos /
+    # sin computed here from inv_freq: checks the tables' layout (cat(freqs, freqs), scaling folded in) too
     from mmserve.kernels.fused_ops import apply_rotary_
     from mmserve.layers.rotary import RotaryEmbedding
 
@@ -47,15 +75,17 @@ def check_rotary_in_place_matches_layer(device):
         gen = torch.Generator().manual_seed(2)
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         rope = RotaryEmbedding(inv_freq, 64, scaling=0.9).to(device)
-        positions = torch.randint(0, 64, (5,), generator=gen).to(device)
-        qkv = torch.randn(5, 7 * head_dim, generator=gen).to(device=device, dtype=dtype)
+        positions = torch.randint(0, 64, (5,), generator=gen)
+        qkv = torch.randn(5, 7 * head_dim, generator=gen).to(dtype)
+        want_q = rotary_reference(positions, qkv[:, : 4 * head_dim].view(5, 4, head_dim), inv_freq, 0.9)
+        want_k = rotary_reference(positions, qkv[:, 4 * head_dim: 6 * head_dim].view(5, 2, head_dim), inv_freq, 0.9)
+        qkv = qkv.to(device)
         q, k = qkv[:, : 4 * head_dim].view(5, 4, head_dim), qkv[:, 4 * head_dim: 6 * head_dim].view(5, 2, head_dim)
-        want_q, want_k = rope(positions, q.clone(), k.clone())
         v_before = qkv[:, 6 * head_dim:].clone()
-        got_q, got_k = apply_rotary_(positions, q, k, rope.cos, rope.sin)
+        got_q, got_k = apply_rotary_(positions.to(device), q, k, rope.cos, rope.sin)
         assert got_q is q and got_k is k, "rotary must work in place"
-        assert_close(q, want_q, f"rotary q {dtype}")
-        assert_close(k, want_k, f"rotary k {dtype}")
+        assert_close(q.cpu(), want_q, f"rotary q {dtype}", TOLERANCE[dtype])
+        assert_close(k.cpu(), want_k, f"rotary k {dtype}", TOLERANCE[dtype])
         assert torch.equal(qkv[:, 6 * head_dim:], v_before), "rotary wrote outside q and k"
 
 
@@ -105,7 +135,8 @@ def check_vision_rope_fused_matches_torch_formula(device):
     from mmserve.models.qwen2_vl_vision import VisionRope, VisionRotary, vision_rope_positions
 
     heads, head_dim = 3, 20
-    rotary = VisionRotary(head_dim, 10000.0)
+    # two modules: Module.to moves in place, and the CPU formula needs its inv_freq on the CPU
+    rotary_cpu, rotary = VisionRotary(head_dim, 10000.0), VisionRotary(head_dim, 10000.0).to(device)
     pos = vision_rope_positions([[1, 4, 6], [2, 2, 2]], 2)                     # [N, 2]: two items, 32 patches
     n = len(pos)
     gen = torch.Generator().manual_seed(5)
@@ -114,8 +145,8 @@ def check_vision_rope_fused_matches_torch_formula(device):
         qkv = torch.randn(n, 3 * heads * head_dim, generator=gen).to(dtype)
         q, k, _ = qkv.view(n, 3, heads, head_dim).unbind(1)
         for reorder in (False, True):
-            ref = rotary(pos, torch.device("cpu"))   # the torch formula
-            fused = VisionRope(pos.T.contiguous().to(device), *rotary.to(device).tables(int(pos.max()) + 1),
+            ref = rotary_cpu(pos, torch.device("cpu"))   # the torch formula
+            fused = VisionRope(pos.T.contiguous().to(device), *rotary.tables(int(pos.max()) + 1),
                                rotary.axis)            # what forward gives on CUDA
             assert fused.cos.shape[1] == head_dim // 2 and len(fused.cos) >= int(pos.max()) + 1
             if reorder:
@@ -132,11 +163,10 @@ def check_vision_rope_fused_matches_torch_formula(device):
 @check
 def check_silu_and_mul_matches_layer(device):
     from mmserve.kernels.fused_ops import silu_and_mul
-    from mmserve.layers.activation import SiluAndMul
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = torch.randn(3, 2, 2 * 50, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
-        assert_close(silu_and_mul(x), SiluAndMul()(x), f"silu_and_mul {dtype}")
+        assert_close(silu_and_mul(x), silu_and_mul_reference(x), f"silu_and_mul {dtype}", TOLERANCE[dtype])
 
 
 @check
@@ -194,7 +224,7 @@ def assert_same_quantized(got, want_y: torch.Tensor, static, what: str) -> None:
 @check
 def check_rms_norm_and_silu_quantized_outputs_match_unfused(device):
     # the kernels' FP8 outputs are bit for bit quantize_rows of the same kernels' unfused outputs (which
-    # check_rms_norm_* and check_silu_* compare with the torch layers), dynamic and static scales
+    # check_rms_norm_* and check_silu_* compare with the fp32 torch formulas above), dynamic and static scales
     from mmserve.kernels.fused_ops import rms_norm, silu_and_mul
 
     g = torch.Generator().manual_seed(7)

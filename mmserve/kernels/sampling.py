@@ -1,0 +1,180 @@
+"""Fused sampling (Triton): one program per row turns logits into a token id without a sort or an fp32 copy.
+
+What it does per row, on the logits as they are (bf16 / fp16 / fp32, columns >= vocab ignored):
+  greedy rows: the first index of the max;
+  sampling rows: temperature, top-k, top-p (on the top-k-renormalised distribution) and min-p (relative to
+  the max prob), then an exact categorical draw by inversion: one uniform u per draw from Philox (seeded per
+  row, so a row's draw depends on its seed alone, not on the batch), and the token where the running sum of
+  exp((l - max) / T) over the row, in index order, first exceeds u times the set's mass.
+
+How:
+  top-k: a threshold, the row's k-th largest logit (torch.topk over the batch's largest k, before the kernel);
+    tokens tied with the k-th are all kept, as in the torch sampler.
+  min-p: a threshold, l >= max + T * log(min_p).
+  top-p: rejection. Draw s from the top-k / min-p set; s is in the top-p set iff the mass of the tokens with a
+    larger logit is < p (relative to the top-k mass). If not, no token with a logit <= l_s is either, so the
+    next draw is among logits > l_s only, whose mass is the one just summed. Accepted draws are exact samples
+    of the top-p distribution (the proposal always contains the set). Tokens tied at the cut are all kept (the
+    torch sampler keeps them in sort order). After MAX_TRIES rejections (vanishingly rare) the row takes its
+    max, which is always in the set.
+Passes over the row: one (max and mass, online) + per draw one scan (+ one mass sum with top-p, + one with
+min-p on the first draw). Penalties, masks and logprobs are the torch sampler's work before this
+(worker/sampler.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_TRIES = 64
+
+
+@triton.jit
+def _load_row(base, start, cols, vocab):
+    idx = start + cols
+    return tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _mass(base, cols, vocab, floor, above, top, scale, BLOCK: tl.constexpr):
+    """sum of exp((l - top) * scale) over logits l >= floor and l > above."""
+    total = tl.zeros((), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _load_row(base, start, cols, vocab)
+        keep = (x >= floor) & (x > above)
+        total += tl.sum(tl.where(keep, tl.exp((x - top) * scale), 0.0), 0)
+    return total
+
+
+@triton.jit
+def _draw(base, cols, vocab, cut, above, top, scale, target, BLOCK: tl.constexpr):
+    """(index, logit) of the first token whose running mass over {l >= cut, l > above} exceeds target; the
+    set's last token if rounding leaves the target beyond the total."""
+    run = tl.zeros((), tl.float32)
+    pick = tl.full((), -1, tl.int32)
+    pick_logit = tl.full((), float("-inf"), tl.float32)
+    last = tl.full((), -1, tl.int32)
+    last_logit = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _load_row(base, start, cols, vocab)
+        ok = (x >= cut) & (x > above)
+        w = tl.where(ok, tl.exp((x - top) * scale), 0.0)
+        hit = ok & (tl.cumsum(w, 0) + run > target)
+        idx = tl.min(tl.where(hit, start + cols, vocab), 0)
+        first = (pick < 0) & (idx < vocab)
+        pick_logit = tl.where(first, tl.max(tl.where(start + cols == idx, x, float("-inf")), 0), pick_logit)
+        pick = tl.where(first, idx, pick)
+        block_last = tl.max(tl.where(ok, start + cols, -1), 0)
+        last_logit = tl.where(block_last >= 0, tl.max(tl.where(start + cols == block_last, x, float("-inf")), 0),
+                              last_logit)
+        last = tl.maximum(last, block_last)
+        run += tl.sum(w, 0)
+    missed = pick < 0
+    return tl.where(missed, last, pick), tl.where(missed, last_logit, pick_logit)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, floor_ptr, top_p_ptr, min_p_ptr,
+                   seed_ptr, HAS_GREEDY: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                   HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MAX_TRIES: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    cols = tl.arange(0, BLOCK)
+
+    temp = tl.full((), 1.0, tl.float32)
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + row)
+    scale = 1.0 / temp
+    floor = tl.full((), float("-inf"), tl.float32)        # inclusive: the top-k cut
+    if HAS_FLOOR:
+        floor = tl.load(floor_ptr + row)
+
+    # one pass: the max (first index on ties) and the top-k set's mass relative to it (online rescaling)
+    top = tl.full((), float("-inf"), tl.float32)
+    top_idx = tl.zeros((), tl.int32)
+    z = tl.zeros((), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _load_row(base, start, cols, vocab)
+        block_max = tl.max(x, 0)
+        block_idx = tl.min(tl.where(x == block_max, start + cols, vocab), 0)
+        top_idx = tl.where(block_max > top, block_idx, top_idx)
+        new_top = tl.maximum(top, block_max)
+        rescale = tl.where(new_top > float("-inf"), tl.exp((top - new_top) * scale), 0.0)
+        z = z * rescale + tl.sum(tl.where(x >= floor, tl.exp((x - new_top) * scale), 0.0), 0)
+        top = new_top
+
+    token = top_idx
+    greedy = tl.zeros((), tl.int32)
+    if HAS_GREEDY:
+        greedy = (tl.load(greedy_ptr + row) != 0).to(tl.int32)
+    if greedy == 0:
+        p = tl.full((), 1.0, tl.float32)
+        if HAS_TOP_P:
+            p = tl.load(top_p_ptr + row)
+        cut = floor                                        # inclusive: top-k and min-p together
+        mass = z                                           # of the set the next draw is from
+        if HAS_MIN_P:
+            min_p = tl.load(min_p_ptr + row)
+            if min_p > 0.0:
+                cut = tl.maximum(cut, top + temp * tl.log(min_p))
+                mass = _mass(base, cols, vocab, cut, float("-inf"), top, scale, BLOCK)
+        seed = tl.load(seed_ptr + row)
+
+        pivot = tl.full((), float("-inf"), tl.float32)    # exclusive: draws at or below it were rejected by top-p
+        tries = tl.zeros((), tl.int32)
+        done = tl.zeros((), tl.int32)
+        while done == 0:
+            u = tl.rand(seed, tries)
+            pick, pick_logit = _draw(base, cols, vocab, cut, pivot, top, scale, u * mass, BLOCK)
+            accept = pick >= 0
+            if HAS_TOP_P:
+                if p < 1.0:
+                    above = _mass(base, cols, vocab, floor, pick_logit, top, scale, BLOCK)
+                    accept = accept & (above < p * z)
+                    mass = above                           # the set above a rejected draw is the next one
+            tries += 1
+            token = tl.where(accept, pick, top_idx)
+            pivot = tl.where(accept, pivot, pick_logit)
+            done = (accept | (tries >= MAX_TRIES)).to(tl.int32)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def top_k_floor(logits: torch.Tensor, vocab_size: int, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """[B] fp32: each row's k-th largest logit (-inf where top_k is off: <= 0 or >= vocab_size). max_top_k is
+    the largest active k (known on the host, so no sync)."""
+    k_max = max(1, min(max_top_k, vocab_size))
+    values = logits[:, :vocab_size].topk(k_max, dim=-1).values                  # [B, k_max] descending
+    active = (top_k > 0) & (top_k < vocab_size)
+    kth = values.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1).float()
+    return torch.where(active, kth, float("-inf"))
+
+
+def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: torch.Tensor | None = None,
+           temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None, max_top_k: int | None = None,
+           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """One token id per row of `logits` [B, >= vocab_size] -> [B] int64 (see the module doc).
+
+    seeds [B] int64 (the row's Philox seed); greedy [B] bool; temperature [B] fp32 (> 0 on sampling rows);
+    top_k [B] int (<= 0 or >= vocab_size: off) with max_top_k its largest value (None: read from top_k, a
+    host sync); top_p [B] fp32
+    (1: off); min_p [B] fp32 (0: off). None = off for every row. Rows must be contiguous (stride(1) == 1)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [B, V] with contiguous rows"
+    rows = logits.shape[0]
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    if top_k is not None and max_top_k is None:
+        max_top_k = int(top_k.max())
+    floor = top_k_floor(logits, vocab_size, top_k, max_top_k) if top_k is not None and max_top_k > 0 else None
+    block = min(8192, triton.next_power_of_2(vocab_size))
+    _sample_kernel[(rows,)](
+        logits, logits.stride(0), vocab_size, out,
+        greedy if greedy is not None else out, temperature if temperature is not None else out,
+        floor if floor is not None else out, top_p if top_p is not None else out,
+        min_p if min_p is not None else out, seeds,
+        HAS_GREEDY=greedy is not None, HAS_TEMP=temperature is not None, HAS_FLOOR=floor is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, MAX_TRIES=_MAX_TRIES, BLOCK=block,
+        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    return out
