@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--hf-batch-size", type=int, default=32)
     thr.add_argument("--same-image", action="store_true",
                      help="one image for all requests, each with its own text (prefix- and encoder-cache hits)")
+    thr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (both engines)")
+    thr.add_argument("--top-p", type=float, default=1.0)
+    thr.add_argument("--top-k", type=int, default=0, help="0 = off")
     _engine_args(thr, max_num_seqs=True)
 
     srv = sub.add_parser("serve", help="load generator against a running server (rate and concurrency sweeps)")
@@ -132,8 +135,8 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                               image_size=args.image_size,
-                               same_image=args.same_image, **common)
+                               image_size=args.image_size, same_image=args.same_image,
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, **common)
         return run_throughput, cfg
     from mmserve.bench.serve import ServeConfig, run_serve
     from mmserve.bench.workload import DEFAULT_IMAGE_SIZE, image_size_of

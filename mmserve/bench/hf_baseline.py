@@ -75,14 +75,18 @@ class HFBaseline:
         enc = self.processor(text=prompts, images=images, padding=True, return_tensors="pt")
         return enc.to(self.device)
 
-    def generate(self, prompts: list[str], images: list[Any], new_tokens: int, stream: bool = False) -> HFTiming:
-        """Greedy `generate(max_new_tokens=min_new_tokens=new_tokens)` of one left-padded batch."""
+    def generate(self, prompts: list[str], images: list[Any], new_tokens: int, stream: bool = False,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> HFTiming:
+        """`generate(max_new_tokens=min_new_tokens=new_tokens)` of one left-padded batch: greedy, or sampling
+        when temperature > 0 (top_k 0 = off: transformers' own default would be 50)."""
+        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0
+                    else dict(do_sample=False))
         clock = _TokenClock() if stream else None
         sync(self.device)
         t0 = now()
         enc = self._encode(prompts, images)
         with self._torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
                                       pad_token_id=self.pad_id, streamer=clock)
         sync(self.device)
         total = now() - t0

@@ -75,12 +75,21 @@ def _images_note(cfg: dict[str, Any], model: dict[str, Any]) -> str:
     return f" (one image shared by all requests, {model.get('distinct_texts', 1)} distinct texts)"
 
 
+def _sampling_note(cfg: dict[str, Any]) -> str:
+    if not cfg.get("temperature"):
+        return "greedy"
+    extra = "".join(f", {name} {cfg[key]}" for name, key, off in (("top-p", "top_p", 1.0), ("top-k", "top_k", 0))
+                    if cfg.get(key, off) != off)
+    return f"sampled at temperature {cfg['temperature']}{extra}"
+
+
 def _throughput_md(result: dict[str, Any]) -> list[str]:
     cfg, res = result["config"], result["results"]
     lines = _preamble(result) + [
         f"- {cfg['num_requests']} requests, each 1 image + {result['model']['text_tokens']} text tokens"
         f"{_images_note(cfg, result['model'])}, "
-        f"{cfg['output_len']} output tokens (ignore_eos); mmserve max_num_seqs {cfg['max_num_seqs']}, "
+        f"{cfg['output_len']} output tokens (ignore_eos, {_sampling_note(cfg)}); "
+        f"mmserve max_num_seqs {cfg['max_num_seqs']}, "
         f"transformers batches of {cfg['hf_batch_size']} (left-padded)", ""]
     header = ["engine", "requests", "elapsed s", "requests/s", "output tok/s", "total tok/s"]
     body = []

@@ -49,6 +49,9 @@ class ThroughputConfig:
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
     hf_attn: str | None = None
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
+    temperature: float = 0.0             # 0 = greedy (both engines); > 0 samples, with top_p / top_k
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 = off
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -58,6 +61,8 @@ class ThroughputConfig:
             raise ValueError("need warmup >= 0, iters >= 1, hf_batch_size >= 1")
         if self.baseline not in ("hf", "none"):
             raise ValueError(f"baseline must be hf or none, got {self.baseline!r}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 
 
 def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: float) -> dict[str, float]:
@@ -85,7 +90,8 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
               quantization=cfg.quantization, seed=cfg.seed)
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, ignore_eos=True)
     try:
         for w in range(cfg.warmup):
             warm = make_images(min(4, cfg.num_requests), rounds[0][0].width, seed=10_000 + w)
@@ -133,7 +139,8 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: lis
             for start in tqdm(range(0, len(images), bs), desc="transformers generate",
                               total=math.ceil(len(images) / bs)):
                 batch = images[start:start + bs]
-                timing = hf.generate(texts[start:start + bs], batch, cfg.output_len)
+                timing = hf.generate(texts[start:start + bs], batch, cfg.output_len, temperature=cfg.temperature,
+                                     top_p=cfg.top_p, top_k=cfg.top_k)
                 out_tokens += timing.new_tokens * len(batch)
                 prompt_tokens += timing.prompt_tokens * len(batch)
             elapsed = now() - t0

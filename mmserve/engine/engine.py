@@ -52,10 +52,11 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
+        blank = self._blank_image_item()
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
-            self.runner.capture_encoder_graphs(self._blank_image_item(), config.scheduler.max_num_batched_tokens)
+            self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
         peak = self.runner.profile_peak_activation_bytes(min(config.scheduler.max_num_batched_tokens,
-                                                             self.max_model_len))
+                                                             self.max_model_len), blank)
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
         if not mc.enforce_eager:
@@ -74,13 +75,14 @@ class Engine:
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
 
     def _blank_image_item(self):
-        """A blank picture's encoder inputs for warming up the encoder graphs (None: no such model or input)."""
-        if self.device.type != "cuda" or not getattr(self.model, "encoder_cuda_graphs", False):
+        """A blank picture's encoder inputs, for warming up the encoder graphs and for the memory profile of the
+        vision encoder (None: not on CUDA, or no image input)."""
+        if self.device.type != "cuda" or not hasattr(self.model, "get_mm_embeddings"):
             return None
         try:
             return self.inputs.blank_image_item()
-        except Exception as exc:   # best effort: the encoder graphs are then captured on first use
-            logger.warning("no vision encoder warm-up: a blank picture does not preprocess (%r)", exc)
+        except Exception as exc:   # best effort: graphs are then captured on first use, the profile is text-only
+            logger.warning("no vision encoder warm-up or profile: a blank picture does not preprocess (%r)", exc)
             return None
 
     def _eos_ids(self) -> list[int]:

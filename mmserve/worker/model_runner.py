@@ -104,10 +104,23 @@ class ModelRunner:
                                             cdiv(max_num_batched_tokens, template.length) + 1)
 
     @torch.inference_mode()
-    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
-        """Run one text-only prefill of num_tokens through a scratch KV cache; return the activation peak."""
+    def profile_peak_activation_bytes(self, num_tokens: int, template: MultiModalItem | None = None) -> int:
+        """The memory a step needs beyond weights and KV cache, measured: the larger of one text-only prefill
+        of num_tokens (through a scratch KV cache) and, for a vision model whose encoder runs eagerly (no
+        encoder graphs, whose pool is taken before this), encoding as many copies of `template` as a step of
+        num_tokens overlaps; plus the encoder cache's bound (its capacity in rows at the LM's width)."""
         if self.device.type != "cuda":
             return 0
+        encoder_peak = 0
+        if template is not None and self.encoder_graphs is None:
+            item = self._on_device(template)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            with self._vision_kernels():
+                self.model.get_mm_embeddings([item] * (cdiv(num_tokens, template.length) + 1))
+            torch.cuda.synchronize(self.device)
+            encoder_peak = torch.cuda.max_memory_allocated(self.device) - base
         blocks = cdiv(num_tokens, self.block_size) + 1
         self.allocate_kv_cache(blocks)
         torch.cuda.synchronize(self.device)
@@ -124,7 +137,8 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         if self.uses_mrope:
             positions = positions.expand(3, -1)
-        hidden = self.model(self.model.embed_input_ids(ids), positions, meta)
+        embeds = self.model.embed_input_ids(ids)
+        hidden = self.model(embeds, positions, meta)
         self.model.compute_logits(hidden[-64:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -132,7 +146,8 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.kv_cache = None
         torch.cuda.empty_cache()
-        return peak
+        cache_bound = self.encoder_cache.capacity * embeds.shape[-1] * embeds.element_size() if template else 0
+        return max(peak, encoder_peak) + cache_bound
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -304,6 +304,24 @@ def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
     assert row["truncated"] and row["mmserve"]["completed"] + row["mmserve"]["failed"] < 50
 
 
+def test_throughput_bench_can_sample_in_both_engines(tiny_llava_dir, tmp_path, capsys):
+    """--temperature / --top-p / --top-k reach mmserve's SamplingParams and transformers' generate (top_k 0 is
+    off there too, not its default 50); the record and the markdown say how the tokens were drawn."""
+    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
+               "--output-len", "4", "--hf-batch-size", "2", "--warmup", "0", "--temperature", "0.8",
+               "--top-p", "0.9", "--top-k", "5", *_outputs(tmp_path)])
+    assert rc == 0
+    result = _strict_json(tmp_path / "r.json")
+    assert result["errors"] == []
+    assert (result["config"]["temperature"], result["config"]["top_p"], result["config"]["top_k"]) == (0.8, 0.9, 5)
+    for engine in ("mmserve", "hf"):
+        assert result["results"][engine]["output_tokens"] == 12
+    assert "sampled at temperature 0.8, top-p 0.9, top-k 5" in (tmp_path / "b.md").read_text()
+    capsys.readouterr()
+    assert main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
 def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_dir, tmp_path):
     rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "4", "--input-len", "40",
                "--output-len", "2", "--hf-batch-size", "2", "--warmup", "0", "--same-image",

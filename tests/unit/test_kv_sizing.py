@@ -196,6 +196,27 @@ def test_profile_is_a_no_op_on_cpu(fp32_model):
 def test_profile_on_cuda_is_positive_grows_with_tokens_and_frees_its_scratch_cache(tiny_llava_dir):
     model, text = _build(tiny_llava_dir, torch.float32, device="cuda")
     runner = _runner(model, text, torch.float32, device="cuda")
+    runner.profile_peak_activation_bytes(32)   # first use allocates for good (cuBLAS workspace): not a step's peak
     small, large = runner.profile_peak_activation_bytes(32), runner.profile_peak_activation_bytes(512)
     assert 0 < small < large
+    assert runner.kv_caches == [] and all(layer.kv_cache is None for layer in runner.attn_layers)
+
+
+@pytest.mark.gpu
+def test_profile_on_cuda_covers_an_eager_vision_encoder_and_the_encoder_cache(tmp_path_factory):
+    """Qwen2-VL's vision tower runs eagerly (no encoder graphs): the profile with a blank picture as template
+    runs the encoder on a step's worth of copies and adds the encoder cache's bound to the larger peak."""
+    from mmserve.multimodal.processors import InputProcessor
+    from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
+
+    model_dir = str(make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), preset="tiny", seed=0))
+    model, text = _build(model_dir, torch.float32, device="cuda")
+    runner = _runner(model, text, torch.float32, device="cuda", encoder_cache_size=4096)
+    assert runner.encoder_graphs is None and not model.encoder_cuda_graphs
+    template = InputProcessor(model_dir, load_hf_config(model_dir), type(model)).blank_image_item((448, 448))
+    assert template is not None and template.length > 0
+    text_only = runner.profile_peak_activation_bytes(512)
+    with_vision = runner.profile_peak_activation_bytes(512, template)
+    cache_bound = 4096 * text.hidden_size * 4
+    assert with_vision >= text_only + cache_bound
     assert runner.kv_caches == [] and all(layer.kv_cache is None for layer in runner.attn_layers)
