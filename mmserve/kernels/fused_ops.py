@@ -1,6 +1,8 @@
 """Triton fused elementwise ops of a decoder layer: RMSNorm (+ residual add), in-place rotary, SiLU-and-mul.
 
-Each rounds where its torch layer rounds (layers/norm.py, rotary.py, activation.py), so results match them.
+RMSNorm and SiLU-and-mul round where their torch layers round (layers/norm.py, activation.py), so results
+match them. Rotary works in fp32 and rounds once; the torch layer (layers/rotary.py) rounds cos / sin and
+each product to the input dtype, so the two can differ by an ulp in fp16 / bf16 (the kernel is the closer one).
 RMSNorm and SiLU-and-mul can also hand their output to an FP8 linear already quantized (`quantize=True`):
 one kernel instead of the op plus kernels/fp8_gemm.quant_rows, with the same bits.
 """
