@@ -158,8 +158,8 @@ def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: t
 
     seeds [B] int64 (the row's Philox seed); greedy [B] bool; temperature [B] fp32 (> 0 on sampling rows);
     top_k [B] int (<= 0 or >= vocab_size: off) with max_top_k its largest value (None: read from top_k, a
-    host sync); top_p [B] fp32
-    (1: off); min_p [B] fp32 (0: off). None = off for every row. Rows must be contiguous (stride(1) == 1)."""
+    host sync); top_p [B] fp32 (1: off); min_p [B] fp32 (0: off). None = off for every row. Rows must be
+    contiguous (stride(1) == 1)."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [B, V] with contiguous rows"
     rows = logits.shape[0]
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)

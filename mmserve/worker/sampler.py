@@ -16,9 +16,10 @@ Order of processing, per step, on fp32 copies of the logits [B, V] (steps 1-4 on
      logits' device), so a seeded request's draws do not depend on the rest of the batch; others use the
      global RNG.
 On CUDA, steps 5-6 are one Triton kernel (kernels/sampling.py: the same filters, a draw by inversion from
-Philox noise, no sort; top-k's threshold from torch.topk), and when no row needs steps 1-4 it reads the logits as they are, without the fp32 copy. Its
-noise comes from per-row seeds (SamplingBatch.seeds): a seeded request's from its seed and output position,
-so its draws do not depend on the batch either; the others' from one draw of torch's global (CPU) RNG per step.
+Philox noise, no sort; top-k's threshold from torch.topk), and when no row needs steps 1-4 it reads the
+logits as they are, without the fp32 copy. Its noise comes from per-row seeds (SamplingBatch.seeds): a seeded
+request's from its seed and output position, so its draws do not depend on the batch either; the others' from
+one draw of torch's global (CPU) RNG per step.
 Columns >= vocab_size (a padded lm_head) are never sampled.
 """
 from __future__ import annotations
