@@ -6,7 +6,11 @@ reach ~80 % of HBM bandwidth. This kernel gives each program BLOCK_N whole rows 
 keeps a [BLOCK_N, BLOCK_K] fp32 partial sum in registers and reduces it once at the end, so the loop
 is nothing but wide loads. Block sizes are autotuned per (N, K) on first use (outside CUDA-graph capture:
 the decode graphs warm up before they capture). `linear_one_row` also times cuBLAS once per shape and
-keeps the faster of the two (kernels/fastest.py; cuBLAS wins some shapes, e.g. K = 11008 on an H100).
+keeps the faster of the two (kernels/fastest.py).
+
+Each program reads its first weight tile before it waits for the previous kernel (programmatic dependent
+launch, kernels/pdl.py; weights are never written during a forward pass), so that read overlaps the previous
+kernel's tail: a batch-1 step is a chain of ~300 short kernels, and 128 of them are GEMVs.
 """
 from __future__ import annotations
 
@@ -32,13 +36,20 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
                  SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # Weights are never written during a forward pass: the first tile is read before waiting for the previous
+    # kernel (PDL), so its HBM traffic overlaps that kernel's tail instead of following it. The second tile is
+    # peeled too (its load is issued before the loop's); both measured best on an H100 (docs/benchmarks.md).
+    w0 = tl.load(rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    wait_for_previous(PDL)
+    w1 = tl.load(rows + BLOCK_K + rk[None, :], mask=n_mask[:, None] & (BLOCK_K + rk < K)[None, :], other=0.0)
+    x0 = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + BLOCK_K + rk, mask=BLOCK_K + rk < K, other=0.0).to(tl.float32)
+    acc = w0.to(tl.float32) * x0[None, :] + w1.to(tl.float32) * x1[None, :]
+    for k in range(2 * BLOCK_K, K, BLOCK_K):
         k_mask = (k + rk) < K
         x = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(rows + k + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)

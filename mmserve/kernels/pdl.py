@@ -8,7 +8,9 @@ already resident when their inputs are ready. On an H100 a chain of 32 layers of
 shapes in a CUDA graph took 4.71 instead of 4.81 ms (scripts of 2026-11-23, docs/benchmarks.md).
 
 Contract: every kernel launched with `pdl_options()` calls `wait_for_previous(PDL)` before its first read or
-write of global memory, so it sees everything earlier kernels wrote and overwrites nothing they still read.
+write of global memory that an earlier kernel may write or still read, so it sees everything earlier kernels
+wrote and overwrites nothing they still read. Model weights are the one exception: nothing writes them during
+a forward pass, and the GEMV (kernels/gemv.py) reads its first weight tile before it waits.
 Set MMSERVE_DISABLE_PDL=1 to launch without it (to compare).
 """
 from __future__ import annotations

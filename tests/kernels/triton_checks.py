@@ -177,7 +177,7 @@ def check_gemv_matches_linear(device):
 
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for n, k, bias in [(40, 96, False), (33, 1000, True), (7, 130, False)]:
+        for n, k, bias in [(40, 96, False), (33, 1000, True), (7, 130, False), (5, 40, True)]:   # K < a tile too
             w = torch.randn(n, k, generator=g).to(device=device, dtype=dtype)
             x = torch.randn(1, k, generator=g).to(device=device, dtype=dtype)
             b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
