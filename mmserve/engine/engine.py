@@ -59,6 +59,7 @@ class Engine:
                                                              self.max_model_len), blank)
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warm_up_sampler()
         if not mc.enforce_eager:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
                                             config.scheduler.max_num_batched_tokens)

@@ -40,6 +40,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_
         tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along the last dim (the kernels index rows by a stride and
+    columns by position); a copy only where x's layout has no such view."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quantize: bool = False, input_scale: torch.Tensor | None = None):
     """Like RMSNorm.forward: norm(x), or with residual (norm(x + residual), x + residual). x [T, hidden].
@@ -47,15 +54,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     quantize: return norm(x) as QuantizedRows for an FP8 linear (per-row dynamic scales, or the static
     input_scale), exactly as quantize_rows would quantize the unfused output; needs weight.dtype == x.dtype."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
+    x2 = _unit_stride_rows(x)
     if quantize:
         assert weight.dtype == x.dtype and x.dim() == 2, "quantized RMSNorm takes [T, hidden] in the weight's dtype"
         out = torch.empty(x.shape, dtype=FP8, device=x.device)
     else:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     scales = torch.empty(len(x2), dtype=torch.float32, device=x.device) if quantize else out
-    res2 = residual.reshape(-1, n) if residual is not None else x2
-    res_out = torch.empty_like(x) if residual is not None else out
+    res2 = _unit_stride_rows(residual) if residual is not None else x2
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out   # row-major
     block = triton.next_power_of_2(n)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
@@ -187,7 +194,7 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False, input_scale: torch.Ten
     quantize: return it as QuantizedRows for an FP8 linear (x [T, 2d]; per-row dynamic scales, or the static
     input_scale), exactly as quantize_rows would quantize the unfused output."""
     d = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * d)
+    x2 = _unit_stride_rows(x)
     if quantize:
         q = torch.empty(len(x2), d, dtype=FP8, device=x.device)
         scales = torch.empty(len(x2), dtype=torch.float32, device=x.device)

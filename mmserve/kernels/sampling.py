@@ -74,21 +74,25 @@ def _draw(base, cols, vocab, cut, above, top, scale, target, BLOCK: tl.constexpr
     return tl.where(missed, last, pick), tl.where(missed, last_logit, pick_logit)
 
 
-@triton.jit
+# Which per-row tensors a launch has is a runtime bit set, not constexprs: one compiled variant per logits dtype
+# serves every mix of parameters, so the engine compiles it at startup (ModelRunner.warm_up_sampler) and no
+# request's first sampled step waits for a compile.
+_GREEDY, _TEMP, _FLOOR, _TOP_P, _MIN_P = 1, 2, 4, 8, 16   # the kernel tests these bits by value
+
+
+@triton.jit(do_not_specialize=["flags"])
 def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, floor_ptr, top_p_ptr, min_p_ptr,
-                   seed_ptr, HAS_GREEDY: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                   HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MAX_TRIES: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   seed_ptr, flags, MAX_TRIES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
 
     temp = tl.full((), 1.0, tl.float32)
-    if HAS_TEMP:
+    if (flags & 2) != 0:
         temp = tl.load(temp_ptr + row)
     scale = 1.0 / temp
     floor = tl.full((), float("-inf"), tl.float32)        # inclusive: the top-k cut
-    if HAS_FLOOR:
+    if (flags & 4) != 0:
         floor = tl.load(floor_ptr + row)
 
     # one pass: the max (first index on ties) and the top-k set's mass relative to it (online rescaling)
@@ -107,15 +111,15 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
 
     token = top_idx
     greedy = tl.zeros((), tl.int32)
-    if HAS_GREEDY:
+    if (flags & 1) != 0:
         greedy = (tl.load(greedy_ptr + row) != 0).to(tl.int32)
     if greedy == 0:
         p = tl.full((), 1.0, tl.float32)
-        if HAS_TOP_P:
+        if (flags & 8) != 0:
             p = tl.load(top_p_ptr + row)
         cut = floor                                        # inclusive: top-k and min-p together
         mass = z                                           # of the set the next draw is from
-        if HAS_MIN_P:
+        if (flags & 16) != 0:
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
                 cut = tl.maximum(cut, top + temp * tl.log(min_p))
@@ -129,11 +133,10 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
             u = tl.rand(seed, tries)
             pick, pick_logit = _draw(base, cols, vocab, cut, pivot, top, scale, u * mass, BLOCK)
             accept = pick >= 0
-            if HAS_TOP_P:
-                if p < 1.0:
-                    above = _mass(base, cols, vocab, floor, pick_logit, top, scale, BLOCK)
-                    accept = accept & (above < p * z)
-                    mass = above                           # the set above a rejected draw is the next one
+            if p < 1.0:                                    # p = 1 without top-p
+                above = _mass(base, cols, vocab, floor, pick_logit, top, scale, BLOCK)
+                accept = accept & (above < p * z)
+                mass = above                               # the set above a rejected draw is the next one
             tries += 1
             token = tl.where(accept, pick, top_idx)
             pivot = tl.where(accept, pivot, pick_logit)
@@ -141,13 +144,17 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def top_k_floor(logits: torch.Tensor, vocab_size: int, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """[B] fp32: each row's k-th largest logit (-inf where top_k is off: <= 0 or >= vocab_size). max_top_k is
-    the largest active k (known on the host, so no sync)."""
-    k_max = max(1, min(max_top_k, vocab_size))
-    values = logits[:, :vocab_size].topk(k_max, dim=-1).values                  # [B, k_max] descending
-    active = (top_k > 0) & (top_k < vocab_size)
-    kth = values.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1).float()
+def kth_largest(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+    """[B] in logits' dtype: each row's top_k-th largest value of logits [B, V], -inf where top-k is off (top_k
+    <= 0 or >= V). max_top_k: the largest active k, known on the host (None: read from top_k, a device sync).
+    The top-k threshold of both samplers (this kernel's and worker/sampler.py's torch one)."""
+    vocab = logits.shape[-1]
+    active = (top_k > 0) & (top_k < vocab)
+    if max_top_k is None:
+        max_top_k = int(torch.where(active, top_k, 1).max())
+    k_max = max(1, min(max_top_k, vocab))
+    values = logits.topk(k_max, dim=-1).values                                  # [B, k_max] descending
+    kth = values.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
     return torch.where(active, kth, float("-inf"))
 
 
@@ -165,16 +172,25 @@ def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: t
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    if top_k is not None and max_top_k is None:
-        max_top_k = int(top_k.max())
-    floor = top_k_floor(logits, vocab_size, top_k, max_top_k) if top_k is not None and max_top_k > 0 else None
+    floor = kth_largest(logits[:, :vocab_size], top_k, max_top_k).float() if top_k is not None else None
     block = min(8192, triton.next_power_of_2(vocab_size))
-    _sample_kernel[(rows,)](
-        logits, logits.stride(0), vocab_size, out,
-        greedy if greedy is not None else out, temperature if temperature is not None else out,
-        floor if floor is not None else out, top_p if top_p is not None else out,
-        min_p if min_p is not None else out, seeds,
-        HAS_GREEDY=greedy is not None, HAS_TEMP=temperature is not None, HAS_FLOOR=floor is not None,
-        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, MAX_TRIES=_MAX_TRIES, BLOCK=block,
-        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    f32 = _placeholder(logits.device, torch.float32)   # a tensor a launch does not have: typed, never read
+    given = [(greedy, _GREEDY, _placeholder(logits.device, torch.bool)), (temperature, _TEMP, f32),
+             (floor, _FLOOR, f32), (top_p, _TOP_P, f32), (min_p, _MIN_P, f32)]
+    flags = sum(bit for t, bit, _ in given if t is not None)
+    per_row = [t if t is not None else placeholder for t, _, placeholder in given]
+    _sample_kernel[(rows,)](logits, logits.stride(0), vocab_size, out, *per_row, seeds, flags, MAX_TRIES=_MAX_TRIES,
+                            BLOCK=block, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return out
+
+
+_placeholders: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One element of `dtype` on `device`, passed for an absent per-row tensor: a pointer of the same type as a
+    present one, so that both launches share one compiled variant."""
+    key = (device, dtype)
+    if key not in _placeholders:
+        _placeholders[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _placeholders[key]

@@ -73,6 +73,13 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 with the triton "
                                  f"attention backend; {torch.cuda.get_device_name(self.device)} is {cap[0]}.{cap[1]}")
 
+    @torch.inference_mode()
+    def warm_up_sampler(self) -> None:
+        """Compile the sampler's kernels now (Sampler.warm_up), not on the first sampled step after startup."""
+        if self.device.type == "cuda":
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.sampler.warm_up(self.model.compute_logits(self.model.embed_input_ids(token)), self.vocab_size)
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Record decode-step graphs, whole-model graphs of small prefills and piecewise graphs of the other
         steps (CUDA + Triton backend only); call after allocate_kv_cache."""

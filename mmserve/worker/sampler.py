@@ -99,14 +99,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
     with the k-th largest logit are all kept. max_top_k (the largest active k, known on the host) spares a
     device sync on the top-k-only path. May modify `logits` in place.
     """
+    from mmserve.kernels.sampling import kth_largest   # torch only; shared with the fused sampler
+
     vocab = logits.shape[-1]
-    if top_k is not None:
-        k_active = (top_k > 0) & (top_k < vocab)  # [B]
-        k = torch.where(k_active, top_k, vocab).unsqueeze(1)  # [B, 1]
     if top_p is not None:
         # one sort serves both top-k and top-p
         srt, order = logits.sort(dim=-1, descending=True)  # [B, V] each
         if top_k is not None:
+            k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).unsqueeze(1)  # [B, 1]
             kth = srt.gather(1, k - 1)  # [B, 1]
             srt.masked_fill_(srt < kth, float("-inf"))
         probs = srt.softmax(dim=-1)
@@ -115,12 +115,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
         srt.masked_fill_((before >= p) & (p < 1.0), float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, srt)
     elif top_k is not None:
-        if max_top_k is None:
-            max_top_k = int(torch.where(k_active, top_k, 1).max())  # device sync
-        max_top_k = max(1, min(max_top_k, vocab))
-        top_vals = logits.topk(max_top_k, dim=-1).values  # [B, K]
-        kth = top_vals.gather(1, (k.clamp(max=max_top_k) - 1))  # [B, 1]
-        kth = torch.where(k_active.unsqueeze(1), kth, float("-inf"))
+        kth = kth_largest(logits, top_k, max_top_k).unsqueeze(1)  # [B, 1]
         logits = logits.masked_fill_(logits < kth, float("-inf"))
     if min_p is not None:
         # prob_i < min_p * max_prob  <=>  logit_i < max_logit + log(min_p); log(0) = -inf masks nothing
@@ -152,7 +147,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None   # [B] fp32
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # sampling rows with their own RNG
     any_unseeded: bool = False               # some sampling row draws from the global RNG
-    seeds: torch.Tensor | None = None        # [B] int64 Philox seeds of the fused sampler (None when all greedy)
+    seeds: torch.Tensor | None = None        # [B] int64 Philox seeds of the fused sampler (CUDA, not all greedy)
     max_num_logprobs: int | None = None      # K = max requested logprobs; None = nobody asked
 
     @property
@@ -217,12 +212,14 @@ class SamplingBatch:
         any_unseeded = any(not greedy[i] and i not in seeded_rows for i in range(num_rows))
 
         requested = [p.logprobs for p in params if p.logprobs is not None]
-        base = int(torch.empty((), dtype=torch.int64).random_(1 << 62))   # global RNG, like the torch path
-        if any(p.seed is not None and not g for p, g in zip(params, greedy)):
-            seeds = to_device([row_seed(p.seed, len(out)) if p.seed is not None else base + i
-                               for i, (p, out) in enumerate(zip(params, output_token_ids))], torch.int64, device)
-        else:
-            seeds = torch.arange(base, base + num_rows, dtype=torch.int64, device=device)
+        seeds = None   # only the fused sampler (CUDA) draws from them
+        if device.type == "cuda" and not all_greedy:
+            base = int(torch.empty((), dtype=torch.int64).random_(1 << 62))   # global RNG, like the torch path
+            if any(p.seed is not None and not g for p, g in zip(params, greedy)):
+                seeds = to_device([row_seed(p.seed, len(out)) if p.seed is not None else base + i
+                                   for i, (p, out) in enumerate(zip(params, output_token_ids))], torch.int64, device)
+            else:
+                seeds = torch.arange(base, base + num_rows, dtype=torch.int64, device=device)
         return cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
@@ -319,9 +316,21 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), top_logprobs=top_vals,
                              top_token_ids=top_ids, ranks=ranks)
 
+    def warm_up(self, logits: torch.Tensor, vocab_size: int) -> None:
+        """Compile what this sampler launches for `logits` (one row as the LM head returns it): on CUDA the fused
+        kernel for the head's dtype and for fp32 logits (after penalties / masks / logprobs), one variant each
+        for every mix of parameters; otherwise the first sampled step waits for the compile (0.7 s on an H100)."""
+        sampled = dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
+        for params in (SamplingParams(**sampled), SamplingParams(**sampled, repetition_penalty=1.1)):
+            batch = SamplingBatch.build([params], [[0]], [[]], [None], [None], [[]], vocab_size, logits.device)
+            self(logits.clone(), batch)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+
     @staticmethod
     def _fused_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         from mmserve.kernels.sampling import sample
+        assert batch.seeds is not None, "the fused sampler draws from SamplingBatch.seeds, built for CUDA batches"
         return sample(logits if logits.stride(1) == 1 else logits.contiguous(), batch.vocab_size, batch.seeds,
                       batch.greedy, batch.temperature, batch.top_k, batch.max_top_k, batch.top_p, batch.min_p)
 

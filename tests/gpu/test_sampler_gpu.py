@@ -111,3 +111,37 @@ def test_seeded_request_draws_the_same_ids_wherever_it_sits_in_the_batch():
         batch = SamplingBatch.build([seeded], [[1]], [[2] * pos], [None], [None], [[]], vocab, device)
         draws.add(int(Sampler()(logits.expand(1, vocab), batch).token_ids[0]))
     assert len(draws) > 10, "output positions must draw fresh noise"
+
+
+def _compiled_sampler_variants() -> int:
+    from mmserve.kernels import sampling
+
+    # JITFunction.device_caches: per device a tuple whose first element maps specialization keys to kernels
+    return sum(len(entry[0]) for entry in sampling._sample_kernel.device_caches.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_warm_up_compiles_every_variant_a_serving_step_launches(dtype):
+    """After Sampler.warm_up on one row as the LM head returns it, batches with any mix of parameters (greedy
+    and sampled rows, temperature, top-k, top-p, min-p, seeds, penalties and logprobs, which sample fp32
+    logits) launch the fused kernel without compiling it again: the kernel takes which per-row tensors it has
+    as a runtime bit set. Before, each mix was its own variant, compiled on first use (0.7 s mid-serving)."""
+    device = torch.device("cuda")
+    vocab, width = 32000, 32064      # a padded LM head
+    logits = torch.randn(8, width, device=device).to(dtype)
+    sampler = Sampler()
+    sampler.warm_up(logits[:1].clone(), vocab)
+    compiled = _compiled_sampler_variants()
+    assert compiled >= 2, compiled   # the head's dtype and fp32
+    mixes = [[SamplingParams(temperature=0.7)],
+             [SamplingParams(top_k=40), SamplingParams(temperature=0.0, logprobs=2)],
+             [SamplingParams(top_p=0.8, seed=3), SamplingParams(min_p=0.1), SamplingParams(temperature=0.0)],
+             [SamplingParams(temperature=1.3, top_k=5, top_p=0.95, min_p=0.02, presence_penalty=0.5)],
+             [SamplingParams(temperature=0.9, logprobs=3), SamplingParams(top_p=0.5, frequency_penalty=0.2)]]
+    for params in mixes:
+        n = len(params)
+        batch = SamplingBatch.build(params, [[1, 2]] * n, [[3]] * n, [None] * n, [None] * n, [[]] * n, vocab, device)
+        ids = sampler(logits[:n].clone(), batch).token_ids
+        assert ids.shape == (n,) and bool((ids < vocab).all()), (params, ids)
+    torch.cuda.synchronize()
+    assert _compiled_sampler_variants() == compiled, "a parameter mix compiled a new sampler variant"

@@ -317,3 +317,17 @@ def test_seeded_row_distribution_over_steps():
     batch = SamplingBatch.build([p], [[]], [[]], [gen], [None], [[]], 2, CPU)
     draws = [sampler(logits, batch).token_ids.item() for _ in range(2000)]
     assert draws.count(0) / len(draws) == pytest.approx(0.3, abs=0.04)
+
+
+def test_cpu_batches_leave_the_fused_samplers_seeds_out_and_keep_the_global_rng():
+    """Seeds are drawn (from torch's global RNG) only for batches the fused CUDA sampler may take: a CPU batch
+    has none, building it consumes no random number, and forcing the fused sampler on it is a clear error."""
+    params = [SamplingParams(temperature=0.8, top_k=2), SamplingParams(seed=3, top_p=0.9)]
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    batch = make_batch(params, vocab=4)
+    assert batch.seeds is None and not batch.all_greedy
+    assert torch.equal(torch.rand(1), expected), "building a CPU batch drew from the global RNG"
+    with pytest.raises(AssertionError, match="SamplingBatch.seeds"):
+        Sampler(fused=True)(torch.zeros(2, 4), batch)
