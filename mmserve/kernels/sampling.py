@@ -75,7 +75,7 @@ def _draw(base, cols, vocab, cut, above, top, scale, target, BLOCK: tl.constexpr
 
 
 # Which per-row tensors a launch has is a runtime bit set, not constexprs: one compiled variant per logits dtype
-# serves every mix of parameters, so the engine compiles it at startup (ModelRunner.warm_up_sampler) and no
+# serves every mix of parameters, so the engine compiles it at startup (Sampler.warm_up) and no
 # request's first sampled step waits for a compile.
 _GREEDY, _TEMP, _FLOOR, _TOP_P, _MIN_P = 1, 2, 4, 8, 16   # the kernel tests these bits by value
 
