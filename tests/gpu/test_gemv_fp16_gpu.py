@@ -99,8 +99,8 @@ def test_linear_layers_take_the_one_row_gemv_path_at_llava_7b_shapes(name: str, 
     """A one-row half-precision input of each layer goes to gemv.linear_one_row, which times cuBLAS against the
     GEMV once for the weight's shape and records the choice (fastest._CHOICE / TIMINGS); the layer's output is
     then the chosen candidate's (the GEMV's bit for bit when the GEMV is chosen). Inputs of 2 or 8 rows go to
-    F.linear. Which candidate wins is the GPU's business (cuBLAS wins some shapes, e.g. K = 11008 on an H100):
-    it is printed, not asserted."""
+    F.linear. Which candidate wins is the GPU's business (on an H100 on 2026-11-25 the GEMV won every shape here;
+    earlier timers picked cuBLAS for some): it is printed, not asserted."""
     from mmserve.kernels import fastest
     from mmserve.kernels import gemv as gemv_module
 
