@@ -79,6 +79,9 @@ class CacheConfig:
     kv_cache_size_gb: float = 1.0           # CPU: bytes of KV pool, in GiB
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 16384         # vision embeddings (tokens) kept by content hash
+    # final hidden states of computed prompts kept (one row of the LM's width each), so an exact repeat samples
+    # its first token without a forward pass (engine/prompt_end_cache.py); 0: off. Needs prefix caching.
+    prompt_end_cache_size: int = 1024
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with a per-layer scale, half the bytes per token
     kv_cache_dtype: str = "auto"
 
@@ -89,6 +92,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.prompt_end_cache_size < 0:
+            raise ValueError(f"prompt_end_cache_size must be >= 0, got {self.prompt_end_cache_size}")
         if self.kv_cache_size_gb <= 0:
             raise ValueError(f"kv_cache_size_gb must be > 0, got {self.kv_cache_size_gb}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:

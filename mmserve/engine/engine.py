@@ -10,6 +10,7 @@ import torch
 from mmserve.config import EngineConfig, resolve_device, resolve_dtype
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes
+from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
@@ -52,6 +53,10 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
+        prompt_ends = None
+        if config.cache.enable_prefix_caching and config.cache.prompt_end_cache_size:
+            prompt_ends = PromptEndCache(config.cache.prompt_end_cache_size)
+            self.runner.allocate_prompt_ends(prompt_ends.num_slots)
         blank = self._blank_image_item()
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
             self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
@@ -64,7 +69,7 @@ class Engine:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
                                             config.scheduler.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}
@@ -174,7 +179,11 @@ class Engine:
         sched = self.scheduler.schedule()
         launched = None
         if not sched.empty:
-            launched = self.runner.launch(sched, self._inflight[1] if self._inflight else None)
+            try:
+                launched = self.runner.launch(sched, self._inflight[1] if self._inflight else None)
+            except BaseException:
+                self._forget_prompt_end_stores(sched)
+                raise
             row = 0
             for s in sched.scheduled:
                 s.request.num_computed_tokens = s.end
@@ -201,6 +210,12 @@ class Engine:
                                "use compiles kernels or captures graphs)", sched.kind, sched.num_batched_tokens,
                                len(sched.scheduled), host_s * 1000)
         return outputs
+
+    def _forget_prompt_end_stores(self, sched: SchedulerOutput) -> None:
+        """A step that failed to launch wrote no prompt-end rows: drop the slots the scheduler claimed for it."""
+        for s in sched.scheduled:
+            if s.store_prompt_end is not None:
+                self.scheduler.prompt_ends.forget(self.kv.prompt_digest(s.request))
 
     def _resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back and apply them: detokenize, finish, cache full blocks."""
@@ -317,6 +332,7 @@ class Engine:
             "prefix_cache_hit_tokens": self.kv.stats.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.stats.queried_tokens,
             "encoder_cache_hit_rate": self.runner.encoder_cache.hit_rate,
+            "prompt_end_cache_hits": self.scheduler.prompt_ends.stats.hits if self.scheduler.prompt_ends else 0,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

@@ -49,12 +49,15 @@ def chain_block_hashes(token_ids: Sequence[int], mm_items: Sequence, block_size:
     out = []
     for i in range(len(token_ids) // block_size):
         start = (first_block + i) * block_size
-        end = start + block_size
-        media = [(m.content_hash, max(start, m.offset) - m.offset) for m in mm_items
-                 if m.offset < end and m.end > start]
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], media)
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            _media_in(mm_items, start, start + block_size))
         out.append(parent)
     return out
+
+
+def _media_in(mm_items: Sequence, start: int, end: int) -> list[tuple[str, int]]:
+    """hash_block's media field for token positions [start, end)."""
+    return [(m.content_hash, max(start, m.offset) - m.offset) for m in mm_items if m.offset < end and m.end > start]
 
 
 @dataclass
@@ -170,6 +173,16 @@ class KVCacheManager:
         if full > first:
             req.block_hashes += chain_block_hashes(req.token_ids(first * bs, full * bs), req.mm_items, bs, first,
                                                    req.block_hashes[-1] if first else None)
+
+    def prompt_digest(self, req: Request) -> bytes:
+        """A digest of req's whole prompt (tokens and media): its last full block's hash chained with the
+        partial block after it, hashed like a block (so it differs from every block hash)."""
+        bs, p = self.block_size, req.num_prompt_tokens
+        full = p // bs
+        if len(req.block_hashes) < full:
+            self._extend_hashes(req)
+        return hash_block(req.block_hashes[full - 1] if full else None, req.prompt_token_ids[full * bs:],
+                          _media_in(req.mm_items, full * bs, p))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.

@@ -4,7 +4,10 @@ The one rule: there is no prefill or decode phase. Each step, every request's co
 catch up with its total tokens (prompt + generated) as far as the step's token budget allows.
 Running requests go first (FCFS), then waiting ones; a prompt may be cut anywhere (chunked
 prefill). When KV blocks run out, the latest-arrived running request is preempted: its blocks are
-freed and it is recomputed later (cached prefix blocks make that cheap).
+freed and it is recomputed later (cached prefix blocks make that cheap). A new request whose whole prompt was
+computed before (every prompt block cached, and its final hidden state kept: PromptEndCache) is scheduled
+with zero tokens to compute: its first token is sampled from the kept state, and its next step computes the
+prompt's uncached tail with that token.
 """
 from __future__ import annotations
 
@@ -15,19 +18,26 @@ from dataclasses import dataclass, field
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache import KVCacheManager
+from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.step_stats import step_kind
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute token positions [start, start + num_tokens)."""
+    """One request's share of a step: compute token positions [start, start + num_tokens).
+
+    num_tokens == 0: nothing to compute; the request samples its first token from the prompt-end slot
+    `load_prompt_end`. store_prompt_end: the chunk completes the prompt, and its last position's hidden state
+    goes to that slot."""
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]
     samples: bool = False   # the chunk reaches the request's last token, so a new token is sampled
+    load_prompt_end: int | None = None
+    store_prompt_end: int | None = None
     end: int = field(init=False)   # start + num_tokens: a field, read several times per request per step
 
     def __post_init__(self) -> None:
@@ -44,9 +54,18 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
     @functools.cached_property
+    def computed(self) -> list[ScheduledRequest]:
+        """The requests with tokens to compute (all but the prompt-end loads, which come last)."""
+        n = len(self.scheduled)
+        while n and self.scheduled[n - 1].num_tokens == 0:
+            n -= 1
+        return self.scheduled if n == len(self.scheduled) else self.scheduled[:n]
+
+    @functools.cached_property
     def kind(self) -> str:
-        """'decode', 'prefill' or 'mixed' (step_stats.step_kind); read after scheduling is complete."""
-        return step_kind([s.num_tokens for s in self.scheduled])
+        """'decode', 'prefill' or 'mixed' (step_stats.step_kind) of the computed requests ('decode' if none);
+        read after scheduling is complete."""
+        return step_kind([s.num_tokens for s in self.computed])
 
     @property
     def empty(self) -> bool:
@@ -54,9 +73,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_ends: PromptEndCache | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.prompt_ends = prompt_ends if kv.enable_prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -95,8 +115,9 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
-        # one-token chunks (decodes) first, in order: attention backends split a mixed batch there
-        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        # one-token chunks (decodes) first, in order: attention backends split a mixed batch there; prompt-end
+        # loads (nothing to compute) last
+        out.scheduled.sort(key=lambda s: (s.num_tokens != 1, s.num_tokens == 0))
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -106,7 +127,8 @@ class Scheduler:
             if req.num_computed_tokens == 0 and not req.params.return_context_logits:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)   # cached positions yield no logits
             remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
-            n = min(remaining, budget)
+            load = self._prompt_end_hit(req, num_hit_tokens)
+            n = 0 if load is not None else min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             if not self.kv.allocate_slots(req, n, hits):
@@ -118,12 +140,30 @@ class Scheduler:
             req.num_computed_tokens += num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._scheduled(req, n))
+            if load is not None:
+                self.prompt_ends.stats.hits += 1
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 0,
+                                                      self.kv.block_ids(req.request_id), True, load_prompt_end=load))
+            else:
+                out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _prompt_end_hit(self, req: Request, num_hit_tokens: int) -> int | None:
+        """The prompt-end slot of a new request whose prompt blocks are all cached and whose prompt's final
+        hidden state is kept, else None."""
+        if self.prompt_ends is None or req.num_output_tokens or num_hit_tokens == 0 \
+                or num_hit_tokens != (req.num_tokens - 1) // self.kv.block_size * self.kv.block_size:
+            return None
+        return self.prompt_ends.lookup(self.kv.prompt_digest(req))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, start, n, self.kv.block_ids(req.request_id), start + n == req.num_tokens)
+        end = start + n
+        store = None
+        if end == req.num_tokens == req.num_prompt_tokens and self.prompt_ends is not None:
+            store = self.prompt_ends.claim(self.kv.prompt_digest(req))
+        return ScheduledRequest(req, start, n, self.kv.block_ids(req.request_id), end == req.num_tokens,
+                                store_prompt_end=store)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

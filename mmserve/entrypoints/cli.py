@@ -29,6 +29,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: decoder linear layers to e4m3 at load (FP8 checkpoints need no flag)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--prompt-end-cache-size", type=int, default=1024,
+                   help="prompts whose final hidden state is kept, so an exact repeat's first token needs no "
+                        "forward pass (0: off)")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no host/GPU overlap)")
@@ -57,7 +60,8 @@ def build_engine_config(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          prompt_end_cache_size=args.prompt_end_cache_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
                                   async_scheduling=not args.no_async_scheduling))

@@ -36,6 +36,8 @@ class Metrics:
                                          "KV cache bytes per token over all layers (halved by --kv-cache-dtype fp8)"),
             "prefix_cache_hit_rate": ("mmserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
             "encoder_cache_hit_rate": ("mmserve_encoder_cache_hit_rate", "Vision encodings served from the cache"),
+            "prompt_end_cache_hits": ("mmserve_prompt_end_cache_hits",
+                                      "First tokens sampled from a repeated prompt's kept final hidden state"),
             "num_preemptions": ("mmserve_num_preemptions", "Requests preempted so far"),
         }
         for key, (name, doc) in gauges.items():

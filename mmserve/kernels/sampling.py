@@ -77,7 +77,11 @@ def _draw(base, cols, vocab, cut, above, top, scale, target, BLOCK: tl.constexpr
 # Which per-row tensors a launch has is a runtime bit set, not constexprs: one compiled variant per logits dtype
 # serves every mix of parameters, so the engine compiles it at startup (Sampler.warm_up) and no
 # request's first sampled step waits for a compile.
-_GREEDY, _TEMP, _FLOOR, _TOP_P, _MIN_P = 1, 2, 4, 8, 16   # the kernel tests these bits by value
+_GREEDY: tl.constexpr = tl.constexpr(1)
+_TEMP: tl.constexpr = tl.constexpr(2)
+_FLOOR: tl.constexpr = tl.constexpr(4)
+_TOP_P: tl.constexpr = tl.constexpr(8)
+_MIN_P: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit(do_not_specialize=["flags"])
@@ -88,11 +92,11 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
     cols = tl.arange(0, BLOCK)
 
     temp = tl.full((), 1.0, tl.float32)
-    if (flags & 2) != 0:
+    if (flags & _TEMP) != 0:
         temp = tl.load(temp_ptr + row)
     scale = 1.0 / temp
     floor = tl.full((), float("-inf"), tl.float32)        # inclusive: the top-k cut
-    if (flags & 4) != 0:
+    if (flags & _FLOOR) != 0:
         floor = tl.load(floor_ptr + row)
 
     # one pass: the max (first index on ties) and the top-k set's mass relative to it (online rescaling)
@@ -111,15 +115,15 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
 
     token = top_idx
     greedy = tl.zeros((), tl.int32)
-    if (flags & 1) != 0:
+    if (flags & _GREEDY) != 0:
         greedy = (tl.load(greedy_ptr + row) != 0).to(tl.int32)
     if greedy == 0:
         p = tl.full((), 1.0, tl.float32)
-        if (flags & 8) != 0:
+        if (flags & _TOP_P) != 0:
             p = tl.load(top_p_ptr + row)
         cut = floor                                        # inclusive: top-k and min-p together
         mass = z                                           # of the set the next draw is from
-        if (flags & 16) != 0:
+        if (flags & _MIN_P) != 0:
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
                 cut = tl.maximum(cut, top + temp * tl.log(min_p))
@@ -177,7 +181,7 @@ def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: t
     f32 = _placeholder(logits.device, torch.float32)   # a tensor a launch does not have: typed, never read
     given = [(greedy, _GREEDY, _placeholder(logits.device, torch.bool)), (temperature, _TEMP, f32),
              (floor, _FLOOR, f32), (top_p, _TOP_P, f32), (min_p, _MIN_P, f32)]
-    flags = sum(bit for t, bit, _ in given if t is not None)
+    flags = sum(bit.value for t, bit, _ in given if t is not None)
     per_row = [t if t is not None else placeholder for t, _, placeholder in given]
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab_size, out, *per_row, seeds, flags, MAX_TRIES=_MAX_TRIES,
                             BLOCK=block, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)

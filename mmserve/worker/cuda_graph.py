@@ -44,6 +44,7 @@ class DecodeGraphs:
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}   # the LM's final hidden states (lm_head's input), per bucket
         self.pool = None
 
     @property
@@ -57,10 +58,10 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[self.max_model_len] * b,
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.model.embed_input_ids(self.input_ids[:b])
         hidden = self.model(embeds, self.positions[..., :b], self._meta(b))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -70,16 +71,17 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self.pool):
-                self.logits[b] = self._forward(b)
+                self.logits[b], self.hidden[b] = self._forward(b)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Replay the smallest bucket that fits; returns logits [len(input_ids), V] (a view, valid until
-        the next replay).
+            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest bucket that fits; returns (logits [n, V], final hidden states [n, H]) of the
+        n = len(input_ids) rows (views, valid until the next replay).
 
         positions: [n] or [3, n] (M-RoPE) int64 on the host. fill: (rows, ids) device tensors that
         overwrite those rows' input ids on the device (tokens the host does not have yet).
@@ -114,7 +116,7 @@ class DecodeGraphs:
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][:n], self.hidden[b][:n]
 
 
 class _Staging:

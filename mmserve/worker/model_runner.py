@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -20,6 +19,7 @@ from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
+from mmserve.worker.batch_inputs import cat_positions, num_leading_decodes, slot_ids
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
@@ -27,7 +27,7 @@ from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
-from mmserve.worker.transfer import host_tensor, to_device
+from mmserve.worker.transfer import to_device
 
 
 # cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
@@ -55,6 +55,7 @@ class ModelRunner:
         self.encoder_graphs: EncoderGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
+        self.prompt_ends: torch.Tensor | None = None   # [slots, H] final hidden states of prompts (PromptEndCache)
 
     def _select_backend(self, name: str) -> str:
         if name == "auto":
@@ -90,13 +91,21 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
                                    mrope=mrope)
         self.graphs.capture()
-        hidden_size = self.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device=self.device)).shape[-1]
+        hidden_size = self._hidden_size()
         self.prefill_graphs = PrefillGraphs(self.model, self.device, self.dtype, hidden_size, max_num_batched_tokens,
                                             max_blocks, self.block_size, max_model_len, mrope, pool=self.graphs.pool)
         self.prefill_graphs.capture()
         self.piecewise_graphs = PiecewiseGraphs(self.model, self.device, self.dtype, hidden_size,
                                                 token_buckets(max_num_batched_tokens), mrope, pool=self.graphs.pool)
         self.piecewise_graphs.capture()
+
+    def _hidden_size(self) -> int:
+        return self.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device=self.device)).shape[-1]
+
+    @torch.inference_mode()
+    def allocate_prompt_ends(self, num_slots: int) -> None:
+        """The device rows PromptEndCache hands out (before the KV cache is sized: they are not free for it)."""
+        self.prompt_ends = torch.zeros(num_slots, self._hidden_size(), dtype=self.dtype, device=self.device)
 
     def capture_encoder_graphs(self, template: MultiModalItem | None, max_num_batched_tokens: int) -> None:
         """Replay the vision encoder from CUDA graphs (families with `encoder_cuda_graphs`, CUDA only); with a
@@ -197,12 +206,20 @@ class ModelRunner:
         """Queue one step's work on the device and return without waiting for it.
 
         A request whose last input token is still PLACEHOLDER (sampled by `prev`, not yet on the host)
-        gets it on the device, from `prev.tokens[request.last_sample_row]`.
+        gets it on the device, from `prev.tokens[request.last_sample_row]`. Requests with nothing to compute
+        (prompt-end loads, last in the batch) sample from their kept final hidden states.
         """
+        computed = sched.computed
+        loads = sched.scheduled[len(computed):]
+        loaded = None   # gathered before this step's stores: a slot may be claimed again by one of them
+        if loads:
+            loaded = self.prompt_ends[to_device([s.load_prompt_end for s in loads], torch.int64, self.device)]
+        if not computed:
+            return self._sample([s.request for s in loads], self.model.compute_logits(loaded))
         input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         fill_dst, fill_src = [], []
         bs = self.block_size
-        for s in sched.scheduled:
+        for s in computed:
             req = s.request
             if s.end > req.num_known_tokens:
                 if prev is None or prev.tokens is None or s.end - req.num_known_tokens != 1:
@@ -218,64 +235,79 @@ class ModelRunner:
         fill = None
         if fill_dst:
             fill = (to_device(fill_dst, torch.int64, dev), prev.tokens[to_device(fill_src, torch.int64, dev)])
-        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
-        decode_only = len(input_ids) == len(sched.scheduled) and not any(
-            s.request.mm_items_in(s.start, s.end) for s in sched.scheduled)
-        positions = _cat_positions(positions, self.uses_mrope)
+        sampling = [(i, s) for i, s in enumerate(computed) if s.samples]
+        reqs = [s.request for _, s in sampling] + [s.request for s in loads]
+        decode_only = len(input_ids) == len(computed) and not any(
+            s.request.mm_items_in(s.start, s.end) for s in computed)
+        positions = cat_positions(positions, self.uses_mrope)
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
-            logits = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in sched.scheduled],
-                                     fill)
+            logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
+                                             fill)
+            self._store_prompt_ends(computed, hidden)
             # 1-token prompt chunks ride here too and sample nothing
             rows = [i for i, _ in sampling]
             if rows == list(range(len(rows))):
                 picked = logits[: len(rows)]
             else:
                 picked = logits[to_device(rows, torch.int64, dev)]
-            step = self._sample([s.request for _, s in sampling], picked)
-            self._context_logits(sched, list(range(len(input_ids) + 1)), step.out, logits=logits)
+            if loaded is not None:
+                picked = torch.cat([picked, self.model.compute_logits(loaded)])
+            step = self._sample(reqs, picked)
+            self._context_logits(computed, list(range(len(input_ids) + 1)), step.out, logits=logits)
             return step
         ids = to_device(input_ids, torch.int64, dev)
         if fill is not None:
             ids[fill[0]] = fill[1]
         embeds = self.model.embed_input_ids(ids)
-        self._merge_mm_embeddings(sched, qsl, embeds)
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(sched.scheduled), len(input_ids)):
-            hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens,
-                                             [s.block_ids for s in sched.scheduled])
+        self._merge_mm_embeddings(computed, qsl, embeds)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), len(input_ids)):
+            hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, [s.block_ids for s in computed])
         elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
             # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
-            meta = self._metadata(sched, slots, qsl, seq_lens, self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
+            meta = self._metadata(computed, slots, qsl, seq_lens,
+                                  self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
             hidden = self.piecewise_graphs.run(embeds, positions, slots, meta)
         else:
-            meta = self._metadata(sched, slots, qsl, seq_lens)
+            meta = self._metadata(computed, slots, qsl, seq_lens)
             hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
-        logits = None
-        if sampling:
-            last = to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)
-            logits = self.model.compute_logits(hidden[last])
-        step = self._sample([s.request for _, s in sampling], logits)
-        self._context_logits(sched, qsl, step.out, hidden=hidden)
+        self._store_prompt_ends(computed, hidden, qsl)
+        rows = [hidden[to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)]] if sampling else []
+        rows += [loaded] if loaded is not None else []
+        logits = self.model.compute_logits(torch.cat(rows) if len(rows) > 1 else rows[0]) if rows else None
+        step = self._sample(reqs, logits)
+        self._context_logits(computed, qsl, step.out, hidden=hidden)
         return step
 
-    def _metadata(self, sched: SchedulerOutput, slots: list[int], qsl: list[int], seq_lens: list[int],
+    def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int] | None = None) -> None:
+        """Keep the final hidden state of each prompt this step completes in its prompt-end slot (rows of
+        `hidden` end at qsl[1:], or are one per request when qsl is None)."""
+        stores = [(i, s.store_prompt_end) for i, s in enumerate(computed) if s.store_prompt_end is not None]
+        if not stores:
+            return
+        rows = [qsl[i + 1] - 1 if qsl is not None else i for i, _ in stores]
+        dev = self.device
+        self.prompt_ends[to_device([slot for _, slot in stores], torch.int64, dev)] = \
+            hidden[to_device(rows, torch.int64, dev)].to(self.prompt_ends.dtype)
+
+    def _metadata(self, computed: list, slots: list[int], qsl: list[int], seq_lens: list[int],
                   slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
         dev = self.device
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sched.scheduled]
+        max_blocks = max(len(s.block_ids) for s in computed)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in computed]
         return AttentionMetadata(
             query_start_loc=to_device(qsl, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=to_device(tables, torch.int32, dev),
             slot_mapping=to_device(slots, torch.int64, dev) if slot_mapping is None else slot_mapping,
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            max_query_len=max(s.num_tokens for s in sched.scheduled), max_seq_len=max(seq_lens),
-            block_size=self.block_size, num_decodes=_num_leading_decodes(qsl))
+            max_query_len=max(s.num_tokens for s in computed), max_seq_len=max(seq_lens),
+            block_size=self.block_size, num_decodes=num_leading_decodes(qsl))
 
-    def _context_logits(self, sched: SchedulerOutput, qsl: list[int], out: RunnerOutput,
+    def _context_logits(self, computed: list, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
         """Logits of this step's prompt positions for requests with return_context_logits (from the
         hidden states, or from the step's logits when every row already has them)."""
-        for i, s in enumerate(sched.scheduled):
+        for i, s in enumerate(computed):
             req = s.request
             end = min(s.end, req.num_prompt_tokens)
             if not req.params.return_context_logits or s.start >= end:
@@ -298,10 +330,10 @@ class ModelRunner:
                 out.generation_logits[r.request_id] = logits[i].float().cpu()
         return LaunchedStep(reqs, self.sampler(logits, batch), out)
 
-    def _merge_mm_embeddings(self, sched: SchedulerOutput, qsl: list[int], embeds: torch.Tensor) -> None:
+    def _merge_mm_embeddings(self, computed: list, qsl: list[int], embeds: torch.Tensor) -> None:
         """Overwrite placeholder-token embeddings with the vision encoder's outputs for this chunk."""
         spans = []   # (flat dst, item, src offset in item, count)
-        for i, s in enumerate(sched.scheduled):
+        for i, s in enumerate(computed):
             for item in s.request.mm_items_in(s.start, s.end):
                 lo, hi = max(s.start, item.offset), min(s.end, item.end)
                 spans.append((qsl[i] + lo - s.start, item, lo - item.offset, hi - lo))
@@ -372,40 +404,3 @@ def _exact_fp32_convolutions(enabled: bool):
         yield
     finally:
         torch.backends.cudnn.allow_tf32 = previous
-
-
-def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """KV cache slots of a sequence's token positions [start, end), given its block table: one range per
-    block instead of one Python expression per token (a 2048-token chunk is 128 ranges)."""
-    out: list[int] = []
-    for i in range(start // block_size, (end - 1) // block_size + 1):
-        base = block_ids[i] * block_size
-        out += range(base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size))
-    return out
-
-
-def _num_leading_decodes(query_start_loc: list[int]) -> int:
-    """How many sequences at the front of the batch have exactly one query token."""
-    n = 0
-    while n + 1 < len(query_start_loc) and query_start_loc[n + 1] - query_start_loc[n] == 1:
-        n += 1
-    return n
-
-
-def _cat_positions(parts: list, mrope: bool) -> torch.Tensor:
-    """Per-request positions (ranges; for M-RoPE ranges meaning all three axes, or [3, n] tensors) -> [T], or
-    [3, T] for M-RoPE, int64 on the host."""
-    if not mrope:
-        return host_tensor([p for r in parts for p in r], torch.int64)
-    out = np.empty((3, sum(len(r) if isinstance(r, range) else r.shape[1] for r in parts)), dtype=np.int64)
-    i = 0
-    for r in parts:
-        n = len(r) if isinstance(r, range) else r.shape[1]
-        if isinstance(r, torch.Tensor):
-            out[:, i:i + n] = r.numpy()
-        elif n == 1:   # a decode: one column
-            out[:, i] = r.start
-        else:
-            out[:, i:i + n] = np.arange(r.start, r.stop)
-        i += n
-    return torch.from_numpy(out)

@@ -93,11 +93,15 @@ def test_engine_gauges_are_exported_and_idle_after_requests(server):
 
 
 def test_same_image_and_prompt_twice_hits_the_prefix_cache(server):
+    before = value(scrape(server), "mmserve_prompt_end_cache_hits")
     first = chat(server, image_content(32)).json()
     second = chat(server, image_content(32)).json()
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert value(scrape(server), "mmserve_prefix_cache_hit_rate") > 0
+    metrics = scrape(server)
+    assert value(metrics, "mmserve_prefix_cache_hit_rate") > 0
+    # an exact repeat: its first token came from the first request's kept final hidden state
+    assert value(metrics, "mmserve_prompt_end_cache_hits") == before + 1
 
 
 def test_same_image_after_a_different_prefix_hits_the_encoder_cache(server):

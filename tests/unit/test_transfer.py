@@ -1,5 +1,5 @@
 """worker/transfer.host_tensor (the fast list -> tensor conversion gives exactly what torch.tensor gives) and the
-slot ids of a step's tokens (model_runner.slot_ids), the host-side inputs of every step."""
+slot ids of a step's tokens (batch_inputs.slot_ids), the host-side inputs of every step."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +37,7 @@ def test_to_device_and_copy_into_on_cpu() -> None:
 
 
 def test_slot_ids_match_the_per_token_formula() -> None:
-    from mmserve.worker.model_runner import slot_ids
+    from mmserve.worker.batch_inputs import slot_ids
     blocks = [7, 2, 9, 4, 11]
     for bs in (1, 4, 16):
         table = blocks * (64 // bs)   # enough blocks for 64 positions
