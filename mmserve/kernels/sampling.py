@@ -148,12 +148,17 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+def top_k_active(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] bool: the rows whose top-k cuts anything (0 < k < vocab)."""
+    return (top_k > 0) & (top_k < vocab)
+
+
 def kth_largest(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
     """[B] in logits' dtype: each row's top_k-th largest value of logits [B, V], -inf where top-k is off (top_k
     <= 0 or >= V). max_top_k: the largest active k, known on the host (None: read from top_k, a device sync).
     The top-k threshold of both samplers (this kernel's and worker/sampler.py's torch one)."""
     vocab = logits.shape[-1]
-    active = (top_k > 0) & (top_k < vocab)
+    active = top_k_active(top_k, vocab)
     if max_top_k is None:
         max_top_k = int(torch.where(active, top_k, 1).max())
     k_max = max(1, min(max_top_k, vocab))

@@ -74,6 +74,7 @@ class InputProcessor:
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values"}
     RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
+    RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
 
     def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None,
                  device: torch.device | None = None) -> None:
@@ -81,6 +82,7 @@ class InputProcessor:
         self.device = device   # where the HF image processor resizes/normalises (None: CPU)
         self._streams = threading.local()   # one CUDA stream per preprocessing thread
         self._recent: OrderedDict[tuple, ProcessedInputs] = OrderedDict()
+        self._recent_images: OrderedDict[tuple, dict[str, Any]] = OrderedDict()   # guarded by _recent_lock too
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
         self.media = media or MediaConfig()
@@ -99,9 +101,11 @@ class InputProcessor:
             self._expansion = PlaceholderExpansion(self.tokenizer, self.image_token_id)
 
     def clear_recent(self) -> None:
-        """Forget the processed prompts kept for exact repeats (the next repeat runs the HF processor)."""
+        """Forget the processed prompts kept for exact repeats and the image processor outputs kept by picture
+        (the next repeat runs the HF processor)."""
         with self._recent_lock:
             self._recent.clear()
+            self._recent_images.clear()
 
     def blank_image_item(self, size: tuple[int, int] = (512, 512)) -> MultiModalItem | None:
         """The item of one blank picture of `size` (w, h) as this checkpoint's processor prepares it, for warm-ups
@@ -167,11 +171,13 @@ class InputProcessor:
             if cached is not None:
                 self._recent.move_to_end(cache_key)
                 return cached
+        content_keys = image_keys
         if ids_given is not None:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
-        enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos)
+        enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
+                           images_key=(str(self.device), tuple(content_keys)))
         if pixel_values is not None:
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
                 raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
@@ -186,11 +192,13 @@ class InputProcessor:
                 self._recent.popitem(last=False)
         return out
 
-    def _encode(self, text: str, kwargs: dict[str, Any], shortcut: bool):
+    def _encode(self, text: str, kwargs: dict[str, Any], shortcut: bool, images_key: tuple):
         """The HF processor's outputs for text + media; prompts with images only take the placeholder
-        expansion shortcut once it has learned their image sizes (multimodal/placeholder_expansion.py)."""
+        expansion shortcut once it has learned their image sizes (multimodal/placeholder_expansion.py), and
+        on that path pictures seen recently (images_key: device and content hashes) reuse the image
+        processor's outputs: another question about the same picture skips its resize and normalisation."""
         expansion = self._expansion if shortcut else None
-        image_outputs = lambda: self._on_stream(lambda: self._image_outputs(kwargs))   # noqa: E731
+        image_outputs = lambda: self._recent_image_outputs(images_key, kwargs)   # noqa: E731
         if expansion is not None:
             sizes = [im.size for im in kwargs["images"]]
             counts = expansion.counts_for(sizes)
@@ -202,6 +210,19 @@ class InputProcessor:
         if expansion is not None:
             expansion.learn(sizes, enc, text, image_outputs)
         return enc
+
+    def _recent_image_outputs(self, key: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        with self._recent_lock:
+            out = self._recent_images.get(key)
+            if out is not None:
+                self._recent_images.move_to_end(key)
+                return out   # shared read-only, as the ProcessedInputs of exact repeats are
+        out = self._on_stream(lambda: self._image_outputs(kwargs))
+        with self._recent_lock:
+            self._recent_images[key] = out
+            while len(self._recent_images) > self.RECENT_IMAGES:
+                self._recent_images.popitem(last=False)
+        return out
 
     def _image_outputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         extra = {"device": kwargs["device"]} if "device" in kwargs else {}

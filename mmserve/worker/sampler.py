@@ -99,14 +99,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
     with the k-th largest logit are all kept. max_top_k (the largest active k, known on the host) spares a
     device sync on the top-k-only path. May modify `logits` in place.
     """
-    from mmserve.kernels.sampling import kth_largest   # torch only; shared with the fused sampler
+    from mmserve.kernels.sampling import kth_largest, top_k_active   # torch only; shared with the fused sampler
 
     vocab = logits.shape[-1]
     if top_p is not None:
         # one sort serves both top-k and top-p
         srt, order = logits.sort(dim=-1, descending=True)  # [B, V] each
         if top_k is not None:
-            k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).unsqueeze(1)  # [B, 1]
+            k = torch.where(top_k_active(top_k, vocab), top_k, vocab).unsqueeze(1)  # [B, 1]
             kth = srt.gather(1, k - 1)  # [B, 1]
             srt.masked_fill_(srt < kth, float("-inf"))
         probs = srt.softmax(dim=-1)

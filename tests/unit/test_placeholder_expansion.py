@@ -128,3 +128,26 @@ def test_one_size_with_two_counts_turns_it_off():
     assert exp.verified is True
     exp.learn([(4, 4)], _enc([2, 9, 9, 9, 5]), "ab IMG hello", lambda: ok)
     assert exp.verified is False and exp.counts_for([(4, 4)]) is None
+
+
+def test_another_question_on_a_recent_picture_reuses_the_image_processors_outputs(family_dir, monkeypatch):
+    family, model_dir = family_dir
+    ph = FAMILIES[family]
+    fast, oracle = _processor(model_dir), _processor(model_dir)
+    oracle._expansion = None
+    first = {"prompt": f"USER: {ph}\nWhat is this? ASSISTANT:", "images": [make_test_image(21, SIZES[0])]}
+    _same(fast.process(first), oracle.process(first))
+    _same(fast.process(first | {"prompt": f"{ph} warm"}), oracle.process(first | {"prompt": f"{ph} warm"}))
+    calls = []
+    image_processor = type(fast.processor.image_processor)
+    real_call = image_processor.__call__
+    monkeypatch.setattr(image_processor, "__call__",
+                        lambda self, *a, **k: calls.append(self is fast.processor.image_processor) or real_call(self, *a, **k))
+    # the same picture (a new object, same content) with new text, and with a client-given id
+    for prompt in ({"prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:", "images": [make_test_image(21, SIZES[0])]},
+                   {"prompt": f"{ph} once more", "images": [make_test_image(21, SIZES[0])], "image_ids": [7]}):
+        _same(fast.process(prompt), oracle.process(prompt))
+    assert calls.count(True) == 0, calls
+    other = {"prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:", "images": [make_test_image(22, SIZES[0])]}
+    _same(fast.process(other), oracle.process(other))
+    assert calls.count(True) == 1, calls
