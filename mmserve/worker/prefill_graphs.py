@@ -20,13 +20,16 @@ from mmserve.graph_capture import graph_capture
 from mmserve.worker.transfer import copy_into
 
 SEQ_BUCKETS = (1, 4)
-# ~15 % apart: a chunk is padded to the next bucket, and padding rows cost full GEMM work
-TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+# ~15-30 % apart: a chunk is padded to the next bucket, and padding rows cost full GEMM work; buckets above the
+# step budget (--max-num-batched-tokens, 2048 by default) are never captured
+TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072,
+                 3584, 4096, 6144, 8192)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
     """TOKEN_BUCKETS up to max_tokens (capped at the largest), which is a bucket itself."""
-    return [t for t in TOKEN_BUCKETS if t < max_tokens] + [min(max_tokens, TOKEN_BUCKETS[-1])]
+    cap = min(max_tokens, TOKEN_BUCKETS[-1])
+    return [t for t in TOKEN_BUCKETS if t < cap] + [cap]
 
 
 class TokenInputs:

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 PARAMS = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, logprobs=3)
 
 
-def _prompts(n: int) -> list[dict]:
-    return [{"prompt": f"USER: {'<image>' * (i % 3)}\nquestion {i} " + "word " * i + "ASSISTANT:",
+def _prompts(n: int, filler: int = 0) -> list[dict]:
+    return [{"prompt": f"USER: {'<image>' * (i % 3)}\nquestion {i} " + "word " * (i + filler) + "ASSISTANT:",
              "images": [make_test_image(i * 7 + k) for k in range(i % 3)]} for i in range(n)]
 
 
@@ -130,16 +130,18 @@ def test_prefill_graphs_match_eager(tiny_llava_dir):
             assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)
 
 
-def test_piecewise_graphs_match_eager(tiny_llava_dir):
+@pytest.mark.parametrize("budget,filler", [(2048, 0), (4096, 200)])   # 4096: steps of > 2048 tokens
+def test_piecewise_graphs_match_eager(tiny_llava_dir, budget, filler):
     """Steps with more than four sequences and prompt chunks among them (the first step's eight prompts,
     then decodes mixed with new prompts) replay piecewise graphs with eager attention between them; their
     tokens and log-probs equal the eager forward's up to rounding (graphs pad the GEMMs' M)."""
     # requests of different lengths, so that finished ones make room for new prompts beside decodes
     params = [SamplingParams(max_tokens=4 + 3 * i, min_tokens=4 + 3 * i, temperature=0.0, logprobs=3)
               for i in range(12)]
-    eager = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=True)
-    want = eager.generate(_prompts(12), params, use_tqdm=False)
-    llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=8)
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=budget)
+    eager = LLM(tiny_llava_dir, enforce_eager=True, **kw)
+    want = eager.generate(_prompts(12, filler), params, use_tqdm=False)
+    llm = LLM(tiny_llava_dir, **kw)
     pw = llm.engine.runner.piecewise_graphs
     assert pw is not None and pw.pieces
     graphs, sites, _ = pw.pieces[pw.token_buckets[-1]]
@@ -147,8 +149,9 @@ def test_piecewise_graphs_match_eager(tiny_llava_dir):
     replays = []
     run = pw.run
     pw.run = lambda *a: replays.append(len(a[0])) or run(*a)
-    outs = llm.generate(_prompts(12), params, use_tqdm=False)
+    outs = llm.generate(_prompts(12, filler), params, use_tqdm=False)
     assert len(replays) >= 2 and llm.engine.kv.usage == 0
+    assert pw.token_buckets[-1] == budget and (max(replays) > 2048) == (budget > 2048)
     assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
     for o, w in zip(outs, want):
         for got_step, want_step in zip(o.outputs[0].logprobs, w.outputs[0].logprobs):
