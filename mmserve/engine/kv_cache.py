@@ -176,13 +176,15 @@ class KVCacheManager:
 
     def prompt_digest(self, req: Request) -> bytes:
         """A digest of req's whole prompt (tokens and media): its last full block's hash chained with the
-        partial block after it, hashed like a block (so it differs from every block hash)."""
-        bs, p = self.block_size, req.num_prompt_tokens
-        full = p // bs
-        if len(req.block_hashes) < full:
-            self._extend_hashes(req)
-        return hash_block(req.block_hashes[full - 1] if full else None, req.prompt_token_ids[full * bs:],
-                          _media_in(req.mm_items, full * bs, p))
+        partial block after it, hashed like a block (so it differs from every block hash); kept on the request."""
+        if req.prompt_digest is None:
+            bs, p = self.block_size, req.num_prompt_tokens
+            full = p // bs
+            if len(req.block_hashes) < full:
+                self._extend_hashes(req)
+            req.prompt_digest = hash_block(req.block_hashes[full - 1] if full else None,
+                                           req.prompt_token_ids[full * bs:], _media_in(req.mm_items, full * bs, p))
+        return req.prompt_digest
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.

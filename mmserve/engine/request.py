@@ -78,6 +78,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []   # chained sha256 digests of this request's full blocks (kv_cache.hash_block)
+        self.prompt_digest: bytes | None = None   # of the whole prompt (KVCacheManager.prompt_digest), once made
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
         self.context_logits: list[torch.Tensor] = []      # [n, V] fp32 chunks of prompt-position logits
         self.num_context_logits = 0                        # prompt positions whose logits are stored

@@ -7,7 +7,8 @@ prefill). When KV blocks run out, the latest-arrived running request is preempte
 freed and it is recomputed later (cached prefix blocks make that cheap). A new request whose whole prompt was
 computed before (every prompt block cached, and its final hidden state kept: PromptEndCache) is scheduled
 with zero tokens to compute: its first token is sampled from the kept state, and its next step computes the
-prompt's uncached tail with that token.
+prompt's uncached tail with that token. Waiting copies of a prompt that a running request is computing let
+others pass and wait for it, so a burst of one prompt computes it once.
 """
 from __future__ import annotations
 
@@ -121,10 +122,24 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests in order while budget and sequence slots last. A new request whose prompt a
+        running request is computing (same digest) lets the others pass and waits: once that twin's last prompt
+        chunk is launched its blocks and prompt end are there, and the request computes nothing for its prompt
+        (a burst of one prompt costs one prefill)."""
+        computing: set[bytes] | None = None   # digests of prompts being computed (built on first need)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            fresh = req.num_computed_tokens == 0 and not req.params.return_context_logits
+            if fresh and self.prompt_ends is not None and not req.num_output_tokens:
+                if computing is None:
+                    computing = {self.kv.prompt_digest(r) for r in self.running
+                                 if not r.num_output_tokens and r.num_computed_tokens < r.num_prompt_tokens}
+                if self.kv.prompt_digest(req) in computing:
+                    i += 1
+                    continue
             hits, num_hit_tokens = [], 0
-            if req.num_computed_tokens == 0 and not req.params.return_context_logits:
+            if fresh:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)   # cached positions yield no logits
             remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             load = self._prompt_end_hit(req, num_hit_tokens)
@@ -133,7 +148,7 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(req, n, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
                 req.num_cached_tokens = num_hit_tokens
@@ -146,6 +161,8 @@ class Scheduler:
                                                       self.kv.block_ids(req.request_id), True, load_prompt_end=load))
             else:
                 out.scheduled.append(self._scheduled(req, n))
+                if computing is not None and not req.num_output_tokens:
+                    computing.add(self.kv.prompt_digest(req))
             budget -= n
 
     def _prompt_end_hit(self, req: Request, num_hit_tokens: int) -> int | None:

@@ -141,3 +141,23 @@ def test_a_prompt_completed_by_a_one_token_chunk_is_kept_too(tiny_llava_dir, dev
     assert _hits(llm) == 1
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     check_against_hf(tiny_llava_dir, prompt, second, N, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_burst_of_one_prompt_computes_it_once(tiny_llava_dir, device):
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", block_size=4)
+    engine = llm.engine
+    prompt, other = _prompt(11), _prompt(12)
+    for i, p in enumerate([prompt, prompt, other, prompt]):   # all waiting before the first step
+        engine.add_request(str(i), p, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    outs = [done[str(i)] for i in range(4)]
+    assert _hits(llm) == 2   # the first copy computes the prompt; the other two wait a step for it and load
+    assert outs[1].metrics.num_cached_tokens == outs[3].metrics.num_cached_tokens > 0
+    assert outs[2].metrics.num_cached_tokens == 0   # admitted in the first step, past the waiting copies
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    for p, out in zip([prompt, other], [outs[3], outs[2]]):
+        check_against_hf(tiny_llava_dir, p, out, N, device)
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks

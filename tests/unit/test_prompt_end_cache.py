@@ -96,3 +96,45 @@ def test_a_partial_prefix_hit_computes_the_prompt():
     s.add(_req("a2", list(range(1, 11))))
     [x] = s.schedule().scheduled
     assert x.start == 4 and x.num_tokens == 6 and x.load_prompt_end is None
+
+
+def test_a_twin_of_a_prompt_in_progress_waits_and_lets_others_pass():
+    s = _sched()
+    prompt = list(range(1, 11))
+    for rid, tokens in [("a", prompt), ("a2", prompt), ("b", [50, 51, 52]), ("a3", prompt)]:
+        s.add(_req(rid, tokens))
+    out = s.schedule()
+    # a computes the prompt; its twins wait for it, b (another prompt) is admitted past them
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 10), ("b", 3)]
+    assert [r.request_id for r in s.waiting] == ["a2", "a3"]
+    for x in out.scheduled:
+        x.request.num_computed_tokens = x.end
+        s.kv.cache_computed_blocks(x.request)
+        x.request.output_token_ids.append(7)
+    out = s.schedule()
+    loads = [(x.request.request_id, x.num_tokens, x.load_prompt_end) for x in out.scheduled if x.num_tokens == 0]
+    assert [(rid, n) for rid, n, _ in loads] == [("a2", 0), ("a3", 0)] and all(l is not None for *_, l in loads)
+    assert not s.waiting
+
+
+def test_a_long_prompt_in_chunks_keeps_its_twin_waiting_until_the_last_chunk():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, PromptEndCache(4))
+    prompt = list(range(1, 21))
+    s.add(_req("a", prompt))
+    s.add(_req("a2", prompt))
+    chunks = []
+    for _ in range(4):
+        out = s.schedule()
+        twins = [x for x in out.scheduled if x.request.request_id == "a2"]
+        if twins:
+            break
+        chunks += [x.num_tokens for x in out.scheduled]
+        for x in out.scheduled:
+            x.request.num_computed_tokens = x.end
+            kv.cache_computed_blocks(x.request)
+            if x.samples:
+                x.request.output_token_ids.append(7)
+    assert chunks == [8, 8, 4]
+    [twin] = twins
+    assert twin.num_tokens == 0 and twin.load_prompt_end is not None
