@@ -332,7 +332,7 @@ class Engine:
             "prefix_cache_hit_tokens": self.kv.stats.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.stats.queried_tokens,
             "encoder_cache_hit_rate": self.runner.encoder_cache.hit_rate,
-            "prompt_end_cache_hits": self.scheduler.prompt_ends.stats.hits if self.scheduler.prompt_ends else 0,
+            "prompt_end_cache_hits": self.scheduler.prompt_ends.hits if self.scheduler.prompt_ends else 0,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

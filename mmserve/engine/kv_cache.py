@@ -186,6 +186,10 @@ class KVCacheManager:
                                            req.prompt_token_ids[full * bs:], _media_in(req.mm_items, full * bs, p))
         return req.prompt_digest
 
+    def max_hit_blocks(self, req: Request) -> int:
+        """The most whole blocks a prefix hit may cover: at least one token is left to compute."""
+        return (req.num_tokens - 1) // self.block_size
+
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of req, in whole blocks, leaving at least one token to compute.
 
@@ -195,9 +199,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self._extend_hashes(req)
-        max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        for block_hash in req.block_hashes[:self.max_hit_blocks(req)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break

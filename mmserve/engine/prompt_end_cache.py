@@ -11,13 +11,6 @@ token. This class maps digests to slots, least recently used first out.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-
-
-@dataclass
-class PromptEndStats:
-    hits: int = 0      # first tokens sampled from a kept row (counted by the scheduler)
-    stores: int = 0    # rows written
 
 
 class PromptEndCache:
@@ -25,7 +18,7 @@ class PromptEndCache:
         self.num_slots = num_slots
         self._slots: OrderedDict[bytes, int] = OrderedDict()   # digest -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
-        self.stats = PromptEndStats()
+        self.hits = 0   # first tokens sampled from a kept row (counted by the scheduler, which uses them)
 
     def lookup(self, digest: bytes) -> int | None:
         """The slot holding this prompt's final hidden state (marked recently used), or None."""
@@ -38,7 +31,6 @@ class PromptEndCache:
         """A slot for this prompt's final hidden state, which the step being launched writes: the prompt's own
         slot if it has one, else a free one, else the least recently used (its prompt is forgotten). Reads of a
         slot by earlier-launched steps are queued before this write, so reusing it is safe."""
-        self.stats.stores += 1
         slot = self._slots.get(digest)
         if slot is not None:
             self._slots.move_to_end(digest)
@@ -55,7 +47,3 @@ class PromptEndCache:
         slot = self._slots.pop(digest, None)
         if slot is not None:
             self._free.append(slot)
-
-    def reset(self) -> None:
-        self._slots.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))

@@ -77,7 +77,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_ends: PromptEndCache | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.prompt_ends = prompt_ends if kv.enable_prefix_caching else None
+        self.prompt_ends = prompt_ends   # the engine makes one only with prefix caching on
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -156,7 +156,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if load is not None:
-                self.prompt_ends.stats.hits += 1
+                self.prompt_ends.hits += 1
                 out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 0,
                                                       self.kv.block_ids(req.request_id), True, load_prompt_end=load))
             else:
@@ -169,7 +169,7 @@ class Scheduler:
         """The prompt-end slot of a new request whose prompt blocks are all cached and whose prompt's final
         hidden state is kept, else None."""
         if self.prompt_ends is None or req.num_output_tokens or num_hit_tokens == 0 \
-                or num_hit_tokens != (req.num_tokens - 1) // self.kv.block_size * self.kv.block_size:
+                or num_hit_tokens != self.kv.max_hit_blocks(req) * self.kv.block_size:
             return None
         return self.prompt_ends.lookup(self.kv.prompt_digest(req))
 

@@ -243,7 +243,7 @@ class ModelRunner:
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
                                              fill)
-            self._store_prompt_ends(computed, hidden)
+            self._store_prompt_ends(computed, hidden, qsl)   # one row per request here
             # 1-token prompt chunks ride here too and sample nothing
             rows = [i for i, _ in sampling]
             if rows == list(range(len(rows))):
@@ -253,7 +253,7 @@ class ModelRunner:
             if loaded is not None:
                 picked = torch.cat([picked, self.model.compute_logits(loaded)])
             step = self._sample(reqs, picked)
-            self._context_logits(computed, list(range(len(input_ids) + 1)), step.out, logits=logits)
+            self._context_logits(computed, qsl, step.out, logits=logits)
             return step
         ids = to_device(input_ids, torch.int64, dev)
         if fill is not None:
@@ -278,13 +278,13 @@ class ModelRunner:
         self._context_logits(computed, qsl, step.out, hidden=hidden)
         return step
 
-    def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int] | None = None) -> None:
-        """Keep the final hidden state of each prompt this step completes in its prompt-end slot (rows of
-        `hidden` end at qsl[1:], or are one per request when qsl is None)."""
+    def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int]) -> None:
+        """Keep the final hidden state of each prompt this step completes in its prompt-end slot (request i's
+        rows of `hidden` end at qsl[i + 1])."""
         stores = [(i, s.store_prompt_end) for i, s in enumerate(computed) if s.store_prompt_end is not None]
         if not stores:
             return
-        rows = [qsl[i + 1] - 1 if qsl is not None else i for i, _ in stores]
+        rows = [qsl[i + 1] - 1 for i, _ in stores]
         dev = self.device
         self.prompt_ends[to_device([slot for _, slot in stores], torch.int64, dev)] = \
             hidden[to_device(rows, torch.int64, dev)].to(self.prompt_ends.dtype)
