@@ -1,9 +1,29 @@
-"""AttentionMetadata: where each sequence's queries and keys live for one step (built by the runner)."""
+"""AttentionMetadata: where each sequence's queries and keys live for one step (built by the runner); the
+cross-attention inputs of families whose text attends the encoder's states instead of placeholder tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class CrossAttentionSeq:
+    """One sequence of the step that has media: its rows of the flat batch, the positions they hold, and the
+    encoder's output per item (in prompt order; what a cross-attention layer attends, e.g. its keys/values)."""
+
+    rows: slice                    # its rows [start, stop) of the step's flat batch
+    start: int                     # the position of its first row
+    prompt_len: int
+    items: list                    # its MultiModalItems (offsets, encoder inputs), in prompt order
+    states: list[torch.Tensor]     # the encoder's output for each item
+
+
+@dataclass
+class CrossAttentionBatch:
+    """The step's sequences with media; rows of other sequences skip the cross-attention layers."""
+
+    seqs: list[CrossAttentionSeq] = field(default_factory=list)
 
 
 @dataclass
@@ -26,6 +46,8 @@ class AttentionMetadata:
     # the first num_decodes sequences have one query each (the scheduler puts decodes first); a backend may
     # run them through its decode kernel and the rest through its prefill kernel. 0: no such split.
     num_decodes: int = 0
+    # families with cross-attention layers (Mllama): the step's sequences with media; None for all others
+    cross: CrossAttentionBatch | None = None
 
     @property
     def num_seqs(self) -> int:

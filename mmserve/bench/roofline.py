@@ -37,6 +37,10 @@ class LMShape:
     embed_dim: int | None = None   # word-embedding width when it differs from hidden (OPT-350m style)
     kv_dtype_bytes: int | None = None   # bytes per cached K/V element when the cache is not in the model dtype
     linear_dtype_bytes: int | None = None   # bytes per decoder-layer matrix element when quantized (fp8: 1)
+    # Mllama: how many of `layers` are cross-attention layers (q and o over `heads`, q/k norms, two gates, the
+    # MLP; no KV cache of their own; their k/v projections run once per image, not per step, and are not
+    # counted; the images' cross keys/values they read per step are not modelled)
+    cross_layers: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -48,12 +52,16 @@ class LMShape:
         per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
         e = self.embed_dim or h
         head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
-        matrix_bytes = self.layers * matrices * (self.linear_dtype_bytes or self.dtype_bytes)
-        return (self.layers * per_layer + head) * self.dtype_bytes + matrix_bytes
+        selfs, cross = self.layers - self.cross_layers, self.cross_layers
+        cross_matrices = 2 * h * q + self.mlp_matrices * h * i
+        cross_per_layer = 2 * norm + 2 * self.head_dim + 2
+        matrix_bytes = (selfs * matrices + cross * cross_matrices) * (self.linear_dtype_bytes or self.dtype_bytes)
+        return (selfs * per_layer + cross * cross_per_layer + head) * self.dtype_bytes + matrix_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
+        return (2 * (self.layers - self.cross_layers) * self.kv_heads * self.head_dim
+                * (self.kv_dtype_bytes or self.dtype_bytes))
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +99,8 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     return LMShape(**common, intermediate=int(text["intermediate_size"]),
                    kv_heads=int(text.get("num_key_value_heads") or heads),
                    qkv_bias=attention_bias or "qwen2" in str(text.get("model_type", "")), o_bias=attention_bias,
-                   mlp_bias=bool(text.get("mlp_bias", False)))
+                   mlp_bias=bool(text.get("mlp_bias", False)),
+                   cross_layers=len(text.get("cross_attention_layers") or ()))
 
 
 def measure_copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from mmserve.config import EngineConfig, resolve_device, resolve_dtype
 from mmserve.engine.detokenizer import IncrementalDetokenizer
@@ -91,9 +92,17 @@ class Engine:
             logger.warning("no vision encoder warm-up or profile: a blank picture does not preprocess (%r)", exc)
             return None
 
-    def _eos_ids(self) -> list[int]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return [eos] if eos is not None else []
+    def _eos_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS, then any other EOS ids of the checkpoint's generation_config.json (Llama 3
+        instruct models end turns with <|eot_id|> but may also emit <|end_of_text|> or <|eom_id|>), as
+        transformers' generate stops on each."""
+        ids = [getattr(self.tokenizer, "eos_token_id", None)]
+        try:
+            extra = GenerationConfig.from_pretrained(self.config.model.model).eos_token_id
+        except OSError:   # no generation_config.json
+            extra = None
+        ids += extra if isinstance(extra, list) else [extra]
+        return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:
@@ -127,19 +136,22 @@ class Engine:
                              f"(max_model_len {self.max_model_len}, KV cache {self.kv.num_blocks * self.kv.block_size} tokens)")
         vocab = self.text_config.vocab_size
         if inputs.prompt_token_ids and max(inputs.prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
-        eos = params.eos_token_id if params.eos_token_id is not None else (self.default_eos[0] if self.default_eos else None)
+            outside = set(t for t in inputs.prompt_token_ids if t >= vocab)
+            if inputs.mm_items:   # Mllama's <|image|> has an embedding past the vocabulary the LM head predicts
+                outside.discard(self.inputs.image_token_id)
+            if outside:
+                raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
+        eos = () if params.ignore_eos else (
+            (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
-                      eos_token_id=None if params.ignore_eos else eos, bad_words_ids=[b for b in bad if b])
+                      eos_token_ids=eos, bad_words_ids=[b for b in bad if b])
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
         if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:
             req.block_hashes = list(inputs.block_hashes[1])   # the request's own list: it grows as it decodes
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and eos is not None:
-            stop_ids.add(eos)
+        stop_ids = set(params.stop_token_ids) | set(eos)
         self._stop_ids[request_id] = stop_ids
         req.max_output_tokens = min(params.max_tokens, capacity - n)
         if _needs_history(params, req.bad_words_ids):
@@ -275,7 +287,7 @@ class Engine:
         detok = self._detok[req.request_id]
         num_out = req.num_known_output_tokens
         if token in self._stop_ids[req.request_id] and num_out >= req.params.min_tokens:
-            req.stop_reason = None if token == req.eos_token_id else token
+            req.stop_reason = None if token in req.eos_token_ids else token
             return RequestStatus.FINISHED_STOPPED
         if req.params.stop:
             matched = detok.check_stop()

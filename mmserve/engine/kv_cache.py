@@ -57,7 +57,12 @@ def chain_block_hashes(token_ids: Sequence[int], mm_items: Sequence, block_size:
 
 def _media_in(mm_items: Sequence, start: int, end: int) -> list[tuple[str, int]]:
     """hash_block's media field for token positions [start, end)."""
-    return [(m.content_hash, max(start, m.offset) - m.offset) for m in mm_items if m.offset < end and m.end > start]
+    out = []
+    for m in mm_items:
+        first = m.offset if m.kv_from is None else m.kv_from
+        if first < end and m.end > start:
+            out.append((m.content_hash, max(start, first) - first))
+    return out
 
 
 @dataclass

@@ -44,6 +44,9 @@ class MultiModalItem:
     offset: int
     length: int
     content_hash: str                    # identity for the prefix and encoder caches
+    # the first prompt position whose keys/values depend on the item, where that is not its offset: 0 for
+    # cross-attention families, whose text before the image attends it too (the prefix cache hashes it there)
+    kv_from: int | None = None
 
     @property
     def end(self) -> int:
@@ -55,14 +58,17 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, mm_items: list[MultiModalItem] | None = None,
-                 eos_token_id: int | None = None, bad_words_ids: list[list[int]] | None = None,
+                 eos_token_ids: tuple[int, ...] = (), bad_words_ids: list[list[int]] | None = None,
                  arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.mm_items = list(mm_items or [])   # in prompt order (ProcessedInputs sorts them)
-        self.eos_token_id = eos_token_id
+        # cross-attention families: the encoder's output per item, which every step of the request attends; kept
+        # here so it lives exactly as long as the request (the encoder cache may evict its copy meanwhile)
+        self.encoder_states: list | None = None
+        self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)
         self.bad_words_ids = bad_words_ids or []
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None

@@ -1,4 +1,4 @@
-"""The interface every multimodal family class (llava, llava_next, llava_onevision, qwen2_vl, blip2) offers.
+"""The interface every multimodal family class (llava, llava_next, llava_onevision, qwen2_vl, blip2, mllama) offers.
 
 A family class wraps a vision encoder and a causal language model (``self.language_model``: our
 ``LlamaForCausalLM`` or ``OPTForCausalLM``). Two parts of the server use it:
@@ -40,6 +40,10 @@ class MultiModalCausalLM(nn.Module):
     # True: get_mm_embeddings of items with equal input shapes has no host syncs and no data-dependent
     # shapes, so the runner may replay it from CUDA graphs (worker/encoder_graphs.py)
     encoder_cuda_graphs: bool = False
+    # True: the text attends the encoder's outputs through cross-attention layers (Mllama) instead of having
+    # them written over placeholder tokens; the runner passes each step's sequences with media in
+    # ``AttentionMetadata.cross`` and keeps what get_mm_embeddings returned with the request
+    uses_cross_attention: bool = False
 
     @classmethod
     def build_mm_items(cls, hf_config: Any, enc: Any, ids: list[int], image_keys: list[str],

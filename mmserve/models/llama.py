@@ -97,16 +97,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Backbone + LM head. `qkv_bias` is True for Qwen2-style checkpoints. `rotary`, when given, is one
     module shared by all layers, called as rotary(positions, q, k) (e.g. Qwen2-VL's M-RoPE); default:
-    1D RoPE from the config."""
+    1D RoPE from the config. `backbone` replaces the LlamaModel (Mllama's text model with cross layers)."""
 
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config, qkv_bias: bool | None = None, rotary: nn.Module | None = None) -> None:
+    def __init__(self, config, qkv_bias: bool | None = None, rotary: nn.Module | None = None,
+                 backbone: nn.Module | None = None) -> None:
         super().__init__()
         if qkv_bias is None:
             qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, rotary)
+        self.model = backbone if backbone is not None else LlamaModel(config, qkv_bias, rotary)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

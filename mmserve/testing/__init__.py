@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "llava_onevision": "mmserve.testing.llava_onevision:make_llava_onevision_checkpoint",
     "qwen2_vl": "mmserve.testing.qwen2_vl:make_qwen2_vl_checkpoint",
     "blip2": "mmserve.testing.blip2:make_blip2_checkpoint",
+    "mllama": "mmserve.testing.mllama:make_mllama_checkpoint",
 }
 
 DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes

@@ -5,6 +5,7 @@ Owns the model, the KV cache tensors and the encoder cache; knows nothing about 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
-from mmserve.attention.metadata import AttentionMetadata
+from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
 from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
@@ -40,6 +41,7 @@ class ModelRunner:
                  vocab_size: int, attention_backend: str = "auto") -> None:
         self.model = model
         self.uses_mrope = getattr(model, "uses_mrope", False)   # positions [3, T] (Qwen2-VL)
+        self.uses_cross_attention = getattr(model, "uses_cross_attention", False)   # Mllama
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_config.cache_dtype(dtype)
@@ -85,6 +87,8 @@ class ModelRunner:
         """Record decode-step graphs, whole-model graphs of small prefills and piecewise graphs of the other
         steps (CUDA + Triton backend only); call after allocate_kv_cache."""
         if self.device.type != "cuda" or self.backend_name != "triton":
+            return
+        if self.uses_cross_attention:   # its steps carry per-sequence image keys/values: eager for now
             return
         max_blocks = cdiv(max_model_len, self.block_size)
         mrope = self.uses_mrope
@@ -133,10 +137,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
+            # cross-attention families encode a request's images when its first chunk runs, not per placeholder
+            copies = 1 if self.uses_cross_attention else cdiv(num_tokens, template.length) + 1
             with self._vision_kernels():
-                self.model.get_mm_embeddings([item] * (cdiv(num_tokens, template.length) + 1))
+                encoded = self.model.get_mm_embeddings([item] * copies)
             torch.cuda.synchronize(self.device)
             encoder_peak = torch.cuda.max_memory_allocated(self.device) - base
+            row_bytes = encoded[0][0].numel() * encoded[0].element_size()
+            del encoded
         blocks = cdiv(num_tokens, self.block_size) + 1
         self.allocate_kv_cache(blocks)
         torch.cuda.synchronize(self.device)
@@ -162,7 +170,9 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.kv_cache = None
         torch.cuda.empty_cache()
-        cache_bound = self.encoder_cache.capacity * embeds.shape[-1] * embeds.element_size() if template else 0
+        if template is not None and self.encoder_graphs is not None:
+            row_bytes = embeds.shape[-1] * embeds.element_size()
+        cache_bound = self.encoder_cache.capacity * row_bytes if template else 0
         return max(peak, encoder_peak) + cache_bound
 
     # ---- KV cache --------------------------------------------------------------------------
@@ -259,7 +269,8 @@ class ModelRunner:
         if fill is not None:
             ids[fill[0]] = fill[1]
         embeds = self.model.embed_input_ids(ids)
-        self._merge_mm_embeddings(computed, qsl, embeds)
+        if not self.uses_cross_attention:
+            self._merge_mm_embeddings(computed, qsl, embeds)
         if self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), len(input_ids)):
             hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, [s.block_ids for s in computed])
         elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
@@ -269,6 +280,8 @@ class ModelRunner:
             hidden = self.piecewise_graphs.run(embeds, positions, slots, meta)
         else:
             meta = self._metadata(computed, slots, qsl, seq_lens)
+            if self.uses_cross_attention:
+                meta.cross = self._cross_batch(computed, qsl)
             hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         self._store_prompt_ends(computed, hidden, qsl)
         rows = [hidden[to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)]] if sampling else []
@@ -322,7 +335,7 @@ class ModelRunner:
             return LaunchedStep([], None, RunnerOutput())
         batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs], [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs],
+            [r.generator for r in reqs], [r.eos_token_ids for r in reqs], [r.bad_words_ids for r in reqs],
             logits.shape[-1], self.device)
         out = RunnerOutput()
         for i, r in enumerate(reqs):
@@ -342,6 +355,21 @@ class ModelRunner:
         encoded = self._encode([item for _, item, _, _ in spans])
         for dst, item, src, n in spans:
             embeds[dst:dst + n] = encoded[item.content_hash][src:src + n].to(embeds.dtype)
+
+    def _cross_batch(self, computed: list, qsl: list[int]) -> CrossAttentionBatch:
+        """The step's sequences with media and what their cross-attention layers attend: the encoder's output
+        per item, made on a request's first step (encoder cache first) and kept with the request."""
+        with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
+        todo = [it for _, s in with_media if s.request.encoder_states is None for it in s.request.mm_items]
+        encoded = self._encode(todo) if todo else {}
+        seqs = []
+        for i, s in with_media:
+            req = s.request
+            if req.encoder_states is None:
+                req.encoder_states = [encoded[it.content_hash] for it in req.mm_items]
+            seqs.append(CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
+                                          req.encoder_states))
+        return CrossAttentionBatch(seqs)
 
     def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
         """Embeddings by content hash: cached ones reused, the rest encoded in batches of equal shape."""
@@ -388,7 +416,7 @@ class ModelRunner:
                 data[k] = to_device(v, self.dtype, self.device)   # pinned: a pageable copy would sync the stream
             else:
                 data[k] = v.to(self.device, self.dtype)
-        return MultiModalItem(item.modality, data, item.offset, item.length, item.content_hash)
+        return dataclasses.replace(item, data=data)
 
 
 @contextlib.contextmanager

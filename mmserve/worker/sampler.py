@@ -157,9 +157,9 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              eos_token_ids: list[int | None], bad_words_ids: list[list[list[int]]], vocab_size: int,
+              eos_token_ids: list[tuple[int, ...] | int | None], bad_words_ids: list[list[list[int]]], vocab_size: int,
               device: torch.device) -> "SamplingBatch":
-        """eos_token_ids[i]: the row's effective EOS (None falls back to params.eos_token_id);
+        """eos_token_ids[i]: the row's EOS ids (an int: one; empty or None fall back to params.eos_token_id);
         bad_words_ids[i]: the row's bad words, each already tokenized; generators[i] is used only when
         params[i].seed is set."""
         device = torch.device(device)
@@ -189,9 +189,9 @@ class SamplingBatch:
                 if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
                     banned.add(word[-1])
             if len(out) < p.min_tokens:
-                eos = eos_token_ids[i] if eos_token_ids[i] is not None else p.eos_token_id
+                eos = eos_token_ids[i] if eos_token_ids[i] not in (None, ()) else p.eos_token_id
                 if eos is not None and not p.ignore_eos:
-                    banned.add(eos)
+                    banned.update((eos,) if isinstance(eos, int) else eos)
                 banned.update(p.stop_token_ids)
             for tok in sorted(banned):
                 if 0 <= tok < vocab_size:

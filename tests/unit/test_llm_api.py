@@ -203,3 +203,25 @@ def test_steps_over_the_host_time_limit_are_logged(llm, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
         llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert "slow step: prefill of" in caplog.text and "on the host" in caplog.text
+
+
+def test_generation_config_eos_ids_all_end_a_request(tiny_llava_dir, tmp_path):
+    """Every EOS id of generation_config.json ends a request (Llama 3 instruct: <|eot_id|>, <|end_of_text|>,
+    <|eom_id|>), as transformers' generate stops on each; min_tokens holds all of them back, end_id overrides."""
+    prompt = {"prompt": PROMPT, "images": [make_test_image(4)]}
+    free = LLM(tiny_llava_dir, device="cpu", num_kv_blocks=64, block_size=8)
+    ids = _ids(free, prompt)
+    third = ids[2]
+    assert third not in ids[:2] and ids[5] not in ids[:5] and free.tokenizer.eos_token_id not in ids[:6]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llava_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config["eos_token_id"] = [free.tokenizer.eos_token_id, third]
+    (model / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(model), device="cpu", num_kv_blocks=64, block_size=8)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:3] and out.finish_reason == "stop" and out.stop_reason is None
+    held = llm.generate([prompt], SamplingParams(max_tokens=12, min_tokens=4, temperature=0.0), use_tqdm=False)
+    assert third not in held[0].outputs[0].token_ids[:4]
+    own = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, eos_token_id=ids[5]), use_tqdm=False)
+    assert own[0].outputs[0].token_ids == ids[:6]   # end_id alone ends it: the configured ids do not

@@ -1,0 +1,263 @@
+"""Llama 3.2 Vision (HF `MllamaForConditionalGeneration`): a tiled ViT whose projected states the text model
+attends through gated cross-attention layers placed between its Llama self-attention layers.
+
+Unlike the placeholder families, an image occupies one `<|image|>` token of the prompt, embedded as a normal
+token. What the encoder yields per image (`get_mm_embeddings`) is the keys and values of every cross-attention
+layer over the image's tiles ([tokens, cross layers, 2, kv heads, head_dim]); the runner keeps them with the
+request and hands each step's sequences with images to the text model in `AttentionMetadata.cross`.
+
+Which images a text position attends follows the HF processor's `cross_attention_mask`: image i from its own
+`<|image|>` token up to the next image's token (a run of adjacent image tokens up to the end of the run's
+last span), the last image to the end, generated tokens like the prompt's last token; only an image's real
+tiles. A position that attends no image (text before the first image) attends every tile of every image
+uniformly, as transformers does, and its cross-layer MLP output is dropped.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch
+from mmserve.engine.request import MultiModalItem
+from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mmserve.layers.norm import RMSNorm
+from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from mmserve.models.mllama_vision import MllamaVisionTower
+from mmserve.models.weights import load_weights
+
+# checkpoint prefix -> our module path: transformers >= 5 save_pretrained layout; the hub layout is ours already
+WEIGHT_RENAMES = [
+    ("model.vision_model.", "vision_model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+]
+
+
+def image_spans(offsets: list[int], prompt_len: int) -> list[tuple[int, int]]:
+    """[start, end) of the prompt positions attending each image (HF `get_cross_attention_token_mask`);
+    end == prompt_len means to the end, generated tokens included."""
+    spans = [[a, b] for a, b in zip(offsets, offsets[1:] + [prompt_len])]
+    last_end = prompt_len
+    for span in reversed(spans):   # adjacent image tokens attend together up to the end of the run's last span
+        if span[0] == span[1] - 1:
+            span[1] = last_end
+        last_end = span[1]
+    return [(a, b) for a, b in spans]
+
+
+@dataclass
+class _SeqCross:
+    """One sequence's cross-attention inputs of a step, shared by every cross layer."""
+
+    rows: slice                # its rows of the flat batch
+    kv: torch.Tensor           # [tokens of all its images, cross layers, 2, kv heads, head_dim]
+    mask: torch.Tensor         # [rows, tokens] bool: which image tokens each row attends
+    mlp_keep: torch.Tensor | None   # [rows, 1]: 0 for rows attending no image (their MLP output is dropped)
+
+
+class _StepCross:
+    """The step's sequences with images, their masks built once for all cross layers."""
+
+    def __init__(self, batch: CrossAttentionBatch, num_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.seqs = [self._seq(s, dtype, device) for s in batch.seqs]
+        rows = [s.rows for s in self.seqs]
+        self.all_rows = rows[0].start == 0 and rows[-1].stop == num_rows and all(
+            a.stop == b.start for a, b in zip(rows, rows[1:]))
+        self.index = None if self.all_rows else torch.cat(
+            [torch.arange(r.start, r.stop, device=device) for r in rows])
+
+    @staticmethod
+    def _seq(s, dtype: torch.dtype, device: torch.device) -> _SeqCross:
+        kv = s.states[0] if len(s.states) == 1 else torch.cat(s.states)
+        n = s.rows.stop - s.rows.start
+        mask = torch.zeros(n, len(kv), dtype=torch.bool, device=device)
+        keep = torch.zeros(n, 1, dtype=dtype, device=device)
+        last = s.prompt_len - 1   # generated positions attend what the prompt's last one does
+        spans = image_spans([it.offset for it in s.items], s.prompt_len)
+        col = 0
+        any_rows = []
+        for item, states, (lo, hi) in zip(s.items, s.states, spans):
+            tiles = item.data["pixel_values"].shape[0]
+            real = int(item.data["num_tiles"])
+            per_tile = len(states) // tiles
+            # rows whose clamped position p satisfies lo <= p < hi; positions past the prompt count as `last`
+            first = max(lo - s.start, 0)
+            stop = n if hi > last else min(max(hi - s.start, 0), n)
+            if first < stop:
+                mask[first:stop, col:col + real * per_tile] = True
+                keep[first:stop] = 1
+                any_rows.append((first, stop))
+            col += len(states)
+        covered = _union_len(any_rows)
+        if covered < n:   # rows attending no image attend all image tokens alike (transformers' masked-out rows)
+            mask[keep[:, 0] == 0] = True
+        return _SeqCross(s.rows, kv, mask, None if covered == n else keep)
+
+
+def _union_len(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, 0
+    for a, b in sorted(intervals):
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+class MllamaCrossAttention(nn.Module):
+    def __init__(self, config, slot: int) -> None:
+        super().__init__()
+        self.slot = slot   # this layer's index among the cross layers (in the encoder's kv tensor)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        hidden = config.hidden_size
+        self.q_proj = ColumnParallelLinear(hidden, self.num_heads * self.head_dim)
+        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim)
+        self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project_kv(self, states: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] image states -> [T, 2, kv heads, head_dim] keys (normalised) and values."""
+        t = len(states)
+        k = self.k_norm(self.k_proj(states).reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(states).view(t, self.num_kv_heads, self.head_dim)
+        return torch.stack([k, v], dim=1)
+
+    def forward(self, x: torch.Tensor, cross: _StepCross) -> torch.Tensor:
+        n = len(x)
+        q = self.q_norm(self.q_proj(x).reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+        out = torch.empty_like(q)
+        row = 0
+        for s in cross.seqs:
+            m = s.rows.stop - s.rows.start
+            kv = s.kv[:, self.slot]
+            o = F.scaled_dot_product_attention(
+                q[row:row + m].transpose(0, 1)[None], kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None],
+                attn_mask=s.mask[None, None], scale=self.head_dim ** -0.5, enable_gqa=True)
+            out[row:row + m] = o[0].transpose(0, 1)
+            row += m
+        return self.o_proj(out.view(n, -1))
+
+
+class MllamaCrossAttentionDecoderLayer(nn.Module):
+    """Cross-attention and MLP, each added through a tanh gate; no self-attention, no KV cache of its own."""
+
+    def __init__(self, config, slot: int) -> None:
+        super().__init__()
+        self.cross_attn = MllamaCrossAttention(config, slot)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cross_attn_attn_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, h: torch.Tensor, cross: _StepCross) -> torch.Tensor:
+        x = h if cross.all_rows else h[cross.index]
+        x = x + self.cross_attn_attn_gate.tanh() * self.cross_attn(self.input_layernorm(x), cross)
+        m = self.mlp(self.post_attention_layernorm(x))
+        keeps = [s.mlp_keep for s in cross.seqs]
+        if any(k is not None for k in keeps):
+            m = m * torch.cat([k if k is not None else m.new_ones(s.rows.stop - s.rows.start, 1)
+                               for k, s in zip(keeps, cross.seqs)])
+        x = x + self.cross_attn_mlp_gate.tanh() * m
+        return x if cross.all_rows else h.index_copy(0, cross.index, x)
+
+
+class MllamaTextModel(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size + 8, config.hidden_size)   # + image token rows
+        self.embed_tokens.weight.requires_grad_(False)
+        cross = list(config.cross_attention_layers)
+        # one rotary table for all layers: at Llama 3's 131072 positions a table per layer would take 4 GB
+        inv_freq, scaling = rope_inv_freq(config, config.hidden_size // config.num_attention_heads)
+        rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings, scaling)
+        self.layers = nn.ModuleList(
+            MllamaCrossAttentionDecoderLayer(config, cross.index(i)) if i in cross
+            else LlamaDecoderLayer(config, qkv_bias=False, rotary=rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def cross_layers(self) -> list[MllamaCrossAttentionDecoderLayer]:
+        return [m for m in self.layers if isinstance(m, MllamaCrossAttentionDecoderLayer)]
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cross = None
+        if meta.cross is not None and meta.cross.seqs:
+            cross = _StepCross(meta.cross, len(inputs_embeds), inputs_embeds.dtype, inputs_embeds.device)
+        x, residual = inputs_embeds, None
+        for layer in self.layers:
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+                if cross is not None:   # sequences without images skip these layers (as transformers does)
+                    x, residual = layer(x if residual is None else x + residual, cross), None
+            else:
+                x, residual = layer(x, residual, positions, meta)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+
+class MllamaForConditionalGeneration(MultiModalCausalLM):
+    """One `<|image|>` token per image; the image's tiles reach the text through the cross-attention layers."""
+
+    uses_cross_attention = True
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = config.text_config
+        if getattr(self.text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+            raise ValueError("Mllama checkpoints with tied word embeddings are not supported")
+        self.vision_model = MllamaVisionTower(config.vision_config)
+        self.multi_modal_projector = ReplicatedLinear(config.vision_config.vision_output_dim,
+                                                      self.text_config.hidden_size, bias=True)
+        self.language_model = LlamaForCausalLM(self.text_config, backbone=MllamaTextModel(self.text_config))
+
+    @classmethod
+    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
+                       video_keys: list[str]) -> list[MultiModalItem]:
+        """Each image's `<|image|>` token and its tiles: pixel_values [max tiles, 3, H, W], aspect ratio id and
+        mask, the number of real tiles. Its keys/values are hashed into the prompt's first block (kv_from 0):
+        the text before the image attends it too."""
+        if video_keys:
+            raise ValueError("Mllama does not take video input")
+        token = hf_config.image_token_index
+        offsets = [i for i, t in enumerate(ids) if t == token]
+        if len(offsets) != len(image_keys):
+            raise ValueError(f"the prompt has {len(offsets)} image tokens but {len(image_keys)} images were given")
+        num_tiles = enc["num_tiles"][0] if "num_tiles" in enc else None
+        items = []
+        for k, off in enumerate(offsets):
+            pixels = enc["pixel_values"][0, k]
+            real = num_tiles[k] if num_tiles is not None else int(enc["aspect_ratio_mask"][0, k].sum())
+            data = {"pixel_values": pixels, "aspect_ratio_ids": torch.as_tensor(enc["aspect_ratio_ids"][0, k]).long(),
+                    "aspect_ratio_mask": torch.as_tensor(enc["aspect_ratio_mask"][0, k]).long(),
+                    "num_tiles": torch.tensor(int(real))}
+            items.append(MultiModalItem("image", data, off, 1, image_keys[k], kv_from=0))
+        return items
+
+    def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Per image: the keys/values of every cross layer over its tiles, [tiles * patches, cross layers, 2,
+        kv heads, head_dim] (padding tiles included: rows attending no image see them)."""
+        dev = self.multi_modal_projector.weight.device
+        pixels = torch.stack([it.data["pixel_values"] for it in items])
+        ratio_ids = torch.stack([it.data["aspect_ratio_ids"] for it in items]).to(dev)
+        ratio_mask = torch.stack([it.data["aspect_ratio_mask"] for it in items]).to(dev)
+        states = self.vision_model(pixels, ratio_ids, ratio_mask)                    # [N, tiles, patches, vdim]
+        states = self.multi_modal_projector(states.flatten(1, 2))                     # [N, tiles * patches, hidden]
+        layers = self.language_model.model.cross_layers
+        return [torch.stack([layer.cross_attn.project_kv(s) for layer in layers], dim=1) for s in states]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+                     ignore=("rotary_emb.inv_freq", "position_ids"))
