@@ -11,7 +11,7 @@ class SamplingParams:
     Bad values raise ValueError naming the field, so every frontend gets the same checks.
     """
 
-    n: int = 1
+    n: int = 1                               # must be 1; the OpenAI routes run `n` choices as n requests
     max_tokens: int = 16                     # new tokens at most
     min_tokens: int = 0                      # EOS / stop ids are masked until this many tokens
     temperature: float = 1.0                 # 0 = greedy

@@ -1,35 +1,33 @@
 """OpenAI-compatible routes: /v1/models, /v1/chat/completions (text + images), /v1/completions.
 
-Every request goes through ServerState.generate. Errors use OpenAI's JSON shape
-{"error": {"message", "type", "param", "code"}}; streams are SSE `data: {chunk}` events ending in
-`data: [DONE]`. A client that disconnects mid-stream closes the generator, which aborts the request.
+Every request goes through ServerState.generate, once per choice (`n`, see openai_fanout.py). Errors use
+OpenAI's JSON shape {"error": {"message", "type", "param", "code"}}; streams are SSE `data: {chunk}` events
+ending in `data: [DONE]`. A client that disconnects aborts every choice's engine request.
 Request parsing lives in openai_requests.py, the building of answers in openai_responses.py.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from mmserve.engine.engine import EngineOverloaded
+from mmserve.entrypoints.openai_fanout import (
+    ChoiceRun, choice_params, close_choices, engine_error, finish_choices, merge, start_choices)
 from mmserve.entrypoints.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, new_id, now)
+    ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, Usage, new_id, now)
 from mmserve.entrypoints.openai_requests import (
-    chat_params, chat_prompt, check_model, completion_params, completion_prompt, parse_body)
+    chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices, parse_body)
 from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
     completion_response, sse, usage_of)
-from mmserve.entrypoints.state import ServerBusy, ServerState
+from mmserve.entrypoints.state import ServerState
 from mmserve.outputs import RequestOutput
-from mmserve.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -56,13 +54,14 @@ async def chat_completions(request: Request) -> Response:
         state = _state(request)
         req = await parse_body(request, ChatCompletionRequest)
         check_model(state, req.model)
+        n = num_choices(req)
         params = chat_params(req, state)
         prompt = chat_prompt(req, state)
-        gen, first = await _start(state, prompt, params, media_param="messages")
+        ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
+        runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
     except OpenAIError as e:
         return e.response()
-    ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
-    return await _reply(request, req, gen, first, ctx, _chat_events, chat_response)
+    return await _reply(request, req, runs, ctx, _CHAT)
 
 
 @router.post("/v1/completions")
@@ -71,91 +70,63 @@ async def completions(request: Request) -> Response:
         state = _state(request)
         req = await parse_body(request, CompletionRequest)
         check_model(state, req.model)
+        n = num_choices(req)
         params = completion_params(req, state)
         prompt = completion_prompt(req)
-        gen, first = await _start(state, prompt, params, media_param="prompt")
+        echo = ""
+        if req.echo:
+            echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
+        ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
+        runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
     except OpenAIError as e:
         return e.response()
-    echo = ""
-    if req.echo:
-        echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
-    ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
-    return await _reply(request, req, gen, first, ctx, _completion_events, completion_response)
+    return await _reply(request, req, runs, ctx, _COMPLETION)
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.mm
 
 
-# ---- running a request ---------------------------------------------------------------------
+# ---- answering a started request -----------------------------------------------------------
 
-async def _reply(request: Request, req: ChatCompletionRequest | CompletionRequest,
-                 gen: AsyncIterator[RequestOutput], first: RequestOutput, ctx: ResponseContext,
-                 events: Callable[[AsyncIterator[RequestOutput], RequestOutput, ResponseContext, bool],
-                                  AsyncIterator[str]],
-                 body: Callable[[ResponseContext, RequestOutput], BaseModel]) -> Response:
-    """The SSE stream of a started request, or (not streaming) its whole response once it has finished."""
+@dataclass(frozen=True)
+class _Answer:
+    """How one endpoint answers: a choice's stream chunks, the usage chunk, the whole response."""
+
+    choice_events: Callable[[ChoiceRun, ResponseContext], AsyncIterator[str]]
+    usage_chunk: Callable[[ResponseContext, Usage], str]
+    body: Callable[[ResponseContext, list[RequestOutput]], BaseModel]
+
+
+async def _reply(request: Request, req: ChatCompletionRequest | CompletionRequest, runs: list[ChoiceRun],
+                 ctx: ResponseContext, answer: _Answer) -> Response:
+    """The SSE stream of a started request, or (not streaming) its whole response once every choice has finished."""
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _SSEResponse(events(gen, first, ctx, include_usage))
+        return _SSEResponse(_events(runs, ctx, answer, include_usage), cleanup=lambda: close_choices(runs))
     try:
-        out = await _collect(request, gen, first)
+        await _collect(request, runs)
     except OpenAIError as e:
         return e.response()
-    return JSONResponse(body(ctx, out).model_dump(mode="json"))
+    return JSONResponse(answer.body(ctx, [run.last for run in runs]).model_dump(mode="json"))
 
 
-async def _start(state: ServerState, prompt: dict[str, Any], params: SamplingParams,
-                 media_param: str) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-    """Queue the request and wait for its first output, so input errors still get their own status code."""
-    if state.engine.dead_error is not None:
-        raise OpenAIError(503, f"the engine has stopped: {state.engine.dead_error}", "server_error")
-    gen = state.generate(prompt, params)
-    try:
-        first = await anext(gen)
-    except BaseException as e:
-        await gen.aclose()
-        if isinstance(e, Exception):
-            raise _engine_error(e, media_param) from None
-        raise
-    return gen, first
-
-
-def _engine_error(e: Exception, media_param: str) -> OpenAIError:
-    if isinstance(e, (ServerBusy, EngineOverloaded)):
-        return OpenAIError(503, f"the server is overloaded: {e}", "server_error", code="server_overloaded")
-    if isinstance(e, (ValueError, TypeError)):
-        # prompt / media problems; the message names the field (e.g. "images[0]: ...")
-        return OpenAIError(400, str(e), param=media_param)
-    logger.error("request failed: %s: %s", type(e).__name__, e)
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
-
-
-async def _collect(request: Request, gen: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
-    """Run a non-streaming request to its final output; abort it if the client disconnects meanwhile."""
-    async def run() -> RequestOutput:
-        last = first
-        async with contextlib.aclosing(gen):
-            async for out in gen:
-                last = out
-        return last
-
-    task = asyncio.ensure_future(run())
+async def _collect(request: Request, runs: list[ChoiceRun]) -> None:
+    """Run a non-streaming request's choices to their final outputs; abort them all if the client disconnects
+    meanwhile."""
+    task = asyncio.ensure_future(finish_choices(runs))
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()   # the client is gone (or we were cancelled): closing gen aborts the request
+            task.cancel()   # the client is gone (or we were cancelled): closing the streams aborts the requests
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
         raise OpenAIError(499, "the client closed the connection", "client_closed_request")
-    try:
-        return task.result()
-    except Exception as e:
-        raise _engine_error(e, "messages") from None
+    task.result()   # raises a choice's failure as an OpenAIError
 
 
 async def _disconnected(request: Request) -> None:
@@ -165,81 +136,85 @@ async def _disconnected(request: Request) -> None:
 
 
 class _SSEResponse(StreamingResponse):
-    """text/event-stream whose generator is always closed, also when the client went away mid-stream
-    (Starlette cancels the send loop on disconnect, which would otherwise leave the generator suspended
-    and the request running until the garbage collector finalised it)."""
+    """text/event-stream whose generator is always closed and `cleanup` always awaited, also when the client
+    went away mid-stream or before the stream began (Starlette cancels the send loop on disconnect, which would
+    otherwise leave the requests running until the garbage collector finalised their generators)."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self._cleanup()
 
 
 # ---- streaming ---------------------------------------------------------------------------
 
-async def _deltas(gen: AsyncIterator[RequestOutput], first: RequestOutput,
-                  on_error: Callable[[OpenAIError], None]) -> AsyncIterator[tuple[RequestOutput, str, list]]:
-    """(output, new text, new logprob entries) for each output of the stream, first included."""
-    sent_text = sent_lp = 0
-    out: RequestOutput | None = first
-    while out is not None:
-        comp = out.outputs[0]
-        lps = comp.logprobs or []
-        yield out, comp.text[sent_text:], lps[sent_lp:]
-        sent_text, sent_lp = len(comp.text), len(lps)
-        if out.finished:
-            return
-        try:
-            out = await anext(gen)
-        except StopAsyncIteration:
-            return
-        except Exception as e:
-            on_error(_engine_error(e, "messages"))
-            return
-
-
-async def _chat_events(gen: AsyncIterator[RequestOutput], first: RequestOutput, ctx: ResponseContext,
-                       include_usage: bool) -> AsyncIterator[str]:
-    errors: list[OpenAIError] = []
-    async with contextlib.aclosing(gen):
-        yield chat_chunk(ctx, Delta(role="assistant", content=""))
-        last = first
-        async for out, text, lps in _deltas(gen, first, errors.append):
-            last = out
-            if text or lps:
-                yield chat_chunk(ctx, Delta(content=text), lps)
-        if errors:
-            yield sse(errors[0].body())
-        else:
-            yield chat_chunk(ctx, Delta(), finish=last.outputs[0].finish_reason)
-            if include_usage:
-                yield chat_chunk(ctx, Delta(), usage=usage_of(last))
+async def _events(runs: list[ChoiceRun], ctx: ResponseContext, answer: _Answer,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Every choice's chunks, interleaved as they come; then the usage chunk (include_usage) and [DONE].
+    A failing choice aborts the others and ends the stream with its error event."""
+    try:
+        async with contextlib.aclosing(merge([answer.choice_events(run, ctx) for run in runs])) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    except OpenAIError as e:
+        yield sse(e.body())
+    else:
+        if include_usage:
+            yield answer.usage_chunk(ctx, usage_of([run.last for run in runs]))
     yield "data: [DONE]\n\n"
 
 
-async def _completion_events(gen: AsyncIterator[RequestOutput], first: RequestOutput, ctx: ResponseContext,
-                             include_usage: bool) -> AsyncIterator[str]:
-    errors: list[OpenAIError] = []
-    async with contextlib.aclosing(gen):
-        offset = len(ctx.echo)
-        if ctx.echo:
-            yield completion_chunk(ctx, ctx.echo)
-        last = first
-        async for out, text, lps in _deltas(gen, first, errors.append):
-            last = out
+async def _deltas(run: ChoiceRun) -> AsyncIterator[tuple[str, list]]:
+    """(new text, new logprob entries) for each output of one choice, its first included; keeps run.last.
+    An engine failure is raised as an OpenAIError; closing this closes the choice's stream (aborting it)."""
+    sent_text = sent_lp = 0
+    async with contextlib.aclosing(run.stream):
+        while True:
+            comp = run.last.outputs[0]
+            lps = comp.logprobs or []
+            yield comp.text[sent_text:], lps[sent_lp:]
+            sent_text, sent_lp = len(comp.text), len(lps)
+            if run.last.finished:
+                return
+            try:
+                run.last = await anext(run.stream)
+            except StopAsyncIteration:
+                return
+            except Exception as e:
+                raise engine_error(e, "messages") from None
+
+
+async def _chat_choice_events(run: ChoiceRun, ctx: ResponseContext) -> AsyncIterator[str]:
+    """One choice's chat chunks: the role first, then the content deltas, then its finish_reason."""
+    yield chat_chunk(ctx, Delta(role="assistant", content=""), index=run.index)
+    async with contextlib.aclosing(_deltas(run)) as deltas:
+        async for text, lps in deltas:
+            if text or lps:
+                yield chat_chunk(ctx, Delta(content=text), lps, index=run.index)
+    yield chat_chunk(ctx, Delta(), finish=run.last.outputs[0].finish_reason, index=run.index)
+
+
+async def _completion_choice_events(run: ChoiceRun, ctx: ResponseContext) -> AsyncIterator[str]:
+    """One choice's completion chunks: the echo (if asked), then the text deltas, then its finish_reason."""
+    offset = len(ctx.echo)
+    if ctx.echo:
+        yield completion_chunk(ctx, ctx.echo, index=run.index)
+    async with contextlib.aclosing(_deltas(run)) as deltas:
+        async for text, lps in deltas:
             if text or lps:
                 logprobs = completion_logprobs(lps, offset) if ctx.logprobs else None
                 offset += sum(len(t) for t in logprobs.tokens) if logprobs else 0
-                yield completion_chunk(ctx, text, logprobs)
-        if errors:
-            yield sse(errors[0].body())
-        else:
-            yield completion_chunk(ctx, "", finish=last.outputs[0].finish_reason)
-            if include_usage:
-                yield completion_chunk(ctx, "", usage=usage_of(last))
-    yield "data: [DONE]\n\n"
+                yield completion_chunk(ctx, text, logprobs, index=run.index)
+    yield completion_chunk(ctx, "", finish=run.last.outputs[0].finish_reason, index=run.index)
+
+
+_CHAT = _Answer(_chat_choice_events, lambda ctx, usage: chat_chunk(ctx, Delta(), usage=usage), chat_response)
+_COMPLETION = _Answer(_completion_choice_events, lambda ctx, usage: completion_chunk(ctx, "", usage=usage),
+                      completion_response)

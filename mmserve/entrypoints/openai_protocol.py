@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 def _none(value: Any) -> bool:
@@ -84,7 +84,7 @@ class _SamplingFields(_Request):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: StrictInt | None = 1         # choices; null = 1 (openai_requests.num_choices checks the range)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

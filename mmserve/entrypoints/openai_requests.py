@@ -15,6 +15,10 @@ from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 from mmserve.sampling_params import SamplingParams
 
+# Most choices (`n`) one request may ask for. Each choice is its own engine request (openai_fanout.py), so one
+# HTTP request holds up to this many of the server's --max-concurrent-requests slots and decode rows.
+MAX_CHOICES = 16
+
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
@@ -74,12 +78,20 @@ def _unsupported(value: Any, param: str, what: str) -> None:
         raise OpenAIError(400, f"{param}: {what} is not supported by this server", param=param)
 
 
+def num_choices(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """The request's `n` (null means 1), checked to be in [1, MAX_CHOICES]."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise OpenAIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n}", param="n")
+    return n
+
+
 def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     _unsupported(req.logit_bias, "logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    kw: dict[str, Any] = dict(
-        n=req.n, seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+    kw: dict[str, Any] = dict(   # n stays 1: each choice is its own engine request
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         stop=req.stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)

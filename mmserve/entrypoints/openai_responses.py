@@ -49,20 +49,27 @@ class ResponseContext:
 
 # ---- whole (non-streamed) responses --------------------------------------------------------
 
-def chat_response(ctx: ResponseContext, out: RequestOutput) -> ChatCompletionResponse:
-    comp = out.outputs[0]
-    choice = ChatChoice(message=AssistantMessage(content=comp.text), finish_reason=comp.finish_reason,
-                        logprobs=ChatLogprobs(content=chat_logprobs(comp.logprobs)) if ctx.logprobs else None)
-    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
-                                  usage=usage_of(out))
+def chat_response(ctx: ResponseContext, outs: list[RequestOutput]) -> ChatCompletionResponse:
+    """The whole answer; outs[i] is the final output of choice i."""
+    choices = []
+    for i, out in enumerate(outs):
+        comp = out.outputs[0]
+        logprobs = ChatLogprobs(content=chat_logprobs(comp.logprobs)) if ctx.logprobs else None
+        choices.append(ChatChoice(index=i, message=AssistantMessage(content=comp.text), logprobs=logprobs,
+                                  finish_reason=comp.finish_reason))
+    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                                  usage=usage_of(outs))
 
 
-def completion_response(ctx: ResponseContext, out: RequestOutput) -> CompletionResponse:
-    comp = out.outputs[0]
-    logprobs = completion_logprobs(comp.logprobs, len(ctx.echo)) if ctx.logprobs else None
-    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, usage=usage_of(out),
-                              choices=[CompletionChoice(text=ctx.echo + comp.text, logprobs=logprobs,
-                                                        finish_reason=comp.finish_reason)])
+def completion_response(ctx: ResponseContext, outs: list[RequestOutput]) -> CompletionResponse:
+    """The whole answer; outs[i] is the final output of choice i (each choice starts with the echo)."""
+    choices = []
+    for i, out in enumerate(outs):
+        comp = out.outputs[0]
+        logprobs = completion_logprobs(comp.logprobs, len(ctx.echo)) if ctx.logprobs else None
+        choices.append(CompletionChoice(index=i, text=ctx.echo + comp.text, logprobs=logprobs,
+                                        finish_reason=comp.finish_reason))
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, usage=usage_of(outs), choices=choices)
 
 
 # ---- stream chunks (SSE events) ------------------------------------------------------------
@@ -73,28 +80,32 @@ def sse(obj: BaseModel | dict) -> str:
 
 
 def chat_chunk(ctx: ResponseContext, delta: Delta, logprobs: list | None = None, finish: str | None = None,
-               usage: Usage | None = None) -> str:
-    """One chat.completion.chunk event; with usage, the final usage-only chunk (no choices)."""
+               usage: Usage | None = None, index: int = 0) -> str:
+    """One chat.completion.chunk event of choice `index`; with usage, the final usage-only chunk (no choices)."""
     if usage is not None:
         return sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[], usage=usage))
     lp = ChatLogprobs(content=chat_logprobs(logprobs)) if ctx.logprobs and logprobs is not None else None
     return sse(ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
-        ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)]))
+        ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)]))
 
 
 def completion_chunk(ctx: ResponseContext, text: str, logprobs: CompletionLogprobs | None = None,
-                     finish: str | None = None, usage: Usage | None = None) -> str:
-    """One text_completion event; with usage, the final usage-only chunk (no choices)."""
-    choices = [] if usage is not None else [CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)]
+                     finish: str | None = None, usage: Usage | None = None, index: int = 0) -> str:
+    """One text_completion event of choice `index`; with usage, the final usage-only chunk (no choices)."""
+    choices = [] if usage is not None else [
+        CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)]
     return sse(CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage))
 
 
 # ---- usage and logprobs --------------------------------------------------------------------
 
-def usage_of(out: RequestOutput) -> Usage:
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
-    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+def usage_of(outs: list[RequestOutput]) -> Usage:
+    """Usage of one response whose choices are `outs` (one engine request each, same prompt): the prompt
+    counted once, as OpenAI does, its cached tokens those no choice had to compute (the fewest), the
+    completion tokens summed over the choices."""
+    prompt = len(outs[0].prompt_token_ids)
+    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    cached = min(out.metrics.num_cached_tokens if out.metrics is not None else 0 for out in outs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 

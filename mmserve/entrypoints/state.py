@@ -45,14 +45,16 @@ class ServerState:
     def has_model(self, name: str) -> bool:
         return name in self.model_names
 
-    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """engine.generate with the server's concurrency cap and metrics; every frontend goes through here."""
+    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
+        `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones."""
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ServerBusy(f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})")
         self.in_flight += 1
         try:
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
-            async with contextlib.aclosing(self.engine.generate(prompt, params)) as stream:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for out in stream:
                     if out.finished:
                         self.metrics.on_finished(out)

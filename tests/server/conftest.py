@@ -1,4 +1,5 @@
-"""A real `mmserve serve` subprocess on 127.0.0.1 with free ports, and a local HTTP server for media URLs."""
+"""A real `mmserve serve` subprocess on 127.0.0.1 with free ports, an in-process server with slow engine steps
+(to watch what a request leaves running), and a local HTTP server for media URLs."""
 from __future__ import annotations
 
 import contextlib
@@ -12,9 +13,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.state import ServerState
 
 
 def free_port() -> int:
@@ -112,6 +118,52 @@ def ensemble_texts(server: ServerHandle, texts: list[str], max_tokens: int = 10)
                          "temperature": [0] * len(texts)}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["text_output"]
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    engine: Engine          # the engine itself: has_unfinished(), kv.usage
+    state: ServerState      # in_flight, config
+
+
+@contextlib.contextmanager
+def slow_server(model_dir: str, step_delay_s: float = 0.02):
+    """An in-process HTTP server whose engine steps take >= step_delay_s, so a long request runs for seconds
+    and a test can see what is still running (engine, KV blocks, in-flight count) after the client left."""
+    import uvicorn
+
+    from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.http_server import build_app
+    from mmserve.entrypoints.server_config import ServerConfig
+    from mmserve.entrypoints.state import ServerState
+    from mmserve.multimodal.inputs import MediaConfig
+
+    media = MediaConfig()
+    engine = Engine(EngineConfig(ModelConfig(model_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(step_delay_s)
+        return step()
+
+    engine.step = slow_step
+    port = free_port()
+    state = ServerState(AsyncEngine(engine), ServerConfig(http_port=port, grpc_port=-1), media, model_dir,
+                        engine.hf_config.model_type)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield InProcessServer(f"http://127.0.0.1:{port}", engine, state)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        state.engine.shutdown()
 
 
 def serve_with(model_dir: str, *flags: str) -> subprocess.CompletedProcess:

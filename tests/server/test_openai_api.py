@@ -9,6 +9,7 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.testing import image_to_data_uri, image_to_png_bytes, make_test_image
+from tests.server.conftest import slow_server
 
 MAX_TOKENS = 12
 
@@ -139,12 +140,6 @@ def test_sampling_with_seed_repeats_and_extra_params_apply(client):
     assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
 
 
-def test_n_other_than_one_is_bad_request(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "x"}], n=2)
-    assert err.value.status_code == 400 and err.value.body["param"] == "n"
-
-
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
@@ -211,43 +206,8 @@ def test_completions_logprobs_and_token_prompt(client, offline):
 @pytest.fixture
 def slow_server_url(tiny_llava_dir):
     """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""
-    import threading
-    import time
-
-    import uvicorn
-
-    from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.engine import Engine
-    from mmserve.entrypoints.http_server import build_app
-    from mmserve.entrypoints.server_config import ServerConfig
-    from mmserve.entrypoints.state import ServerState
-    from mmserve.multimodal.inputs import MediaConfig
-    from tests.server.conftest import free_port
-
-    media = MediaConfig()
-    engine = Engine(EngineConfig(ModelConfig(tiny_llava_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media)
-    step = engine.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    engine.step = slow_step
-    port = free_port()
-    state = ServerState(AsyncEngine(engine), ServerConfig(http_port=port, grpc_port=-1), media, tiny_llava_dir,
-                        engine.hf_config.model_type)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        state.engine.shutdown()
+    with slow_server(tiny_llava_dir) as handle:
+        yield handle.url, handle.engine
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(slow_server_url):

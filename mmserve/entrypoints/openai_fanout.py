@@ -1,0 +1,150 @@
+"""OpenAI's `n`: one engine request per choice, all or nothing.
+
+`start_choices` queues one request per choice of the same prompt (choice i seeded `seed + i` when a seed is
+given) and waits for each one's first output; `finish_choices` runs them to their ends; `merge` interleaves
+their streams. A failure of any choice, an overloaded server or a cancel (the client went away) closes
+every choice's engine stream, which aborts its request and frees its KV blocks. Copies of one prompt cost
+one prefill: the scheduler makes later copies wait for the first and reuse its KV cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mmserve.engine.engine import EngineOverloaded
+from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.entrypoints.state import ServerBusy, ServerState
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()   # what _next returns for an exhausted stream
+
+
+@dataclass
+class ChoiceRun:
+    """One choice's engine request: its output stream and its latest output (the first, to begin with)."""
+
+    index: int
+    stream: AsyncIterator[RequestOutput]
+    last: RequestOutput
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Per-choice copies of `params`: with a seed, choice i draws from seed + i (distinct and reproducible:
+    choice i equals a one-choice request with that seed); without one, n independent samples."""
+    if params.seed is None:
+        return [dataclasses.replace(params) for _ in range(n)]
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+async def start_choices(state: ServerState, prompt: dict[str, Any], params: list[SamplingParams],
+                        request_id: str, media_param: str) -> list[ChoiceRun]:
+    """Queue one engine request per entry of `params` (ids request_id-0, -1, ...) and wait for every first
+    output, so input errors still get their own status code. Raises the first failure as an OpenAIError
+    after aborting the requests already started; a cancel aborts them too."""
+    if state.engine.dead_error is not None:
+        raise OpenAIError(503, f"the engine has stopped: {state.engine.dead_error}", "server_error")
+    tasks: list[asyncio.Task] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_start(state, prompt, p, f"{request_id}-{i}", media_param))
+                     for i, p in enumerate(params)]
+    except BaseException as e:
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await task.result()[0].aclose()
+        if isinstance(e, BaseExceptionGroup):
+            raise e.exceptions[0] from None
+        raise
+    return [ChoiceRun(i, *task.result()) for i, task in enumerate(tasks)]
+
+
+async def _start(state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str,
+                 media_param: str) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    gen = state.generate(prompt, params, request_id)
+    try:
+        first = await anext(gen)
+    except BaseException as e:
+        await gen.aclose()
+        if isinstance(e, Exception):
+            raise engine_error(e, media_param) from None
+        raise
+    return gen, first
+
+
+def engine_error(e: Exception, media_param: str) -> OpenAIError:
+    """The OpenAI answer to an exception out of ServerState.generate."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, (ServerBusy, EngineOverloaded)):
+        return OpenAIError(503, f"the server is overloaded: {e}", "server_error", code="server_overloaded")
+    if isinstance(e, (ValueError, TypeError)):
+        # prompt / media problems; the message names the field (e.g. "images[0]: ...")
+        return OpenAIError(400, str(e), param=media_param)
+    logger.error("request failed: %s: %s", type(e).__name__, e)
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+async def finish_choices(runs: list[ChoiceRun]) -> None:
+    """Run every choice to its final output (left in run.last). The first failure, as an OpenAIError, aborts
+    the other choices; a cancel aborts them all."""
+    async def finish(run: ChoiceRun) -> None:
+        async for out in run.stream:
+            run.last = out
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for run in runs:
+                group.create_task(finish(run))
+    except BaseExceptionGroup as e:
+        raise engine_error(e.exceptions[0], "messages") from None
+    finally:
+        await close_choices(runs)
+
+
+async def close_choices(runs: list[ChoiceRun]) -> None:
+    """Close every choice's stream: a finished one is left as it is, an unfinished one's request is aborted."""
+    for run in runs:
+        if not getattr(run.stream, "ag_running", False):   # a running one is in a cancelled task, closing now
+            await run.stream.aclose()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of several async generators as they come (ties in list order). The first exception is
+    raised once the others are closed; closing this generator closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    waiting: dict[asyncio.Task, int] = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.__getitem__):
+                i = waiting.pop(task)
+                item = task.result()
+                if item is not _END:
+                    yield item
+                    waiting[asyncio.ensure_future(_next(streams[i]))] = i
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _next(stream: AsyncIterator[T]) -> T | object:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return _END
+
