@@ -18,6 +18,8 @@ class LMShape:
     Llama-style decoders (llava's Llama/Mistral, Qwen2, Qwen2-VL's text model) keep the defaults but for
     Qwen2's q/k/v biases; OPT (BLIP-2) has biases on every linear, a two-matrix ReLU MLP, LayerNorms with a
     shift, and optionally a word-embedding width other than `hidden` (project_in/out, lm_head of that width).
+    Persimmon (Fuyu's text model) is OPT-like (biases everywhere, LayerNorms, a two-matrix relu2 MLP) plus
+    LayerNorms of q and k over `head_dim` (`qk_layernorm`).
     """
 
     hidden: int
@@ -41,6 +43,7 @@ class LMShape:
     # MLP; no KV cache of their own; their k/v projections run once per image, not per step, and are not
     # counted; the images' cross keys/values they read per step are not modelled)
     cross_layers: int = 0
+    qk_norm: bool = False          # a q and a k norm over head_dim per self-attention layer (Persimmon)
 
     @property
     def weight_bytes(self) -> int:
@@ -50,6 +53,7 @@ class LMShape:
         matrices = h * q + 2 * h * kv + q * h + self.mlp_matrices * h * i  # q, k, v, o, MLP
         per_layer = 2 * norm + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
+        per_layer += 2 * self.head_dim * (2 if self.layer_norm else 1) if self.qk_norm else 0
         e = self.embed_dim or h
         head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
         selfs, cross = self.layers - self.cross_layers, self.cross_layers
@@ -95,6 +99,10 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
                        final_norm=bool(text.get("do_layer_norm_before", True))
                        and not text.get("_remove_final_layer_norm", False),
                        embed_dim=int(text.get("word_embed_proj_dim") or hidden))
+    if text.get("model_type") in ("persimmon", "fuyu"):   # "fuyu": adept/fuyu-8b's flat config.json
+        return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
+                       qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,
+                       qk_norm=bool(text.get("qk_layernorm", True)))
     attention_bias = bool(text.get("attention_bias", False))
     return LMShape(**common, intermediate=int(text["intermediate_size"]),
                    kv_heads=int(text.get("num_key_value_heads") or heads),

@@ -25,6 +25,7 @@ class PromptFormat:
 # Keyed by HF config.model_type (and the seeds' --model_type spelling where it differs).
 FORMATS: dict[str, PromptFormat] = {
     "blip2": PromptFormat(image_token=None),
+    "fuyu": PromptFormat(image_token=None),   # its processor lays the picture's patch rows out before the text
     "llava": PromptFormat("<image>", "USER:\n", " ASSISTANT:"),
     "vila": PromptFormat("<image>", _VILA_SYSTEM, " ASSISTANT:", image_sep="\n"),
     "llava_onevision": PromptFormat("<image>", "<|im_start|>user ", "<|im_end|><|im_start|>assistant\n",

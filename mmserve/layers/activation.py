@@ -32,6 +32,7 @@ _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": _quick_gelu,
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),   # Persimmon / Fuyu
     "silu": F.silu,
 }
 

@@ -1,5 +1,5 @@
-"""Rotary position embedding: 1D, and the multimodal (t, h, w) M-RoPE of Qwen2-VL; rope scaling via transformers'
-init functions."""
+"""Rotary position embedding: 1D, partial (the first dims of each head only: Persimmon / Fuyu), and the multimodal
+(t, h, w) M-RoPE of Qwen2-VL; rope scaling via transformers' init functions."""
 from __future__ import annotations
 
 import torch
@@ -75,3 +75,29 @@ class MRotaryEmbedding(RotaryEmbedding):
         cos = self.cos.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)   # [T, 1, D]
         sin = self.sin.gather(0, idx).repeat(1, 2).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """Rotates only the first `rotary_dim` of each head's dims (half-split within them), the rest pass through.
+
+    In torch on every device: the fused Triton kernels rotate whole heads, so `Attention` gets the rotated q/k."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, rotary_dim: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)   # [max_pos, rotary_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            head = x[..., :r]
+            return torch.cat((head * cos + _rotate_half(head) * sin, x[..., r:]), dim=-1)
+
+        return rotate(q), rotate(k)

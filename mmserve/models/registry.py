@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen2_5_VLForConditionalGeneration": ("mmserve.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Blip2ForConditionalGeneration": ("mmserve.models.blip2", "Blip2ForConditionalGeneration"),
     "MllamaForConditionalGeneration": ("mmserve.models.mllama", "MllamaForConditionalGeneration"),
+    "FuyuForCausalLM": ("mmserve.models.fuyu", "FuyuForCausalLM"),
 }
 
 

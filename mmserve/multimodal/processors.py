@@ -333,7 +333,11 @@ class InputProcessor:
                 else:
                     raise ValueError(f"messages[{i}]: unsupported content part type {kind!r}")
             hf_messages.append({"role": m["role"], "content": parts})
-        prompt = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+        # some processors drop the template their tokenizer carries (Fuyu's): use the tokenizer's then
+        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        if not getattr(owner, "chat_template", None):
+            raise ValueError("this model has no chat template: send a plain prompt (e.g. /v1/completions)")
+        prompt = owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
         return {"prompt": prompt, **{k: v for k, v in media.items() if v}}
 
 

@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "mmserve.testing.qwen2_vl:make_qwen2_vl_checkpoint",
     "blip2": "mmserve.testing.blip2:make_blip2_checkpoint",
     "mllama": "mmserve.testing.mllama:make_mllama_checkpoint",
+    "fuyu": "mmserve.testing.fuyu:make_fuyu_checkpoint",
 }
 
 DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes

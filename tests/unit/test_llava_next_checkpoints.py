@@ -9,21 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from mmserve.models.anyres import AnyresSpec, num_video_tokens
 from mmserve.models.loader import build_model, load_hf_config
 from mmserve.testing import make_checkpoint, make_test_image
 from mmserve.testing.llava_next import llava_next_config, make_llava_next_checkpoint, next_checkpoint_key
 from mmserve.testing.llava_onevision import llava_onevision_config, make_llava_onevision_checkpoint
+from tests.checkpoint_files import file_tensors
 
-
-def _file_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
 
 
 def _hf_loads_every_weight(d: Path, layout: str = "hub"):
@@ -31,7 +24,7 @@ def _hf_loads_every_weight(d: Path, layout: str = "hub"):
 
     cfg = json.loads((d / "config.json").read_text())
     model = getattr(transformers, cfg["architectures"][0]).from_pretrained(d).eval()
-    on_disk = _file_tensors(d)
+    on_disk = file_tensors(d)
     state = model.state_dict()
     tied = model.config.tie_word_embeddings
     assert len(on_disk) == len(state) - tied

@@ -2,7 +2,6 @@
 the processor gives Mllama's inputs, the gates let the image through, and the 11B preset has the real shapes."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -23,6 +22,7 @@ from mmserve.testing.mllama import (
     mllama_sizes,
     patches_per_tile,
 )
+from tests.checkpoint_files import file_tensors, files_digest
 
 IMAGE, BOS, EOT, PAD = 416, 400, 409, 404   # tiny preset ids
 CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -40,19 +40,6 @@ def loaded(layouts):
     return model, AutoProcessor.from_pretrained(layouts["hub"])
 
 
-def _file_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
-def _digest(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 def test_transformers_loads_both_layouts_with_every_tensor_from_the_file(layouts):
@@ -60,14 +47,14 @@ def test_transformers_loads_both_layouts_with_every_tensor_from_the_file(layouts
     for layout, d in layouts.items():
         model, info = MllamaForConditionalGeneration.from_pretrained(d, output_loading_info=True)
         assert not any(info.values()), info
-        on_disk = _file_tensors(d)
+        on_disk = file_tensors(d)
         state = model.state_dict()
         assert len(on_disk) == len(state)
         for name, value in state.items():
             assert torch.equal(on_disk[checkpoint_key(name, layout)], value), (layout, name)
         states[layout] = state
-    assert "language_model.model.layers.1.cross_attn_attn_gate" in _file_tensors(layouts["hub"])
-    assert "model.language_model.layers.1.cross_attn_attn_gate" in _file_tensors(layouts["transformers"])
+    assert "language_model.model.layers.1.cross_attn_attn_gate" in file_tensors(layouts["hub"])
+    assert "model.language_model.layers.1.cross_attn_attn_gate" in file_tensors(layouts["transformers"])
 
 
 def test_layouts_are_what_save_pretrained_writes(loaded, tmp_path):
@@ -185,13 +172,13 @@ def test_seed_determinism_and_sharding(tmp_path):
     a = make_mllama_checkpoint(tmp_path / "a", seed=3, **kw)
     b = make_mllama_checkpoint(tmp_path / "b", seed=3, **kw)
     c = make_mllama_checkpoint(tmp_path / "c", seed=4, **kw)
-    assert _digest(a) == _digest(b) != _digest(c)
+    assert files_digest(a) == files_digest(b) != files_digest(c)
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
     d = make_checkpoint("mllama", tmp_path / "d", seed=3, max_shard_bytes=100_000, **kw)
     index = json.loads((d / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert json.loads((d / "config.json").read_text())["architectures"] == ["MllamaForConditionalGeneration"]
-    sharded, single = _file_tensors(d), _file_tensors(a)
+    sharded, single = file_tensors(d), file_tensors(a)
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in single)
 
 

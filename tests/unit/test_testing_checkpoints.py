@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from mmserve.testing import (
     DEMO_SUBDIR,
@@ -22,6 +20,7 @@ from mmserve.testing import (
     make_llava_checkpoint,
     make_test_image,
 )
+from tests.checkpoint_files import file_tensors, files_digest
 
 TINY_IMAGE_TOKENS = 9  # (42 // 14) ** 2 patches, CLS dropped
 
@@ -39,19 +38,6 @@ def loaded(tiny_dir: Path):
     return model, AutoProcessor.from_pretrained(tiny_dir)
 
 
-def _file_tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
-
-def _digest(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 def test_files_and_config(tiny_dir: Path, loaded) -> None:
@@ -75,7 +61,7 @@ def test_files_and_config(tiny_dir: Path, loaded) -> None:
 
 def test_every_weight_loaded_from_file(tiny_dir: Path, loaded) -> None:
     model, _ = loaded
-    on_disk = _file_tensors(tiny_dir)
+    on_disk = file_tensors(tiny_dir)
     state = model.state_dict()
     assert len(on_disk) == len(state)
     for name, value in state.items():
@@ -110,7 +96,7 @@ def test_seed_determinism(tmp_path: Path) -> None:
     a = make_llava_checkpoint(tmp_path / "a", seed=3, **kw)
     b = make_llava_checkpoint(tmp_path / "b", seed=3, **kw)
     c = make_llava_checkpoint(tmp_path / "c", seed=4, **kw)
-    assert _digest(a) == _digest(b) != _digest(c)
+    assert files_digest(a) == files_digest(b) != files_digest(c)
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
@@ -125,7 +111,7 @@ def test_sharded_fp16_transformers_layout(tmp_path: Path) -> None:
     assert "vision_tower.embeddings.class_embedding" in index["weight_map"]
     model = LlavaForConditionalGeneration.from_pretrained(d)
     assert model.dtype == torch.float16 and model.config.vision_feature_layer == [-2, -1]
-    on_disk = _file_tensors(d)
+    on_disk = file_tensors(d)
     for name, value in model.state_dict().items():
         assert torch.equal(on_disk[checkpoint_key(name, "transformers")], value), name
 
