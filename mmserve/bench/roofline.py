@@ -19,7 +19,9 @@ class LMShape:
     Qwen2's q/k/v biases; OPT (BLIP-2) has biases on every linear, a two-matrix ReLU MLP, LayerNorms with a
     shift, and optionally a word-embedding width other than `hidden` (project_in/out, lm_head of that width).
     Persimmon (Fuyu's text model) is OPT-like (biases everywhere, LayerNorms, a two-matrix relu2 MLP) plus
-    LayerNorms of q and k over `head_dim` (`qk_layernorm`).
+    LayerNorms of q and k over `head_dim` (`qk_layernorm`). Kosmos-2's text model is OPT-like too (a two-matrix gelu
+    MLP, a tied lm_head) plus two sub-LayerNorms per layer: over the attention output before o and over the MLP's
+    inner width before fc2 (`sub_layer_norm`).
     """
 
     hidden: int
@@ -44,6 +46,7 @@ class LMShape:
     # counted; the images' cross keys/values they read per step are not modelled)
     cross_layers: int = 0
     qk_norm: bool = False          # a q and a k norm over head_dim per self-attention layer (Persimmon)
+    sub_layer_norm: bool = False   # LayerNorms over the attention output and the MLP's inner width (Kosmos-2)
 
     @property
     def weight_bytes(self) -> int:
@@ -54,6 +57,7 @@ class LMShape:
         per_layer = 2 * norm + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
         per_layer += 2 * self.head_dim * (2 if self.layer_norm else 1) if self.qk_norm else 0
+        per_layer += 2 * (q + i) if self.sub_layer_norm else 0
         e = self.embed_dim or h
         head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
         selfs, cross = self.layers - self.cross_layers, self.cross_layers
@@ -83,6 +87,9 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = text_config(config)
+    if text.get("model_type") == "kosmos_2_text_model":   # its config.json spells the sizes its own way
+        text = {**text, "hidden_size": text["embed_dim"], "num_hidden_layers": text["layers"],
+                "num_attention_heads": text["attention_heads"], "intermediate_size": text["ffn_dim"]}
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
@@ -99,6 +106,9 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
                        final_norm=bool(text.get("do_layer_norm_before", True))
                        and not text.get("_remove_final_layer_norm", False),
                        embed_dim=int(text.get("word_embed_proj_dim") or hidden))
+    if text.get("model_type") == "kosmos_2_text_model":
+        return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
+                       qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True, sub_layer_norm=True)
     if text.get("model_type") in ("persimmon", "fuyu"):   # "fuyu": adept/fuyu-8b's flat config.json
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,

@@ -26,6 +26,7 @@ class PromptFormat:
 FORMATS: dict[str, PromptFormat] = {
     "blip2": PromptFormat(image_token=None),
     "fuyu": PromptFormat(image_token=None),   # its processor lays the picture's patch rows out before the text
+    "kosmos-2": PromptFormat(image_token=None),   # its processor puts <image> and the image span first
     "llava": PromptFormat("<image>", "USER:\n", " ASSISTANT:"),
     "vila": PromptFormat("<image>", _VILA_SYSTEM, " ASSISTANT:", image_sep="\n"),
     "llava_onevision": PromptFormat("<image>", "<|im_start|>user ", "<|im_end|><|im_start|>assistant\n",

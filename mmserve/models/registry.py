@@ -13,6 +13,7 @@ _MODELS = {
     "Blip2ForConditionalGeneration": ("mmserve.models.blip2", "Blip2ForConditionalGeneration"),
     "MllamaForConditionalGeneration": ("mmserve.models.mllama", "MllamaForConditionalGeneration"),
     "FuyuForCausalLM": ("mmserve.models.fuyu", "FuyuForCausalLM"),
+    "Kosmos2ForConditionalGeneration": ("mmserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
 }
 
 

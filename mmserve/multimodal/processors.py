@@ -143,7 +143,10 @@ class InputProcessor:
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
         if not images and not videos:
-            ids = self.tokenizer(text).input_ids
+            if self.placeholder_in_prompt:
+                ids = self.tokenizer(text).input_ids
+            else:   # the processor lays out these families' prompts, text-only ones too (Kosmos-2: no </s> at the end)
+                ids = self.processor(text=text, return_tensors="pt")["input_ids"][0].tolist()
             if not ids:
                 raise ValueError("prompt is empty")
             return self._with_mrope(ProcessedInputs(text, ids), None)

@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "blip2": "mmserve.testing.blip2:make_blip2_checkpoint",
     "mllama": "mmserve.testing.mllama:make_mllama_checkpoint",
     "fuyu": "mmserve.testing.fuyu:make_fuyu_checkpoint",
+    "kosmos2": "mmserve.testing.kosmos2:make_kosmos2_checkpoint",
 }
 
 DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes

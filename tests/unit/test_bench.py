@@ -191,7 +191,7 @@ def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
     """Bytes of the language model's parameters but its embedding tables (a tied lm_head counts once more) and
     Mllama's cross-attention k/v projections (run once per image, not per decode step)."""
     return dtype_bytes * sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
-                             if (not vlm or "language_model" in n or n.startswith("lm_head"))
+                             if (not vlm or "language_model" in n or n.startswith(("lm_head", "text_model.")))
                              and "embed_tokens" not in n and "embed_positions" not in n
                              and "cross_attn.k_proj" not in n and "cross_attn.v_proj" not in n)
 
