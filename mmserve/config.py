@@ -55,8 +55,11 @@ class ModelConfig:
     preprocess_on_gpu: bool = True  # on CUDA, resize/normalise images on the GPU (decoding stays on CPU)
     # None: as the checkpoint is (FP8 checkpoints load as FP8); "fp8": decoder linears to e4m3 at load
     quantization: str | None = None
+    max_loras: int = 8              # LoRA adapters loaded at once (Engine.add_lora)
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

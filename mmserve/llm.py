@@ -35,11 +35,12 @@ class LLM:
                  prompt_end_cache_size: int = 1024,
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False, async_scheduling: bool = True, quantization: str | None = None,
-                 media: MediaConfig | None = None) -> None:
+                 media: MediaConfig | None = None, lora_modules: dict[str, str] | None = None,
+                 max_loras: int = 8) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               attention_backend=attention_backend, enforce_eager=enforce_eager,
-                              quantization=quantization),
+                              quantization=quantization, max_loras=max_loras),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
                               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
@@ -48,6 +49,8 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       async_scheduling=async_scheduling))
         self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
+        for name, path in (lora_modules or {}).items():   # prompts name one with {"lora": name}
+            self.engine.add_lora(name, path)
         self._ids = itertools.count()
         self._preprocess = ThreadPoolExecutor(4, thread_name_prefix="mmserve-llm-preprocess")
 

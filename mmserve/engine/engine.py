@@ -15,6 +15,7 @@ from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
+from mmserve.lora import LoRAManager
 from mmserve.models.loader import build_model, load_hf_config, text_config_of
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
@@ -54,6 +55,7 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
+        self.lora = self.runner.lora = LoRAManager(self.model, self.device, self.dtype, mc.max_loras)
         prompt_ends = None
         if config.cache.enable_prefix_caching and config.cache.prompt_end_cache_size:
             prompt_ends = PromptEndCache(config.cache.prompt_end_cache_size)
@@ -104,6 +106,12 @@ class Engine:
         ids += extra if isinstance(extra, list) else [extra]
         return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at `path`; prompts name it with {"lora": name}. ValueError if it does not fit."""
+        self.lora.add(name, path)
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, path, self.lora.get(name).rank,
+                    len(self.lora.get(name).targets))
+
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:
         """Validate and queue a request. Raises ValueError/TypeError for bad input, EngineOverloaded when full."""
@@ -116,7 +124,8 @@ class Engine:
         inputs = self.inputs.process(prompt)
         bs = self.kv.block_size
         if self.kv.enable_prefix_caching and (inputs.block_hashes is None or inputs.block_hashes[0] != bs):
-            inputs.block_hashes = (bs, chain_block_hashes(inputs.prompt_token_ids, inputs.mm_items, bs))
+            inputs.block_hashes = (bs, chain_block_hashes(inputs.prompt_token_ids, inputs.mm_items, bs,
+                                                          parent=self.lora.hash_salt(inputs.lora)))
         return inputs
 
     def add_processed(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams,
@@ -147,6 +156,7 @@ class Engine:
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_ids=eos, bad_words_ids=[b for b in bad if b])
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
+        req.lora, req.hash_salt = inputs.lora, self.lora.hash_salt(inputs.lora)   # ValueError: unknown adapter
         if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:
             req.block_hashes = list(inputs.block_hashes[1])   # the request's own list: it grows as it decodes
         if params.seed is not None:

@@ -177,7 +177,7 @@ class KVCacheManager:
         first, full = len(req.block_hashes), req.num_known_tokens // bs
         if full > first:
             req.block_hashes += chain_block_hashes(req.token_ids(first * bs, full * bs), req.mm_items, bs, first,
-                                                   req.block_hashes[-1] if first else None)
+                                                   req.block_hashes[-1] if first else req.hash_salt)
 
     def prompt_digest(self, req: Request) -> bytes:
         """A digest of req's whole prompt (tokens and media): its last full block's hash chained with the
@@ -187,7 +187,7 @@ class KVCacheManager:
             full = p // bs
             if len(req.block_hashes) < full:
                 self._extend_hashes(req)
-            req.prompt_digest = hash_block(req.block_hashes[full - 1] if full else None,
+            req.prompt_digest = hash_block(req.block_hashes[full - 1] if full else req.hash_salt,
                                            req.prompt_token_ids[full * bs:], _media_in(req.mm_items, full * bs, p))
         return req.prompt_digest
 

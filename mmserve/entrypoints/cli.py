@@ -48,6 +48,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode steps, short prefills, vision towers)")
     p.add_argument("--cpu-preprocess", action="store_true", help="resize/normalise images on the CPU even on CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters to load; OpenAI requests name one as their `model`")
+    p.add_argument("--max-loras", type=int, default=8, help="LoRA adapters loaded at once")
     p.add_argument("--log-level", default="info")
 
 
@@ -56,7 +59,8 @@ def build_engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                          preprocess_on_gpu=not args.cpu_preprocess, quantization=args.quantization),
+                          preprocess_on_gpu=not args.cpu_preprocess, quantization=args.quantization,
+                          max_loras=args.max_loras),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,
@@ -110,6 +114,11 @@ async def _serve(args: argparse.Namespace) -> None:
                                  max_concurrent_requests=args.max_concurrent_requests,
                                  accumulate_tokens=args.accumulate_tokens)
     engine = Engine(build_engine_config(args), media)
+    for spec in args.lora_modules:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
+        engine.add_lora(name, path)
     state = ServerState(AsyncEngine(engine), server_config, media, args.model, engine.hf_config.model_type)
     settle_garbage_collector()
     from mmserve.entrypoints.http_server import build_app

@@ -21,7 +21,7 @@ from mmserve.entrypoints.openai_fanout import (
 from mmserve.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, Usage, new_id, now)
 from mmserve.entrypoints.openai_requests import (
-    chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices, parse_body)
+    chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices, parse_body, with_lora)
 from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
     completion_response, sse, usage_of)
@@ -56,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
         check_model(state, req.model)
         n = num_choices(req)
         params = chat_params(req, state)
-        prompt = chat_prompt(req, state)
+        prompt = with_lora(chat_prompt(req, state), req.model, state)
         ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
         runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
     except OpenAIError as e:
@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
         check_model(state, req.model)
         n = num_choices(req)
         params = completion_params(req, state)
-        prompt = completion_prompt(req)
+        prompt = with_lora(completion_prompt(req), req.model, state)
         echo = ""
         if req.echo:
             echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])

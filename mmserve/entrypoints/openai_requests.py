@@ -154,6 +154,11 @@ def chat_prompt(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any
     return prompt
 
 
+def with_lora(prompt: dict[str, Any], model: str, state: ServerState) -> dict[str, Any]:
+    """The prompt with the LoRA adapter the request's `model` names, if it names one."""
+    return {**prompt, "lora": model} if model in state.lora_names else prompt
+
+
 def completion_prompt(req: CompletionRequest) -> dict[str, Any]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -40,7 +40,12 @@ class ServerState:
 
     @property
     def model_names(self) -> list[str]:
-        return [*TRITON_MODEL_NAMES, self.model_name]
+        """The Triton model names, the served model's and its LoRA adapters' (OpenAI requests name one as model)."""
+        return [*TRITON_MODEL_NAMES, self.model_name, *self.lora_names]
+
+    @property
+    def lora_names(self) -> list[str]:
+        return sorted(self.engine.engine.lora.adapters)
 
     def has_model(self, name: str) -> bool:
         return name in self.model_names

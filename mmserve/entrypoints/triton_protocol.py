@@ -26,8 +26,10 @@ from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
 UNSUPPORTED_INPUTS = ("decoder_text_input", "embedding_bias_words", "embedding_bias_weights",
-                      "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights", "lora_config",
+                      "prompt_embedding_table", "prompt_vocab_size", "lora_weights", "lora_config",
                       "num_draft_tokens", "guided_decoding_guide_type", "guided_decoding_guide")
+LORA_AT_STARTUP = ("LoRA adapters load when the server starts, as PEFT directories (--lora-modules TASK_ID=PATH); "
+                   "requests then name one with lora_task_id alone")
 
 
 class ModelNotFound(LookupError):
@@ -154,6 +156,8 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
         raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
     for name in UNSUPPORTED_INPUTS:
         if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
+            if name in ("lora_weights", "lora_config"):
+                raise ValueError(f"{name}: {LORA_AT_STARTUP}")
             raise ValueError(f"{name}: this input is not supported yet by mmserve")
     kw: dict[str, Any] = {"include_stop_str_in_output": True}   # TensorRT-LLM keeps the stop word
     for name in ("return_context_logits", "return_generation_logits"):
@@ -217,6 +221,12 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
         raise ValueError(f"prompt_table_extra_id must be >= 1, got {extra_id}")
     if extra_id is not None and num_images:
         prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
+    task = g.scalar("lora_task_id")
+    if task is not None:
+        if str(int(task)) not in state.lora_names:
+            raise ValueError(f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
+                             f"{', '.join(state.lora_names) or 'none'}); {LORA_AT_STARTUP}")
+        prompt["lora"] = str(int(task))
     inputs = getattr(state.engine.engine, "inputs", None)
     prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
                                     wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),

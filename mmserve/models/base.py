@@ -44,6 +44,8 @@ class MultiModalCausalLM(nn.Module):
     # them written over placeholder tokens; the runner passes each step's sequences with media in
     # ``AttentionMetadata.cross`` and keeps what get_mm_embeddings returned with the request
     uses_cross_attention: bool = False
+    # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
+    weight_renames: list[tuple[str, str]] = []
 
     @classmethod
     def build_mm_items(cls, hf_config: Any, enc: Any, ids: list[int], image_keys: list[str],

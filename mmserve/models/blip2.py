@@ -182,6 +182,8 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     """One image -> `num_query_tokens` embeddings that replace the image tokens the processor put in
     front of the prompt. The Q-Former and query tokens stay in fp32 whatever the model dtype, as in
     transformers (`_keep_in_fp32_modules`)."""
+
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     encoder_cuda_graphs = True
 
     placeholder_in_prompt = False   # the HF processor inserts the image tokens itself
@@ -232,7 +234,7 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignore = ("position_ids",) + (("language_model.lm_head.",) if self.language_model.tied else ())
-        load_weights(self, _used(weights), WEIGHT_RENAMES, OPTForCausalLM.packed_modules, ignore=ignore)
+        load_weights(self, _used(weights), self.weight_renames, OPTForCausalLM.packed_modules, ignore=ignore)
 
 
 def _used(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -42,6 +42,8 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 class FuyuForCausalLM(MultiModalCausalLM):
     """Picture rows of image tokens -> linear patch embeddings; everything else is the Persimmon decoder."""
 
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+
     placeholder_in_prompt = False   # the processor lays out the picture's tokens itself
 
     def __init__(self, config) -> None:
@@ -81,5 +83,5 @@ class FuyuForCausalLM(MultiModalCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = bool(getattr(self.text_config, "tie_word_embeddings", False))
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("rotary_emb.inv_freq",) + (("lm_head.",) if tied else ()))

@@ -144,6 +144,8 @@ class Kosmos2ImageToTextProjection(nn.Module):
 class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     """One image per prompt: its latent-query embeddings fill the image span the processor puts first."""
 
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+
     placeholder_in_prompt = False   # the processor writes <image>, the span and </image> itself
 
     def __init__(self, config) -> None:
@@ -178,5 +180,5 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = bool(getattr(self.text_config, "tie_word_embeddings", False)
                     or getattr(self.config, "tie_word_embeddings", False))
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("position_ids", "embed_positions.weights") + (("lm_head.",) if tied else ()))

@@ -39,6 +39,8 @@ class LlavaProjector(nn.Module):
 
 class LlavaForConditionalGeneration(MultiModalCausalLM):
     """One image -> `length` embeddings that replace its `<image>` placeholder tokens."""
+
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     encoder_cuda_graphs = True
 
     def __init__(self, config) -> None:
@@ -79,5 +81,5 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = getattr(self.text_config, "tie_word_embeddings", False) or getattr(self.config, "tie_word_embeddings", False)
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if tied else ()))

@@ -52,6 +52,8 @@ def check_image_size(size: tuple[int, int], spec: AnyresSpec, index: int, tiled:
 class LlavaNextForConditionalGeneration(MultiModalCausalLM):
     """One image -> base tile + unpadded mosaic (rows ended by image_newline) embeddings."""
 
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
@@ -103,7 +105,7 @@ class LlavaNextForConditionalGeneration(MultiModalCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.text_config))
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("rotary_emb.inv_freq", "position_ids", "vision_tower.vision_model.head.",
                              "vision_tower.head.") + (("lm_head.",) if tied else ()))
 

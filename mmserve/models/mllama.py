@@ -210,6 +210,8 @@ class MllamaTextModel(nn.Module):
 class MllamaForConditionalGeneration(MultiModalCausalLM):
     """One `<|image|>` token per image; the image's tiles reach the text through the cross-attention layers."""
 
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+
     uses_cross_attention = True
 
     def __init__(self, config) -> None:
@@ -259,5 +261,5 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
         return [torch.stack([layer.cross_attn.project_kv(s) for layer in layers], dim=1) for s in states]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("rotary_emb.inv_freq", "position_ids"))

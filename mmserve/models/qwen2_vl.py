@@ -36,6 +36,8 @@ GRID_KEYS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
     """One image or video -> t*h*w / merge² embeddings that replace its pad tokens."""
 
+    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+
     uses_mrope = True
 
     def __init__(self, config) -> None:
@@ -127,7 +129,7 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         return list(feats.split([it.length for it in items]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, WEIGHT_RENAMES, LlamaForCausalLM.packed_modules,
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
                      ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if self.tied else ()))
 
 

@@ -29,6 +29,7 @@ class ProcessedInputs:
     mm_items: list[MultiModalItem] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None   # [3, P] for M-RoPE families (Qwen2-VL)
     mrope_delta: int = 0                          # decode position p maps to p + delta on all 3 axes
+    lora: str | None = None                       # the LoRA adapter the request names (checked by the engine)
     # (block size, chained KV block hashes of the prompt's full blocks), made by Engine.preprocess
     block_hashes: tuple[int, list[bytes]] | None = None
 
@@ -72,7 +73,7 @@ class InputProcessor:
     `mrope_positions(hf_config, enc, ids)` gives the prompt's 3-axis positions.
     """
 
-    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values"}
+    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora"}
     RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
     RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
 
@@ -125,6 +126,9 @@ class InputProcessor:
         unknown = set(prompt) - self.KEYS
         if unknown:
             raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
+        lora = prompt.get("lora")
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise ValueError(f"lora: must be an adapter name (a non-empty string), got {lora!r}")
         images, videos = _as_list(prompt.get("images")), _as_list(prompt.get("videos"))
         pixel_values = prompt.get("pixel_values")
         if pixel_values is not None:
@@ -138,7 +142,7 @@ class InputProcessor:
                 raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
             if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
-            return self._with_mrope(ProcessedInputs(text, list(token_ids)), None)
+            return self._with_mrope(ProcessedInputs(text, list(token_ids), lora=lora), None)
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
@@ -149,7 +153,7 @@ class InputProcessor:
                 ids = self.processor(text=text, return_tensors="pt")["input_ids"][0].tolist()
             if not ids:
                 raise ValueError("prompt is empty")
-            return self._with_mrope(ProcessedInputs(text, ids), None)
+            return self._with_mrope(ProcessedInputs(text, ids, lora=lora), None)
         ids_given = prompt.get("image_ids")
         if ids_given is not None and len(ids_given) != len(images):
             raise ValueError(f"image_ids has {len(ids_given)} entries for {len(images)} images")
@@ -168,7 +172,7 @@ class InputProcessor:
             kwargs["videos"] = frames
             video_keys = [hash_video(f) for f in frames]
         # the same text with the same pictures (by content) gives the same inputs: skip the HF processor
-        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None)
+        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None, lora)
         with self._recent_lock:   # servers preprocess on several threads
             cached = self._recent.get(cache_key)
             if cached is not None:
@@ -188,7 +192,7 @@ class InputProcessor:
             enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
-        out = self._with_mrope(ProcessedInputs(text, ids, items), enc)
+        out = self._with_mrope(ProcessedInputs(text, ids, items, lora=lora), enc)
         with self._recent_lock:
             self._recent[cache_key] = out   # shared read-only by the requests that hit it
             while len(self._recent) > self.RECENT_INPUTS:

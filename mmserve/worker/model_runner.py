@@ -20,6 +20,7 @@ from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
+from mmserve.lora import LoRAManager
 from mmserve.worker.batch_inputs import cat_positions, num_leading_decodes, slot_ids
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
@@ -58,6 +59,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.prompt_ends: torch.Tensor | None = None   # [slots, H] final hidden states of prompts (PromptEndCache)
+        self.lora: LoRAManager | None = None   # the engine's adapters; steps with LoRA rows run eagerly
 
     def _select_backend(self, name: str) -> str:
         if name == "auto":
@@ -250,7 +252,9 @@ class ModelRunner:
         decode_only = len(input_ids) == len(computed) and not any(
             s.request.mm_items_in(s.start, s.end) for s in computed)
         positions = cat_positions(positions, self.uses_mrope)
-        if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
+        lora = self._lora_groups(computed, qsl)
+        graphs_ok = not lora
+        if graphs_ok and self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
                                              fill)
             self._store_prompt_ends(computed, hidden, qsl)   # one row per request here
@@ -271,9 +275,9 @@ class ModelRunner:
         embeds = self.model.embed_input_ids(ids)
         if not self.uses_cross_attention:
             self._merge_mm_embeddings(computed, qsl, embeds)
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), len(input_ids)):
+        if graphs_ok and self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), len(input_ids)):
             hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, [s.block_ids for s in computed])
-        elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
+        elif graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
             # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
             meta = self._metadata(computed, slots, qsl, seq_lens,
                                   self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
@@ -282,7 +286,8 @@ class ModelRunner:
             meta = self._metadata(computed, slots, qsl, seq_lens)
             if self.uses_cross_attention:
                 meta.cross = self._cross_batch(computed, qsl)
-            hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
+            with self.lora.step(lora) if lora else contextlib.nullcontext():
+                hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         self._store_prompt_ends(computed, hidden, qsl)
         rows = [hidden[to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)]] if sampling else []
         rows += [loaded] if loaded is not None else []
@@ -355,6 +360,14 @@ class ModelRunner:
         encoded = self._encode([item for _, item, _, _ in spans])
         for dst, item, src, n in spans:
             embeds[dst:dst + n] = encoded[item.content_hash][src:src + n].to(embeds.dtype)
+
+    def _lora_groups(self, computed: list, qsl: list[int]) -> list:
+        """(adapter, its rows of the flat batch) for each LoRA adapter the step's sequences use."""
+        rows: dict[str, list[int]] = {}
+        for i, s in enumerate(computed):
+            if s.request.lora is not None:
+                rows.setdefault(s.request.lora, []).extend(range(qsl[i], qsl[i + 1]))
+        return [(self.lora.get(name), to_device(r, torch.int64, self.device)) for name, r in rows.items()]
 
     def _cross_batch(self, computed: list, qsl: list[int]) -> CrossAttentionBatch:
         """The step's sequences with media and what their cross-attention layers attend: the encoder's output
