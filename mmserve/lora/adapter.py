@@ -115,4 +115,7 @@ def _resolve(model: nn.Module, hf_module: str, adapter: str) -> tuple[str, objec
     if not module_name.startswith("language_model.") or module_name.startswith("language_model.lm_head"):
         raise ValueError(f"LoRA adapter {adapter!r}: {hf_module} is outside the language model's decoder layers; "
                          "only those take LoRA here")
+    if hasattr(model, "lora_target_ok") and not model.lora_target_ok(module_name):
+        raise ValueError(f"LoRA adapter {adapter!r}: {hf_module} is in a cross-attention layer; LoRA there is not "
+                         "supported")
     return module_name, shard

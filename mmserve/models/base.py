@@ -54,6 +54,11 @@ class MultiModalCausalLM(nn.Module):
         length), its encoder inputs taken from the HF processor output ``enc``, and its cache key."""
         raise NotImplementedError
 
+    def lora_target_ok(self, module_name: str) -> bool:
+        """Whether a LoRA delta can apply to this linear of the language model row by row of the step's flat batch
+        (Mllama's cross-attention layers run on a subset of rows and on the image states: not there)."""
+        return True
+
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode ``items``; one [item.length, text_hidden] tensor per item, in order."""
         raise NotImplementedError

@@ -248,6 +248,10 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
             items.append(MultiModalItem("image", data, off, 1, image_keys[k], kv_from=0))
         return items
 
+    def lora_target_ok(self, module_name: str) -> bool:
+        layer = module_name.split(".layers.", 1)[1].split(".", 1)[0] if ".layers." in module_name else None
+        return layer is None or int(layer) not in self.text_config.cross_attention_layers
+
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per image: the keys/values of every cross layer over its tiles, [tiles * patches, cross layers, 2,
         kv heads, head_dim] (padding tiles included: rows attending no image see them)."""

@@ -128,3 +128,37 @@ def test_image_keys_and_values_live_as_long_as_the_request(mllama_dir):
     engine.runner.encoder_cache.clear()   # the cache's own reference
     gc.collect()
     assert ref() is None
+
+
+def test_lora_on_self_attention_layers_matches_and_cross_layers_are_refused(mllama_dir, tmp_path):
+    """An adapter on the text model's self-attention layers applies (vs transformers with it merged); one that also
+    targets a cross-attention layer (whose rows are a subset of the step's and whose k/v run on the image) is refused."""
+    import torch
+    import transformers
+
+    from mmserve.testing.lora import make_lora_adapter, merge_lora_into
+    from tests.parity.hf_oracle import assert_matches_oracle
+
+    cross = set(transformers.AutoConfig.from_pretrained(mllama_dir).text_config.cross_attention_layers)
+    adapter = make_lora_adapter(tmp_path / "all", mllama_dir, seed=3)
+    llm = _llm(mllama_dir)
+    with pytest.raises(ValueError, match="cross-attention layer"):
+        llm.engine.add_lora("all", str(adapter))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    keep = {k: v for k, v in tensors.items() if int(k.split(".layers.")[1].split(".")[0]) not in cross}
+    assert keep and len(keep) < len(tensors)
+    save_file(keep, str(adapter / "adapter_model.safetensors"))
+    llm.engine.add_lora("self", str(adapter))
+    prompt = _prompt("<|image|> describe it", make_test_image(9))
+    out = llm.generate([{**prompt, "lora": "self"}], GREEDY)[0]
+    model = transformers.MllamaForConditionalGeneration.from_pretrained(mllama_dir, dtype=torch.float32).eval()
+    merge_lora_into(model, adapter)
+    processor = transformers.AutoProcessor.from_pretrained(mllama_dir)
+    enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    n = enc["input_ids"].shape[1]
+    assert_matches_oracle(out, (enc["input_ids"][0].tolist(), ref.sequences[0, n:].tolist(),
+                                torch.log_softmax(torch.stack(ref.scores)[:, 0].float(), dim=-1)))
