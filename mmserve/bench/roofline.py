@@ -21,7 +21,9 @@ class LMShape:
     Persimmon (Fuyu's text model) is OPT-like (biases everywhere, LayerNorms, a two-matrix relu2 MLP) plus
     LayerNorms of q and k over `head_dim` (`qk_layernorm`). Kosmos-2's text model is OPT-like too (a two-matrix gelu
     MLP, a tied lm_head) plus two sub-LayerNorms per layer: over the attention output before o and over the MLP's
-    inner width before fc2 (`sub_layer_norm`).
+    inner width before fc2 (`sub_layer_norm`). MBart (Nougat's decoder, in a vision-encoder-decoder) is OPT-like too (a
+    two-matrix gelu MLP, an untied lm_head) plus a LayerNorm over the embeddings (`embed_norm`) and a cross-attention in
+    every layer (`cross_attention`).
     """
 
     hidden: int
@@ -47,6 +49,11 @@ class LMShape:
     cross_layers: int = 0
     qk_norm: bool = False          # a q and a k norm over head_dim per self-attention layer (Persimmon)
     sub_layer_norm: bool = False   # LayerNorms over the attention output and the MLP's inner width (Kosmos-2)
+    # every layer also attends to the encoder's output (MBart): its LayerNorm, q and o over `heads` (with the self-
+    # attention's biases); its k/v projections of the encoder output run once per image, not per step, and are not
+    # counted (nor the cross keys/values it reads per step, as for Mllama's cross layers)
+    cross_attention: bool = False
+    embed_norm: bool = False       # a LayerNorm over the (scaled) embeddings before the first layer (MBart)
 
     @property
     def weight_bytes(self) -> int:
@@ -58,8 +65,12 @@ class LMShape:
         per_layer += ((self.mlp_matrices - 1) * i + h) if self.mlp_bias else 0  # gate/up or fc1, down/fc2
         per_layer += 2 * self.head_dim * (2 if self.layer_norm else 1) if self.qk_norm else 0
         per_layer += 2 * (q + i) if self.sub_layer_norm else 0
+        if self.cross_attention:
+            matrices += 2 * h * q   # cross q, o
+            per_layer += norm + (q if self.qkv_bias else 0) + (h if self.o_bias else 0)
         e = self.embed_dim or h
         head = self.vocab * e + (2 * h * e if e != h else 0) + (norm if self.final_norm else 0)  # lm_head, proj
+        head += norm if self.embed_norm else 0
         selfs, cross = self.layers - self.cross_layers, self.cross_layers
         cross_matrices = 2 * h * q + self.mlp_matrices * h * i
         cross_per_layer = 2 * norm + 2 * self.head_dim + 2
@@ -73,7 +84,10 @@ class LMShape:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config.json: `text_config` (llava*, qwen2_vl, blip2's OPT), else itself."""
+    """The language model's part of a config.json: `text_config` (llava*, qwen2_vl, blip2's OPT), the `decoder` of a
+    vision-encoder-decoder (Nougat's MBart), else itself."""
+    if cfg.get("model_type") == "vision-encoder-decoder":
+        return cfg["decoder"]
     return cfg.get("text_config") or cfg
 
 
@@ -90,6 +104,9 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     if text.get("model_type") == "kosmos_2_text_model":   # its config.json spells the sizes its own way
         text = {**text, "hidden_size": text["embed_dim"], "num_hidden_layers": text["layers"],
                 "num_attention_heads": text["attention_heads"], "intermediate_size": text["ffn_dim"]}
+    if text.get("model_type") == "mbart":   # the decoder_* sizes (num_hidden_layers etc. alias the encoder's)
+        text = {**text, "hidden_size": text["d_model"], "num_hidden_layers": text["decoder_layers"],
+                "num_attention_heads": text["decoder_attention_heads"], "intermediate_size": text["decoder_ffn_dim"]}
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
@@ -109,6 +126,10 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     if text.get("model_type") == "kosmos_2_text_model":
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True, sub_layer_norm=True)
+    if text.get("model_type") == "mbart":
+        return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
+                       qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True, embed_norm=True,
+                       cross_attention=bool(text.get("add_cross_attention", False)))
     if text.get("model_type") in ("persimmon", "fuyu"):   # "fuyu": adept/fuyu-8b's flat config.json
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,

@@ -27,6 +27,7 @@ FORMATS: dict[str, PromptFormat] = {
     "blip2": PromptFormat(image_token=None),
     "fuyu": PromptFormat(image_token=None),   # its processor lays the picture's patch rows out before the text
     "kosmos-2": PromptFormat(image_token=None),   # its processor puts <image> and the image span first
+    "vision-encoder-decoder": PromptFormat(image_token=None),   # Nougat: the text (often empty) starts the answer
     "llava": PromptFormat("<image>", "USER:\n", " ASSISTANT:"),
     "vila": PromptFormat("<image>", _VILA_SYSTEM, " ASSISTANT:", image_sep="\n"),
     "llava_onevision": PromptFormat("<image>", "<|im_start|>user ", "<|im_end|><|im_start|>assistant\n",
@@ -41,6 +42,7 @@ FORMATS: dict[str, PromptFormat] = {
 }
 FORMATS["blip-2"] = FORMATS["blip2"]
 FORMATS["llava_llama"] = FORMATS["vila"]      # VILA checkpoints' HF model_type
+FORMATS["nougat"] = FORMATS["vision-encoder-decoder"]
 
 
 def format_for(model_type: str, image_token: str | None = "<image>", video_token: str | None = None

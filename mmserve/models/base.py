@@ -44,6 +44,9 @@ class MultiModalCausalLM(nn.Module):
     # them written over placeholder tokens; the runner passes each step's sequences with media in
     # ``AttentionMetadata.cross`` and keeps what get_mm_embeddings returned with the request
     uses_cross_attention: bool = False
+    # True: an encoder-decoder (Nougat); the prompt is the decoder's (`decoder_prompt_ids(hf_config, tokenizer,
+    # text)`), the HF processor sees only the picture, and the decoder attends the encoder through cross-attention
+    encoder_decoder: bool = False
     # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
     weight_renames: list[tuple[str, str]] = []
 

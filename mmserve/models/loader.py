@@ -24,6 +24,9 @@ def load_hf_config(model_dir: str):
 
 
 def text_config_of(hf_config):
+    """The language model's config: `text_config`, an encoder-decoder's `decoder`, else the config itself."""
+    if getattr(hf_config, "is_encoder_decoder", False) and getattr(hf_config, "decoder", None) is not None:
+        return hf_config.decoder
     return getattr(hf_config, "text_config", None) or hf_config
 
 

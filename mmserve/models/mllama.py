@@ -18,11 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch
 from mmserve.engine.request import MultiModalItem
+from mmserve.layers.cross_attention import attend_per_sequence
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -136,17 +136,8 @@ class MllamaCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, cross: _StepCross) -> torch.Tensor:
         n = len(x)
         q = self.q_norm(self.q_proj(x).reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
-        out = torch.empty_like(q)
-        row = 0
-        for s in cross.seqs:
-            m = s.rows.stop - s.rows.start
-            kv = s.kv[:, self.slot]
-            o = F.scaled_dot_product_attention(
-                q[row:row + m].transpose(0, 1)[None], kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None],
-                attn_mask=s.mask[None, None], scale=self.head_dim ** -0.5, enable_gqa=True)
-            out[row:row + m] = o[0].transpose(0, 1)
-            row += m
-        return self.o_proj(out.view(n, -1))
+        seqs = [(s.rows.stop - s.rows.start, s.kv[:, self.slot, 0], s.kv[:, self.slot, 1], s.mask) for s in cross.seqs]
+        return self.o_proj(attend_per_sequence(q, seqs, self.head_dim ** -0.5).view(n, -1))
 
 
 class MllamaCrossAttentionDecoderLayer(nn.Module):

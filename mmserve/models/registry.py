@@ -14,6 +14,7 @@ _MODELS = {
     "MllamaForConditionalGeneration": ("mmserve.models.mllama", "MllamaForConditionalGeneration"),
     "FuyuForCausalLM": ("mmserve.models.fuyu", "FuyuForCausalLM"),
     "Kosmos2ForConditionalGeneration": ("mmserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
+    "VisionEncoderDecoderModel": ("mmserve.models.nougat", "NougatForConditionalGeneration"),
 }
 
 

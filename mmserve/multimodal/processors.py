@@ -147,6 +147,8 @@ class InputProcessor:
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
         if not images and not videos:
+            if getattr(self.model_cls, "encoder_decoder", False):
+                raise ValueError("images: this model reads one picture per prompt, none was given")
             if self.placeholder_in_prompt:
                 ids = self.tokenizer(text).input_ids
             else:   # the processor lays out these families' prompts, text-only ones too (Kosmos-2: no </s> at the end)
@@ -183,8 +185,12 @@ class InputProcessor:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
-        enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
-                           images_key=(str(self.device), tuple(content_keys)))
+        if getattr(self.model_cls, "encoder_decoder", False):   # the processor sees the picture, not the text
+            enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
+            enc["input_ids"] = torch.tensor([self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)])
+        else:
+            enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
+                               images_key=(str(self.device), tuple(content_keys)))
         if pixel_values is not None:
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
                 raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "

@@ -39,6 +39,7 @@ FAMILIES: dict[str, str] = {
     "mllama": "mmserve.testing.mllama:make_mllama_checkpoint",
     "fuyu": "mmserve.testing.fuyu:make_fuyu_checkpoint",
     "kosmos2": "mmserve.testing.kosmos2:make_kosmos2_checkpoint",
+    "nougat": "mmserve.testing.nougat:make_nougat_checkpoint",
 }
 
 DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes

@@ -30,7 +30,7 @@ DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 LAYOUTS = ("hub", "transformers")
-ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
 
 # (name, shape, kind, std): kind is "normal" (N(0, std)), "ones" or "zeros"
 ParamSpec = tuple[str, tuple[int, ...], str, float]
@@ -63,19 +63,20 @@ def make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: 
     return (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * std).to(dtype).cpu()
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                      make: Callable[[int], torch.Tensor],
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], torch.dtype]],
+                      dtype: torch.dtype, make: Callable[[int], torch.Tensor],
                       on_written: Callable[[int], object] | None = None) -> None:
     """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time.
 
-    ``on_written(nbytes)`` is called after each tensor's data is written (progress reporting).
+    An entry is (key, shape) in ``dtype``, or (key, shape, its own dtype) (e.g. an int64 index buffer among float
+    weights). ``on_written(nbytes)`` is called after each tensor's data is written (progress reporting).
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for key, shape in entries:
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        header[key] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    for key, shape, *own in entries:
+        dt = own[0] if own else dtype
+        nbytes = torch.empty((), dtype=dt).element_size() * int(torch.Size(shape).numel())
+        header[key] = {"dtype": ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -124,12 +125,14 @@ def write_sharded_weights(
     max_shard_bytes: int,
     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
     progress: bool = True,
+    dtype_fn: Callable[[tuple[Any, ...]], torch.dtype] | None = None,
 ) -> None:
     """Write ``specs`` as ``model.safetensors`` or as numbered shards plus ``model.safetensors.index.json``.
 
     A spec is ``(name, shape, ...)``; ``key_fn(name)`` is its on-disk key, and tensors are written
     sorted by :func:`natural_key` of that key. ``make_fn(spec)`` builds a tensor; the default is
-    :func:`make_tensor` of a ``(name, shape, kind, std)`` spec with ``seed`` and ``dtype``.
+    :func:`make_tensor` of a ``(name, shape, kind, std)`` spec with ``seed`` and ``dtype``. ``dtype_fn(spec)``,
+    when given, is a spec's own dtype (default ``dtype``).
     ``progress``: a bar over the bytes written on stderr, shown only when stderr is a terminal; the files
     written are the same either way.
     """
@@ -138,20 +141,20 @@ def write_sharded_weights(
         def make_fn(sp: tuple[Any, ...]) -> torch.Tensor:
             return make_tensor(*sp, seed, dtype)
     specs = sorted(specs, key=lambda sp: natural_key(key_fn(sp[0])))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = [itemsize * math.prod(sp[1]) for sp in specs]
+    dtypes = [dtype_fn(sp) if dtype_fn is not None else dtype for sp in specs]
+    nbytes = [torch.empty((), dtype=dt).element_size() * math.prod(sp[1]) for sp, dt in zip(specs, dtypes)]
     shards = plan_shards(nbytes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     bar = progress_bar(sum(nbytes), progress, f"writing {Path(out_dir).name or out_dir}")
     try:
         for k, idx in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            entries = [(key_fn(specs[i][0]), specs[i][1]) for i in idx]
+            entries = [(key_fn(specs[i][0]), specs[i][1], dtypes[i]) for i in idx]
             if bar is not None:
                 bar.set_postfix_str(fname, refresh=False)
             write_safetensors(out_dir / fname, entries, dtype, lambda j, idx=idx: make_fn(specs[idx[j]]),
                               None if bar is None else bar.update)
-            weight_map.update({key: fname for key, _ in entries})
+            weight_map.update({key: fname for key, _, _ in entries})
     finally:
         if bar is not None:
             bar.close()

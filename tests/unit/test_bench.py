@@ -188,12 +188,15 @@ def _all_presets() -> list[tuple[str, str]]:
 
 
 def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
-    """Bytes of the language model's parameters but its embedding tables (a tied lm_head counts once more) and
-    Mllama's cross-attention k/v projections (run once per image, not per decode step)."""
+    """Bytes of the language model's parameters (a vision-encoder-decoder's: its decoder's) but its embedding tables
+    (a tied lm_head counts once more) and the cross-attention k/v projections of Mllama and MBart (run once per
+    image, not per decode step)."""
+    lm_prefixes = ("lm_head", "text_model.", "decoder.")
     return dtype_bytes * sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
-                             if (not vlm or "language_model" in n or n.startswith(("lm_head", "text_model.")))
+                             if (not vlm or "language_model" in n or n.startswith(lm_prefixes))
                              and "embed_tokens" not in n and "embed_positions" not in n
-                             and "cross_attn.k_proj" not in n and "cross_attn.v_proj" not in n)
+                             and "cross_attn.k_proj" not in n and "cross_attn.v_proj" not in n
+                             and "encoder_attn.k_proj" not in n and "encoder_attn.v_proj" not in n)
 
 
 @pytest.mark.parametrize(("family", "preset"), _all_presets())

@@ -1,0 +1,104 @@
+"""MBart decoder (HF `MBartForCausalLM` with cross-attention: Nougat's text decoder) over the paged cache.
+
+Pre-LN blocks of self-attention, cross-attention over the sequence's encoder keys/values (kept with the request,
+`AttentionMetadata.cross`) and a two-matrix MLP; scaled token embeddings plus learned positions (offset 2), a
+LayerNorm on the embeddings and one after the last block. The LM head around it is
+`llama.LlamaForCausalLM(config, backbone=MBartDecoder(config))`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mmserve.attention.metadata import AttentionMetadata
+from mmserve.layers.activation import get_act_fn
+from mmserve.layers.attention import Attention
+from mmserve.layers.cross_attention import attend_per_sequence
+from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+POSITION_OFFSET = 2   # MBart's learned positions start at row 2
+
+
+class MBartSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d, heads = config.d_model, config.decoder_attention_heads
+        self.head_dim = d // heads
+        self.qkv_proj = QKVParallelLinear(d, self.head_dim, heads, heads, bias=True)
+        self.out_proj = RowParallelLinear(d, d, bias=True)
+        self.attn = Attention(heads, self.head_dim, heads, self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        return self.out_proj(self.attn(q, k, v, meta))
+
+
+class MBartCrossAttention(nn.Module):
+    """Queries from the text, keys/values from the encoder states (projected once per image by `project_kv`)."""
+
+    def __init__(self, config, slot: int) -> None:
+        super().__init__()
+        d, self.num_heads = config.d_model, config.decoder_attention_heads
+        self.head_dim, self.slot = d // self.num_heads, slot
+        self.q_proj = ColumnParallelLinear(d, d, bias=True)
+        self.k_proj = ColumnParallelLinear(d, d, bias=True)
+        self.v_proj = ColumnParallelLinear(d, d, bias=True)
+        self.out_proj = RowParallelLinear(d, d, bias=True)
+
+    def project_kv(self, states: torch.Tensor) -> torch.Tensor:
+        """[T, d_model] encoder states -> [T, 2, heads, head_dim]."""
+        t = len(states)
+        return torch.stack([self.k_proj(states).view(t, self.num_heads, self.head_dim),
+                            self.v_proj(states).view(t, self.num_heads, self.head_dim)], dim=1)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = len(x)
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        seqs = []
+        for s in meta.cross.seqs:
+            kv = s.states[0][:, self.slot]
+            seqs.append((s.rows.stop - s.rows.start, kv[:, 0], kv[:, 1], None))
+        return self.out_proj(attend_per_sequence(q, seqs, self.head_dim ** -0.5).view(n, -1))
+
+
+class MBartDecoderLayer(nn.Module):
+    def __init__(self, config, slot: int) -> None:
+        super().__init__()
+        d = config.d_model
+        self.self_attn = MBartSelfAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = MBartCrossAttention(config, slot)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = ColumnParallelLinear(d, config.decoder_ffn_dim, bias=True)
+        self.fc2 = RowParallelLinear(config.decoder_ffn_dim, d, bias=True)
+        self.act = get_act_fn(config.activation_function)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), meta)
+        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), meta)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class MBartDecoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model)
+        self.layernorm_embedding = nn.LayerNorm(config.d_model)
+        self.layers = nn.ModuleList(MBartDecoderLayer(config, i) for i in range(config.decoder_layers))
+        self.layer_norm = nn.LayerNorm(config.d_model)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(inputs_embeds):
+            raise ValueError("every sequence of an encoder-decoder model needs its encoder states")
+        x = inputs_embeds * self.embed_scale + self.embed_positions(positions + POSITION_OFFSET)
+        x = self.layernorm_embedding(x)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return self.layer_norm(x)

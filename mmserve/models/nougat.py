@@ -1,0 +1,84 @@
+"""Nougat (HF `VisionEncoderDecoderModel` with a Donut Swin encoder and an MBart decoder): the picture of a page is
+encoded once; the decoder writes its markdown from the decoder start token, attending the encoder states through
+every layer's cross-attention.
+
+The encoder-decoder shape maps onto the engine's cross-attention path (as Mllama's): the request's prompt is the
+decoder's (the start token, then any text the client gives as the answer's beginning); its one item is the
+picture at the start token (`kv_from` 0: every block depends on it), and what the encoder yields per picture is
+the keys and values of every decoder layer's cross-attention over its states.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mmserve.engine.request import MultiModalItem
+from mmserve.layers.linear import ReplicatedLinear
+from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.donut_swin import DonutSwinTower
+from mmserve.models.llama import LlamaForCausalLM
+from mmserve.models.mbart import MBartDecoder
+from mmserve.models.weights import load_weights
+
+WEIGHT_RENAMES = [
+    ("decoder.model.decoder.", "language_model.model."),
+    ("decoder.lm_head.", "language_model.lm_head."),
+]
+
+
+class NougatForConditionalGeneration(MultiModalCausalLM):
+    """Donut Swin encoder + MBart decoder with cross-attention (the pairing Nougat checkpoints use)."""
+
+    weight_renames = WEIGHT_RENAMES
+    uses_cross_attention = True
+    placeholder_in_prompt = False
+    encoder_decoder = True
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        enc, dec = config.encoder, config.decoder
+        if enc.model_type != "donut-swin" or dec.model_type != "mbart":
+            raise ValueError(f"VisionEncoderDecoderModel with a {enc.model_type!r} encoder and a {dec.model_type!r} "
+                             "decoder is not supported (Nougat's donut-swin + mbart is)")
+        self.config = config
+        self.text_config = dec
+        self.encoder = DonutSwinTower(enc)
+        enc_hidden = enc.hidden_size
+        self.enc_to_dec_proj = None
+        if enc_hidden != dec.d_model and getattr(dec, "cross_attention_hidden_size", None) is None:
+            self.enc_to_dec_proj = ReplicatedLinear(enc_hidden, dec.d_model, bias=True)
+        self.language_model = LlamaForCausalLM(dec, backbone=MBartDecoder(dec))
+
+    @classmethod
+    def decoder_prompt_ids(cls, hf_config, tokenizer: Any, text: str) -> list[int]:
+        """The decoder's prompt: its start token, then the client's text (tokenized without special tokens)."""
+        start = hf_config.decoder_start_token_id
+        if start is None:
+            start = hf_config.decoder.decoder_start_token_id or hf_config.decoder.bos_token_id
+        return [start] + (tokenizer(text, add_special_tokens=False).input_ids if text else [])
+
+    @classmethod
+    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
+                       video_keys: list[str]) -> list[MultiModalItem]:
+        if video_keys or len(image_keys) != 1:
+            raise ValueError(f"this model reads exactly one image per prompt, got {len(image_keys)} image(s) and "
+                             f"{len(video_keys)} video(s)")
+        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, 0, 1, image_keys[0], kv_from=0)]
+
+    def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Per picture: every decoder layer's cross-attention keys/values, [tokens, layers, 2, heads, head_dim]."""
+        states = self.encoder(torch.stack([it.data["pixel_values"] for it in items]))
+        if self.enc_to_dec_proj is not None:
+            states = self.enc_to_dec_proj(states)
+        layers = self.language_model.model.layers
+        return [torch.stack([layer.encoder_attn.project_kv(s) for layer in layers], dim=1) for s in states]
+
+    def lora_target_ok(self, module_name: str) -> bool:
+        return ".encoder_attn." not in module_name   # its k/v run on the encoder states, once per picture
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = bool(getattr(self.text_config, "tie_word_embeddings", False))
+        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
+                     ignore=(".relative_position_index",) + (("decoder.lm_head.",) if tied else ()))
