@@ -72,6 +72,18 @@ class HFBaseline:
         self._torch = torch
 
     def _encode(self, prompts: list[str], images: list[Any]) -> Any:
+        if getattr(self.model.config, "is_encoder_decoder", False):
+            # an encoder-decoder (Nougat): the processor reads the pictures; the text starts the decoder's answer
+            enc = dict(self.processor(images=images, return_tensors="pt"))
+            start = self.model.config.decoder_start_token_id
+            ids = [[start] + self.processor.tokenizer(p, add_special_tokens=False).input_ids if p else [start]
+                   for p in prompts]
+            if len({len(i) for i in ids}) != 1:
+                raise ValueError("an encoder-decoder bench batch needs prompts of one length")
+            enc["decoder_input_ids"] = self._torch.tensor(ids)
+            return {k: v.to(self.device) for k, v in enc.items()}
+        if self.model.config.model_type == "mllama":   # its processor wants each prompt's pictures as a list
+            images = [[image] for image in images]
         enc = self.processor(text=prompts, images=images, padding=True, return_tensors="pt")
         return enc.to(self.device)
 
@@ -87,10 +99,10 @@ class HFBaseline:
         enc = self._encode(prompts, images)
         with self._torch.inference_mode():
             out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
-                                      pad_token_id=self.pad_id, streamer=clock)
+                                      pad_token_id=self.pad_id, streamer=clock, forced_eos_token_id=None)
         sync(self.device)
         total = now() - t0
-        prompt_len = int(enc["input_ids"].shape[1])
+        prompt_len = int(enc["decoder_input_ids" if "decoder_input_ids" in enc else "input_ids"].shape[1])
         got = int(out.shape[1]) - prompt_len
         if got != new_tokens:
             raise RuntimeError(f"transformers generated {got} tokens, expected {new_tokens}")

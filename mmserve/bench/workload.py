@@ -163,9 +163,10 @@ def make_filler(tokenizer: Any | None, n_tokens: int) -> str:
 class PromptTemplate:
     """How a checkpoint turns user text + one image into its prompt, from its own processor.
 
-    With a chat template (every family but BLIP-2): `apply_chat_template` of one user turn holding an image
-    part and a text part, plus the generation prompt. Without one: `Question: <text> Answer:`, with the
-    processor's image placeholder in front unless the processor inserts the image tokens itself (BLIP-2).
+    With a chat template: `apply_chat_template` of one user turn holding an image part and a text part, plus the
+    generation prompt. Without one: `Question: <text> Answer:`, with the processor's image placeholder in front
+    unless the processor inserts the image tokens itself (BLIP-2); an encoder-decoder's (Nougat) is the text alone,
+    the beginning of its decoder's answer.
     """
 
     def __init__(self, model_dir: str) -> None:
@@ -176,16 +177,22 @@ class PromptTemplate:
         self.image_token: str = getattr(self.processor, "image_token", None) or "<image>"
         self.chat_template = getattr(self.processor, "chat_template", None)
         self.placeholder_in_prompt = True
+        self.decoder_prompt = None   # an encoder-decoder's prompt ids of a text: its decoder's (Nougat)
         if not self.chat_template:
             from transformers import AutoConfig
 
             from mmserve.models.registry import get_model_class
 
-            model_cls = get_model_class(AutoConfig.from_pretrained(model_dir))
+            config = AutoConfig.from_pretrained(model_dir)
+            model_cls = get_model_class(config)
             self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
+            if getattr(model_cls, "encoder_decoder", False):
+                self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(config, self.tokenizer, text)
 
     def wrap(self, text: str) -> str:
-        """The full prompt of one image + the user `text`."""
+        """The full prompt of one image + the user `text` (an encoder-decoder's: the text that starts its answer)."""
+        if self.decoder_prompt:
+            return text
         if self.chat_template:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
             return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -194,6 +201,8 @@ class PromptTemplate:
 
     def text_tokens(self, prompt: str) -> int:
         """Tokens of `prompt` as the processor tokenizes it (special tokens added), minus its image placeholders."""
+        if self.decoder_prompt:
+            return len(self.decoder_prompt(prompt))
         placeholders = prompt.count(self.image_token) if self.placeholder_in_prompt else 0
         return len(self.tokenizer(prompt).input_ids) - placeholders
 
