@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_bls", action="store_true", help="send to tensorrt_llm_bls instead of ensemble")
     p.add_argument("--prompt_table_extra_id", type=int, default=None,
                    help="image identity for KV reuse, uint64 in [1, 2^64-1]")
+    p.add_argument("--lora-task-id", type=int, default=None,
+                   help="lora_task_id UINT64: a LoRA adapter the server loaded as --lora-modules ID=PATH (with --use_bls)")
     p.add_argument("--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding")
     p.add_argument("--hf_model_dir", default=None, help="HF processor directory (blip2/llava/vila: "
                    "preprocess to FP16 image_input; without it, raw image_bytes_input is sent)")
@@ -218,6 +220,10 @@ def build_request(args: argparse.Namespace) -> Request:
         if not 1 <= args.prompt_table_extra_id < 2**64:
             raise ClientError("--prompt_table_extra_id must be in [1, 2^64-1]")
         tensors.append(("prompt_table_extra_id", scalar(args.prompt_table_extra_id, np.uint64)))
+    if args.lora_task_id is not None:
+        if not 0 <= args.lora_task_id < 2**64:
+            raise ClientError("--lora-task-id must be in [0, 2^64-1]")
+        tensors.append(("lora_task_id", scalar(args.lora_task_id, np.uint64)))
     model = args.model_name or ("tensorrt_llm_bls" if args.use_bls else "ensemble")
     return Request(model, tensors, images, video is not None)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -16,7 +18,7 @@ import torch
 import transformers
 
 from mmserve import LLM, SamplingParams
-from mmserve.testing import make_test_image
+from mmserve.testing import image_to_data_uri, make_test_image
 from mmserve.testing.lora import make_lora_adapter, merge_lora_into
 from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
 from tests.server.conftest import start_server
@@ -137,8 +139,25 @@ def test_openai_model_and_triton_lora_task_id_name_an_adapter(tiny_llava_dir, ad
                             {"name": "lora_config", "datatype": "INT32", "shape": [1, 1, 3], "data": [0, 0, 4]}]}
         weights = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/infer", json=infer, timeout=60)
         assert weights.status_code == 400 and "lora_config: LoRA adapters load when the server starts" in weights.text
+        # the seeds' client flow: --lora-task-id on tensorrt_llm_bls (gRPC), against the same request over HTTP
+        image_path = tmp_path / "page.png"
+        make_test_image(5).save(image_path)
+        printed = {task: _client_text(server, str(image_path), text, task) for task in (None, "7")}
+        http = httpx.post(bls, json={"text_input": text, "max_tokens": 8, "top_k": 1, "lora_task_id": 7,
+                                     "image_url_input": image_to_data_uri(make_test_image(5))}, timeout=60)
     llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters)
     for name in ("alpha", "beta"):
         want = llm.generate([{"prompt": text, "lora": name}], SamplingParams(max_tokens=8, temperature=0))[0]
         assert got[name] == want.outputs[0].text
     assert got["alpha"] != got["beta"] and task7 == got["alpha"]
+    assert printed["7"] == http.json()["text_output"] != printed[None]
+
+
+def _client_text(server, image: str, text: str, task: str | None) -> str:
+    """The text `mmserve client --use_bls` prints for one request (its `[beam 0 ]:` line)."""
+    extra = ["--lora-task-id", task] if task is not None else []
+    proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
+                           "--model_type", "llava", "--use_bls", "--image", image, "--text", text,
+                           "--request-output-len", "8", *extra], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("[beam 0 ]:\n", 1)[1].rsplit("\n[INFO]", 1)[0]
