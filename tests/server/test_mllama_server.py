@@ -31,13 +31,13 @@ def mllama_server(mllama_dir, tmp_path_factory):
         yield handle
 
 
-def _hf_completion(model_dir: str, prompt: str, image: Image.Image, n: int, eos: int | list[int] | None = None,
+def _hf_completion(model_dir: str, prompt: str, image: Image.Image | list, n: int, eos: int | list[int] | None = None,
                    chat: list | None = None) -> str:
     processor = AutoProcessor.from_pretrained(model_dir)
     model = MllamaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     if chat is not None:
         prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    enc = processor(text=prompt, images=[image], return_tensors="pt")
+    enc = processor(text=prompt, images=image if isinstance(image, list) else [image], return_tensors="pt")
     kw = {} if eos is None else {"eos_token_id": eos}
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False, **kw)
@@ -81,3 +81,11 @@ def test_openai_chat_with_a_picture(mllama_server, mllama_dir):
                          "image_url_input": image_to_data_uri(image), "exclude_input_in_output": True}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["text_output"] == _hf_completion(mllama_dir, "<|image|>What is in this picture?", image, 12)
+    # two pictures: both placeholders go first (adjacent, so the text attends both)
+    second = make_test_image(10)
+    r = httpx.post(f"{mllama_server.http_url}/v2/models/ensemble/generate",
+                   json={"text_input": "Compare them.", "max_tokens": 12, "temperature": 0,
+                         "image_url_input": [image_to_data_uri(image), image_to_data_uri(second)],
+                         "exclude_input_in_output": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == _hf_completion(mllama_dir, "<|image|><|image|>Compare them.", [image, second], 12)
