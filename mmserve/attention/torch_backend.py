@@ -4,6 +4,8 @@ Readable and device-agnostic; it is the oracle the Triton kernels are tested aga
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -23,12 +25,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                    bias_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys.
 
     q [T, H, D] -> out [T, H, D]. Query j of a sequence with q_len new tokens and context L sits at
     position L - q_len + j and sees keys 0..that position. out: where to write it (rows no sequence
-    owns are left as they are); None allocates it.
+    owns are left as they are); None allocates it. bias_fn(query positions [q_len], L) -> [H, q_len, L]: a score
+    bias added before the softmax (T5's relative positions); only this backend takes one.
     """
     out = torch.empty_like(q) if out is None else out
     bs = meta.block_size
@@ -41,9 +45,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         v = kv_cache[1, blocks].flatten(0, 1)[:ctx].transpose(0, 1)
         qi = q[qs:qe].transpose(0, 1)                                 # [H, q_len, D]
         mask = None
+        pos = torch.arange(ctx - q_len, ctx, device=q.device)
         if q_len > 1:
-            pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos   # [q_len, ctx]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]   # [q_len, ctx]
+        if bias_fn is not None:
+            bias = bias_fn(pos, ctx).to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         o = F.scaled_dot_product_attention(qi, dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale),
                                            attn_mask=mask,
                                            scale=scale, enable_gqa=True)

@@ -23,7 +23,10 @@ class LMShape:
     MLP, a tied lm_head) plus two sub-LayerNorms per layer: over the attention output before o and over the MLP's
     inner width before fc2 (`sub_layer_norm`). MBart (Nougat's decoder, in a vision-encoder-decoder) is OPT-like too (a
     two-matrix gelu MLP, an untied lm_head) plus a LayerNorm over the embeddings (`embed_norm`) and a cross-attention in
-    every layer (`cross_attention`).
+    every layer (`cross_attention`). T5 (BLIP-2 Flan-T5's text model) counts its decoder stack only (the encoder runs
+    once per request): no biases, RMS norms (3 per layer and a final one), a cross-attention in every layer, a gated
+    (wi_0, wi_1, wo) or plain (wi, wo) MLP and the lm_head; its relative-position bias table (buckets x heads, in the
+    first layer) is left out as an embedding table (a few rows read per step).
     """
 
     hidden: int
@@ -107,6 +110,10 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     if text.get("model_type") == "mbart":   # the decoder_* sizes (num_hidden_layers etc. alias the encoder's)
         text = {**text, "hidden_size": text["d_model"], "num_hidden_layers": text["decoder_layers"],
                 "num_attention_heads": text["decoder_attention_heads"], "intermediate_size": text["decoder_ffn_dim"]}
+    if text.get("model_type") == "t5":   # the decoder stack's sizes (num_layers is the encoder's)
+        text = {**text, "hidden_size": text["d_model"], "num_attention_heads": text["num_heads"],
+                "head_dim": text["d_kv"], "intermediate_size": text["d_ff"],
+                "num_hidden_layers": text.get("num_decoder_layers") or text["num_layers"]}
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
@@ -130,6 +137,10 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True, embed_norm=True,
                        cross_attention=bool(text.get("add_cross_attention", False)))
+    if text.get("model_type") == "t5":
+        gated = str(text.get("feed_forward_proj", "relu")).startswith("gated-")
+        return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads,
+                       mlp_matrices=3 if gated else 2, cross_attention=True)
     if text.get("model_type") in ("persimmon", "fuyu"):   # "fuyu": adept/fuyu-8b's flat config.json
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,

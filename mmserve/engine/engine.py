@@ -52,7 +52,9 @@ class Engine:
         preprocess_device = self.device if self.device.type == "cuda" and mc.preprocess_on_gpu else None
         self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media, preprocess_device)
         self.tokenizer = self.inputs.tokenizer
-        self.max_model_len = min(mc.max_model_len or 1 << 30, self.text_config.max_position_embeddings)
+        # T5's relative positions have no table size: 4096 unless max_model_len says otherwise
+        self.max_model_len = min(mc.max_model_len or 1 << 30,
+                                 getattr(self.text_config, "max_position_embeddings", None) or 4096)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
         self.lora = self.runner.lora = LoRAManager(self.model, self.device, self.dtype, mc.max_loras)

@@ -192,20 +192,31 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
         super().__init__()
         self.config = config
         text = self.text_config = config.text_config
-        if text.model_type != "opt":
-            raise ValueError(f"BLIP-2 with a {text.model_type!r} language model is not supported (only OPT)")
-        if text.word_embed_proj_dim != text.hidden_size:
-            raise ValueError("BLIP-2 needs OPT's word_embed_proj_dim == hidden_size (the projection writes "
-                             "hidden_size-wide image embeddings into the word-embedding stream)")
         qcfg = config.qformer_config
         self.vision_model = Blip2VisionModel(config.vision_config)
         self.query_tokens = nn.Parameter(torch.empty(1, config.num_query_tokens, qcfg.hidden_size,
                                                      dtype=torch.float32), requires_grad=False)
         self.qformer = Blip2QFormerModel(qcfg).float()
         self.language_projection = ReplicatedLinear(qcfg.hidden_size, text.hidden_size, bias=True)
-        self.language_model = OPTForCausalLM(text)
+        self.language_model = self._language_model(text)
         for p in self.parameters():
             p.requires_grad_(False)
+
+    @staticmethod
+    def _language_model(text) -> nn.Module:
+        if text.model_type != "opt":
+            raise ValueError(f"BLIP-2 with a {text.model_type!r} language model is not supported (OPT, T5)")
+        if text.word_embed_proj_dim != text.hidden_size:
+            raise ValueError("BLIP-2 needs OPT's word_embed_proj_dim == hidden_size (the projection writes "
+                             "hidden_size-wide image embeddings into the word-embedding stream)")
+        return OPTForCausalLM(text)
+
+    def query_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] images -> [N, num_query_tokens, text_hidden]: vision tower, Q-Former, projection."""
+        image = self.vision_model(pixels)                                         # [N, S, vision_hidden]
+        queries = self.query_tokens.expand(len(pixels), -1, -1)
+        out = self.qformer(queries, image.to(queries.dtype)).to(image.dtype)     # [N, Q, qformer_hidden]
+        return self.language_projection(out)
 
     @classmethod
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
@@ -222,11 +233,7 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode images in one batch. Returns one [num_query_tokens, text_hidden] tensor per item."""
-        pixels = torch.stack([it.data["pixel_values"] for it in items])         # [N, 3, H, W]
-        image = self.vision_model(pixels)                                         # [N, S, vision_hidden]
-        queries = self.query_tokens.expand(len(items), -1, -1)
-        out = self.qformer(queries, image.to(queries.dtype)).to(image.dtype)     # [N, Q, qformer_hidden]
-        feats = list(self.language_projection(out))                              # [Q, text_hidden] each
+        feats = list(self.query_embeddings(torch.stack([it.data["pixel_values"] for it in items])))
         for item, emb in zip(items, feats):
             if len(emb) != item.length:
                 raise ValueError(f"image gives {len(emb)} embeddings but the prompt has {item.length} image tokens")

@@ -26,6 +26,9 @@ def get_model_class(hf_config) -> type:
     """Our implementation of the checkpoint's architecture; ValueError naming it when unsupported."""
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:
+        if arch == "Blip2ForConditionalGeneration" and getattr(hf_config.text_config, "model_type", "") == "t5":
+            from mmserve.models.blip2_t5 import Blip2T5ForConditionalGeneration   # BLIP-2 with Flan-T5
+            return Blip2T5ForConditionalGeneration
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)

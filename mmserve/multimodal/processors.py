@@ -185,8 +185,12 @@ class InputProcessor:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
-        if getattr(self.model_cls, "encoder_decoder", False):   # the processor sees the picture, not the text
-            enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
+        if getattr(self.model_cls, "encoder_decoder", False):   # the prompt is the decoder's
+            if getattr(self.model_cls, "encoder_reads_text", False):   # BLIP-2 T5: the text is the encoder's input
+                enc = dict(self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs)))
+                enc["encoder_input_ids"] = enc["input_ids"]
+            else:   # Nougat: the processor sees only the picture
+                enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
             enc["input_ids"] = torch.tensor([self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)])
         else:
             enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,

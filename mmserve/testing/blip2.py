@@ -1,23 +1,39 @@
-"""Random BLIP-2 (ViT + Q-Former + OPT) checkpoints with a Blip2Processor, written offline.
+"""Random BLIP-2 (ViT + Q-Former + OPT or Flan-T5) checkpoints with a Blip2Processor, written offline.
 
-Presets: "tiny" for CPU tests and "blip2-opt-2.7b" (real shapes, random fp16) for benchmarks.
+Presets: "tiny" (OPT) and "tiny-t5" (Flan-T5) for CPU tests; "blip2-opt-2.7b" (real shapes, random fp16) and
+"blip2-flan-t5-xl" (real shapes, random bf16; the published repo stores float32) for benchmarks.
+
+The Flan-T5 variant (``text_model="t5"``, as Salesforce/blip2-flan-t5-xl) has an encoder-decoder language model:
+the ``num_query_tokens`` projected Q-Former outputs replace the ``<image>`` placeholders that the processor puts in
+front of the prompt, and the whole sequence (image tokens, text, ``</s>``) is the T5 *encoder*'s input; the
+decoder starts from ``decoder_start_token_id`` = ``<pad>`` (0) and cross-attends to the encoder output. Its
+tokenizer has T5's layout and pipeline: a ``T5Tokenizer`` (Unigram, whitespace split + Metaspace "▁", no BOS,
+``</s>`` appended to every text) with ``<pad>``, ``</s>``, ``<unk>`` = 0, 1, 2, the pieces up to ``text_vocab``,
+then ``text_extra_ids`` sentinels ``<extra_id_N>`` in reverse (``<extra_id_0>`` last), then the processor's
+``<image>`` (32100 in the real model, whose vocab is 32128). Its pieces come from a deterministic count of the
+built-in corpus's substrings (see :func:`t5_vocab`); unlike the real spiece model there is no NFKC normalizer, and
+characters missing from the pieces become ``<unk>`` (no byte fallback, as in T5).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import string
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
+from mmserve.testing.tokenizer import CORPUS, bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
     DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
     round_up, write_checkpoint)
 
 if TYPE_CHECKING:
-    from transformers import Blip2Config
+    from transformers import Blip2Config, T5Tokenizer
 
 IMAGE_TOKEN = "<image>"
 
@@ -30,7 +46,8 @@ class Blip2Sizes:
     text_layers: int
     text_heads: int
     text_ffn: int
-    text_vocab: int  # base BPE vocab; "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it
+    text_vocab: int  # OPT: base BPE vocab, "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it;
+    #                  T5: the spiece vocab with <pad>, </s>, <unk>, then text_extra_ids sentinels, then "<image>"
     vocab_multiple: int  # model vocab = len(tokenizer) rounded up to this
     max_position: int
     text_init_std: float
@@ -51,6 +68,16 @@ class Blip2Sizes:
     dtype: str
     do_layer_norm_before: bool = True
     norm_noise: float = 0.1  # LayerNorm scales are 1 + N(0, norm_noise), shifts N(0, norm_noise)
+    # the language model: "opt" (OPTForCausalLM) or "t5" (T5ForConditionalGeneration: text_hidden = d_model,
+    # text_layers = encoder layers, text_ffn = d_ff, text_heads = num_heads)
+    text_model: str = "opt"
+    text_decoder_layers: int | None = None   # T5 num_decoder_layers (None: text_layers)
+    text_head_dim: int | None = None         # T5 d_kv (None: text_hidden // text_heads)
+    relative_buckets: int = 32               # T5 relative_attention_num_buckets
+    relative_max_distance: int = 128         # T5 relative_attention_max_distance
+    relative_bias_std: float = 0.5           # T5 relative_attention_bias tables are N(0, this)
+    lm_head_std: float | None = None         # T5's untied lm_head is N(0, this) (None: text_init_std)
+    text_extra_ids: int = 100                # T5 sentinel tokens <extra_id_N> after the spiece vocab
 
 
 PRESETS: dict[str, Blip2Sizes] = {
@@ -71,6 +98,32 @@ PRESETS: dict[str, Blip2Sizes] = {
         vision_hidden=1408, vision_layers=39, vision_heads=16, vision_intermediate=6144, image_size=224, patch_size=14,
         vision_init_std=0.02, dtype="float16", norm_noise=0.0,
     ),
+    # Flan-T5 (d_model 64, d_kv 16, 2 + 2 layers, gated-gelu, untied lm_head) under the "tiny" ViT and Q-Former.
+    # T5 does not scale q.k by 1/sqrt(d_kv): std 0.1 keeps the attention logits O(1) (q and k entries ~0.8, their dot
+    # product over 16 dims ~2.6) next to the N(0, 0.5) relative bias, so both matter; the lm_head's std 0.4 spreads
+    # the logits (~3.2 over the RMS-normalized decoder output). Flan's 32 buckets / max distance 128: prompts of
+    # 32 image + ~20 text tokens reach the encoder's logarithmic buckets (distances 8..127), the decoder's first 16
+    # steps its exact ones.
+    "tiny-t5": Blip2Sizes(
+        text_model="t5", text_hidden=64, text_layers=2, text_decoder_layers=2, text_heads=4, text_head_dim=16,
+        text_ffn=128, text_vocab=400, text_extra_ids=100, vocab_multiple=8, max_position=512, text_init_std=0.1,
+        lm_head_std=0.4,
+        qformer_hidden=40, qformer_layers=3, qformer_heads=4, qformer_intermediate=64, cross_attention_frequency=2,
+        num_query_tokens=32, qformer_init_std=0.2,
+        vision_hidden=48, vision_layers=2, vision_heads=3, vision_intermediate=96, image_size=28, patch_size=14,
+        vision_init_std=0.2, dtype="float32",
+    ),
+    # Salesforce/blip2-flan-t5-xl: EVA ViT-g and Q-Former as blip2-opt-2.7b's, google/flan-t5-xl (d_model 2048,
+    # d_kv 64, 32 heads, d_ff 5120, 24 + 24 layers, gated-gelu, untied lm_head); image token 32100, vocab 32128
+    "blip2-flan-t5-xl": Blip2Sizes(
+        text_model="t5", text_hidden=2048, text_layers=24, text_decoder_layers=24, text_heads=32, text_head_dim=64,
+        text_ffn=5120, text_vocab=32000, text_extra_ids=100, vocab_multiple=64, max_position=512,
+        text_init_std=0.02,
+        qformer_hidden=768, qformer_layers=12, qformer_heads=12, qformer_intermediate=3072, cross_attention_frequency=2,
+        num_query_tokens=32, qformer_init_std=0.02,
+        vision_hidden=1408, vision_layers=39, vision_heads=16, vision_intermediate=6144, image_size=224, patch_size=14,
+        vision_init_std=0.02, dtype="bfloat16", norm_noise=0.0,
+    ),
 }
 
 
@@ -80,22 +133,46 @@ def blip2_sizes(preset: str = "tiny", **overrides: object) -> Blip2Sizes:
 
 
 def token_ids(s: Blip2Sizes) -> dict[str, int]:
-    """unk, bos, eos from the BPE layout; pad right after the base vocab; the processor adds image last."""
+    """OPT: unk, bos, eos from the BPE layout, pad right after the base vocab; T5: pad, eos, unk = 0, 1, 2 (no bos),
+    the sentinels after the spiece vocab. The processor adds image last."""
+    if s.text_model == "t5":
+        return {"pad": 0, "eos": 1, "unk": 2, "image": s.text_vocab + s.text_extra_ids}
     return bpe_token_ids(s.text_vocab, ("pad", "image"))
 
 
-def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
-    from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
+def _text_config(s: Blip2Sizes, vocab: int) -> object:
+    from transformers import OPTConfig, T5Config
 
     ids = token_ids(s)
-    vocab = round_up(s.text_vocab + 2, s.vocab_multiple)
-    text = OPTConfig(
-        vocab_size=vocab, hidden_size=s.text_hidden, num_hidden_layers=s.text_layers, ffn_dim=s.text_ffn,
-        num_attention_heads=s.text_heads, max_position_embeddings=s.max_position, word_embed_proj_dim=s.text_hidden,
-        do_layer_norm_before=s.do_layer_norm_before, activation_function="relu", enable_bias=True,
-        init_std=s.text_init_std, tie_word_embeddings=True,
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
-    )
+    if s.text_model == "opt":
+        return OPTConfig(
+            vocab_size=vocab, hidden_size=s.text_hidden, num_hidden_layers=s.text_layers, ffn_dim=s.text_ffn,
+            num_attention_heads=s.text_heads, max_position_embeddings=s.max_position, word_embed_proj_dim=s.text_hidden,
+            do_layer_norm_before=s.do_layer_norm_before, activation_function="relu", enable_bias=True,
+            init_std=s.text_init_std, tie_word_embeddings=True,
+            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        )
+    if s.text_model == "t5":
+        # transformers 5 forces T5Config.tie_word_embeddings to True (the embed_tokens tables share `shared`) and
+        # keeps what tie_word_embeddings=False meant as scale_decoder_outputs=False: no d_model**-0.5 before the
+        # lm_head, which is loaded untied since it differs from `shared`
+        return T5Config(
+            vocab_size=vocab, d_model=s.text_hidden, d_kv=s.text_head_dim or s.text_hidden // s.text_heads,
+            d_ff=s.text_ffn, num_layers=s.text_layers, num_decoder_layers=s.text_decoder_layers or s.text_layers,
+            num_heads=s.text_heads, relative_attention_num_buckets=s.relative_buckets,
+            relative_attention_max_distance=s.relative_max_distance, feed_forward_proj="gated-gelu",
+            layer_norm_epsilon=1e-6, tie_word_embeddings=False,
+            pad_token_id=ids["pad"], eos_token_id=ids["eos"], decoder_start_token_id=ids["pad"],
+        )
+    raise ValueError(f"text_model must be 'opt' or 't5', got {s.text_model!r}")
+
+
+def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
+    from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig
+
+    ids = token_ids(s)
+    vocab = round_up(ids["image"] + 1, s.vocab_multiple)   # the tokenizer's length with <image>, rounded up
+    text = _text_config(s, vocab)
     vision = Blip2VisionConfig(
         hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
         num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size, hidden_act="gelu",
@@ -125,24 +202,30 @@ _TEXT_FFN = (("intermediate.dense.weight", "ffn_in"), ("intermediate.dense.bias"
              ("output.LayerNorm.weight", "hid"), ("output.LayerNorm.bias", "hid"))
 
 
+# T5's encoder and decoder embed_tokens are tied to `shared`: neither transformers 5 nor the hub files hold them
+_T5_TIED = ("language_model.encoder.embed_tokens.weight", "language_model.decoder.embed_tokens.weight")
+
+
 def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(checkpoint name, shape, kind) for every saved tensor, from :func:`~mmserve.testing.writer.meta_tensors`."""
     from transformers import Blip2ForConditionalGeneration
 
+    t5 = s.text_model == "t5"
     specs = []
     for name, shape, is_norm in meta_tensors(Blip2ForConditionalGeneration, config):
-        if name == "language_model.lm_head.weight":
-            continue   # tied to the word embeddings: "hub" adds it back below
-        if is_norm:
-            kind = "norm_" + name.rsplit(".", 1)[1]
+        if name in _T5_TIED if t5 else name == "language_model.lm_head.weight":
+            continue   # OPT's lm_head is tied to the word embeddings: "hub" adds it back below; T5's is untied
+        if is_norm or (t5 and name.startswith("language_model.") and name.endswith("layer_norm.weight")):
+            kind = "norm_" + name.rsplit(".", 1)[1]   # T5LayerNorm: an RMS norm with a scale only
         elif name.endswith("self_attn.qkv.bias"):
             kind = "qv_bias"
         else:
             kind = "normal"
         specs.append((name, shape, kind))
     if layout == "hub":
-        specs.append(("language_model.lm_head.weight",
-                      (config.text_config.vocab_size, config.text_config.hidden_size), "normal"))
+        if not t5:
+            specs.append(("language_model.lm_head.weight",
+                          (config.text_config.vocab_size, config.text_config.hidden_size), "normal"))
         h, i = s.qformer_hidden, s.qformer_intermediate
         shapes = {"ffn_in": (i, h), "ffn_mid": (i,), "ffn_out": (h, i), "hid": (h,)}
         for layer in range(s.qformer_layers):
@@ -157,12 +240,17 @@ def _std(name: str, s: Blip2Sizes) -> float:
         return s.vision_init_std
     if name.startswith(("qformer.", "query_tokens")):
         return s.qformer_init_std
+    if name.endswith(".relative_attention_bias.weight"):
+        return s.relative_bias_std
+    if name == "language_model.lm_head.weight" and s.lm_head_std is not None:
+        return s.lm_head_std
     return s.text_init_std
 
 
 def _make(name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    # the tied head repeats the embedding matrix, so both layouts hold the same model
-    source = "language_model.model.decoder.embed_tokens.weight" if name == "language_model.lm_head.weight" else name
+    # OPT's tied head repeats the embedding matrix, so both layouts hold the same model; T5's head is its own
+    tied_head = s.text_model == "opt" and name == "language_model.lm_head.weight"
+    source = "language_model.model.decoder.embed_tokens.weight" if tied_head else name
     if kind.startswith("norm_"):
         noise = make_tensor(source, shape, "normal", s.norm_noise, seed, torch.float32)
         return (noise + (1.0 if kind == "norm_weight" else 0.0)).to(dtype)
@@ -170,6 +258,63 @@ def _make(name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int
     if kind == "qv_bias":   # [q_bias, 0, v_bias]: the ViT has no key bias
         t[shape[0] // 3: 2 * shape[0] // 3] = 0
     return t
+
+
+# What the T5 pieces are drawn from besides the shared corpus: BLIP-2's prompt style, and every ASCII letter, digit and
+# the common punctuation (so only rarer characters become <unk>, as with the real spiece model)
+T5_EXTRA_TEXT: tuple[str, ...] = (
+    "Question: what is this? Answer: a photo of a cat.",
+    "Question: which city is this? Answer: Paris.",
+    "Question: how many people are in the picture? Answer: two.",
+    "a photography of a dog sitting on a bench in the park",
+    string.ascii_letters, string.digits, "!\"#$%&'()*+,-./:;=?@[]_",
+)
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+_MAX_PIECE = 12   # longest piece, in characters
+
+
+def t5_vocab(text_vocab: int, extra_ids: int) -> list[tuple[str, float]]:
+    """The Unigram (piece, score) list of a T5 tokenizer of ``text_vocab`` spiece entries plus ``extra_ids``
+    sentinels, computed deterministically (no trainer: the tokenizers Unigram trainer is not bit-reproducible).
+
+    Layout as T5's: ``<pad>``, ``</s>``, ``<unk>`` (score 0), then pieces by descending score, then
+    ``<extra_id_{extra_ids-1}>`` .. ``<extra_id_0>``. The pieces are every character of the corpus (the shared
+    corpus and :data:`T5_EXTRA_TEXT`, split on whitespace with "▁" before each word, as T5's pre-tokenizer does)
+    and its most useful substrings (up to :data:`_MAX_PIECE` characters, ranked by count x (length - 1)); a piece's
+    score is the log of its share of all substring counts, so Viterbi prefers long frequent pieces. When the corpus
+    runs out, "▁fill<i>" pieces at a score below every other pad the vocab (never chosen over real pieces).
+    """
+    words = ["▁" + w for line in (*CORPUS, *T5_EXTRA_TEXT) for w in line.split()]
+    counts: Counter[str] = Counter()
+    for w in words:
+        for i in range(len(w)):
+            for j in range(i + 1, min(len(w), i + _MAX_PIECE) + 1):
+                counts[w[i:j]] += 1
+    total = sum(counts.values())
+    n = text_vocab - len(T5_SPECIALS)
+    chars = sorted((p for p in counts if len(p) == 1), key=lambda p: (-counts[p], p))
+    if n < len(chars):
+        raise ValueError(f"text_vocab must be >= {len(chars) + len(T5_SPECIALS)} for a T5 tokenizer, got {text_vocab}")
+    longer = sorted((p for p in counts if len(p) > 1), key=lambda p: (-counts[p] * (len(p) - 1), p))
+    chosen = [(p, math.log(counts[p] / total)) for p in chars + longer[: n - len(chars)]]
+    chosen.sort(key=lambda ps: (-ps[1], ps[0]))
+    floor = chosen[-1][1] - 10.0
+    taken = {p for p, _ in chosen}
+    i = 0
+    while len(chosen) < n:
+        if f"▁fill{i}" not in taken:
+            chosen.append((f"▁fill{i}", floor))
+        i += 1
+    sentinels = [(f"<extra_id_{k}>", 0.0) for k in reversed(range(extra_ids))]
+    return [(t, 0.0) for t in T5_SPECIALS] + chosen + sentinels
+
+
+def build_t5_tokenizer(text_vocab: int, extra_ids: int) -> T5Tokenizer:
+    """A transformers ``T5Tokenizer`` over :func:`t5_vocab`: pad/eos/unk = 0/1/2, ``</s>`` appended to each text,
+    the sentinels as special tokens."""
+    from transformers import T5Tokenizer
+
+    return T5Tokenizer(vocab=t5_vocab(text_vocab, extra_ids), extra_ids=extra_ids)
 
 
 def make_blip2_checkpoint(
@@ -181,26 +326,43 @@ def make_blip2_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     **overrides: object,
 ) -> Path:
-    """Write a complete random BLIP-2 (OPT) checkpoint + Blip2Processor into ``out_dir``; return its path.
+    """Write a complete random BLIP-2 (OPT or Flan-T5) checkpoint + Blip2Processor into ``out_dir``; return its path.
 
     ``overrides`` are :class:`Blip2Sizes` fields. Weights: N(0, std) for matrices, embeddings, biases and
-    the query tokens (std per part: vision / Q-Former / text), LayerNorms 1 + noise and noise; seeded per
-    tensor by name, so a seed gives byte-identical files, and one tensor is in RAM at a time.
+    the query tokens (std per part: vision / Q-Former / text; T5's relative_attention_bias tables
+    ``relative_bias_std``, its lm_head ``lm_head_std``), LayerNorms (T5's RMS norms too) 1 + noise and noise;
+    seeded per tensor by name, so a seed gives byte-identical files, and one tensor is in RAM at a time.
     ``layout``: "transformers" (what transformers 5.23 ``save_pretrained`` writes) or "hub" (as the
-    Salesforce repos: plus the tied ``lm_head`` and the Q-Former's unused text feed-forward).
+    Salesforce repos: plus the tied ``lm_head`` (OPT) and the Q-Former's unused text feed-forward; for T5 the
+    text_config also says ``tie_word_embeddings: false`` with no ``scale_decoder_outputs``, as transformers 4
+    wrote it, where transformers 5 writes ``tie_word_embeddings: true, scale_decoder_outputs: false``; both
+    mean an untied lm_head and no ``d_model**-0.5`` scaling before it). T5 in either layout: ``shared`` and
+    ``lm_head``, no ``encoder.embed_tokens`` / ``decoder.embed_tokens`` (tied to ``shared``).
     The processor adds ``<image>`` to the tokenizer itself (a tokenizer already carrying an
     ``image_token`` breaks it), so the model vocab is sized after it is built.
     """
-    from transformers import BlipImageProcessor, Blip2Processor
+    from transformers import BlipImageProcessor, Blip2Processor, GenerationConfig
 
     check_layout(layout)
     s = blip2_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    tok = build_bpe_tokenizer([], vocab_size=s.text_vocab)
+    t5 = s.text_model == "t5"
+    tok = build_t5_tokenizer(s.text_vocab, s.text_extra_ids) if t5 else build_bpe_tokenizer([], vocab_size=s.text_vocab)
     image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
     processor = Blip2Processor(image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens)
     check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
     dtype = getattr(torch, s.dtype)
-    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s, layout),
-                            lambda name: name, dtype, seed, max_shard_bytes,
-                            make_fn=lambda sp: _make(*sp, s, seed, dtype))
+    out = write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s, layout),
+                           lambda name: name, dtype, seed, max_shard_bytes,
+                           make_fn=lambda sp: _make(*sp, s, seed, dtype))
+    if t5:
+        text = config.text_config   # as the real repo's: the decoder starts from <pad>, no bos
+        GenerationConfig(decoder_start_token_id=text.decoder_start_token_id, eos_token_id=text.eos_token_id,
+                         pad_token_id=text.pad_token_id).save_pretrained(out)
+        if layout == "hub":
+            path = out / "config.json"
+            cfg = json.loads(path.read_text())
+            cfg["text_config"]["tie_word_embeddings"] = False
+            cfg["text_config"].pop("scale_decoder_outputs", None)
+            path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out

@@ -258,7 +258,7 @@ def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: A
     image_processor.save_pretrained(out)
     config.save_pretrained(out)
     text = config.get_text_config()
-    GenerationConfig(bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
+    GenerationConfig(bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=text.eos_token_id,  # T5: no bos
                      pad_token_id=text.pad_token_id).save_pretrained(out)
     write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn, progress)
     return out

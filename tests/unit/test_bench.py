@@ -195,15 +195,19 @@ def _all_presets() -> list[tuple[str, str]]:
 
 
 def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
-    """Bytes of the language model's parameters (a vision-encoder-decoder's: its decoder's) but its embedding tables
-    (a tied lm_head counts once more) and the cross-attention k/v projections of Mllama and MBart (run once per
-    image, not per decode step)."""
+    """Bytes of the language model's parameters (a vision-encoder-decoder's: its decoder's; an encoder-decoder text
+    model's (T5): its decoder's and lm_head) but its embedding tables (a tied lm_head counts once more; T5's relative
+    position bias tables) and the cross-attention k/v projections of Mllama, MBart and T5 (run once per image or
+    request, not per decode step)."""
     lm_prefixes = ("lm_head", "text_model.", "decoder.")
     return dtype_bytes * sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
                              if (not vlm or "language_model" in n or n.startswith(lm_prefixes))
                              and "embed_tokens" not in n and "embed_positions" not in n
                              and "cross_attn.k_proj" not in n and "cross_attn.v_proj" not in n
-                             and "encoder_attn.k_proj" not in n and "encoder_attn.v_proj" not in n)
+                             and "encoder_attn.k_proj" not in n and "encoder_attn.v_proj" not in n
+                             and not n.startswith(("language_model.encoder.", "language_model.shared."))
+                             and "EncDecAttention.k." not in n and "EncDecAttention.v." not in n
+                             and "relative_attention_bias" not in n)
 
 
 @pytest.mark.parametrize(("family", "preset"), _all_presets())
