@@ -81,3 +81,10 @@ class MultiModalCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] of hidden states [N, text_hidden]."""
         return self.language_model.compute_logits(hidden)
+
+
+def require_one_image(image_keys: list[str], video_keys: list[str]) -> None:
+    """Encoder-decoder families read exactly one picture per prompt; ValueError otherwise."""
+    if video_keys or len(image_keys) != 1:
+        raise ValueError(f"this model reads exactly one image per prompt, got {len(image_keys)} image(s) and "
+                         f"{len(video_keys)} video(s)")

@@ -16,7 +16,7 @@ import torch
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.base import MultiModalCausalLM, require_one_image
 from mmserve.models.donut_swin import DonutSwinTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.mbart import MBartDecoder
@@ -62,9 +62,7 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
     @classmethod
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
-        if video_keys or len(image_keys) != 1:
-            raise ValueError(f"this model reads exactly one image per prompt, got {len(image_keys)} image(s) and "
-                             f"{len(video_keys)} video(s)")
+        require_one_image(image_keys, video_keys)
         return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, 0, 1, image_keys[0], kv_from=0)]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
