@@ -1,11 +1,12 @@
 """Host-side layout of one step's flat inputs: KV cache slots of each request's chunk, the leading decodes of a
-mixed batch, and rotary positions (plain or M-RoPE) concatenated over the batch."""
+mixed batch, rotary positions (plain or M-RoPE) concatenated over the batch, and the step's AttentionMetadata."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from mmserve.worker.transfer import host_tensor
+from mmserve.attention.metadata import AttentionMetadata
+from mmserve.worker.transfer import host_tensor, to_device
 
 
 def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -43,3 +44,20 @@ def cat_positions(parts: list, mrope: bool) -> torch.Tensor:
             out[:, i:i + n] = np.arange(r.start, r.stop)
         i += n
     return torch.from_numpy(out)
+
+
+def attention_metadata(computed: list, slots: list[int], qsl: list[int], seq_lens: list[int], block_size: int,
+                       device: torch.device, slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+    """The step's AttentionMetadata: query offsets, context lengths and block tables (padded with block 0) on the
+    device (copied without a host sync), their host copies, and the leading decodes' count; `slot_mapping`, when
+    given, is a persistent buffer the caller fills (the piecewise graphs' own)."""
+    max_blocks = max(len(s.block_ids) for s in computed)
+    tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in computed]
+    return AttentionMetadata(
+        query_start_loc=to_device(qsl, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=to_device(tables, torch.int32, device),
+        slot_mapping=to_device(slots, torch.int64, device) if slot_mapping is None else slot_mapping,
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        max_query_len=max(s.num_tokens for s in computed), max_seq_len=max(seq_lens),
+        block_size=block_size, num_decodes=num_leading_decodes(qsl))

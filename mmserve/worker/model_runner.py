@@ -14,14 +14,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
-from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
+from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
-from mmserve.worker.batch_inputs import cat_positions, num_leading_decodes, slot_ids
+from mmserve.worker.batch_inputs import attention_metadata, cat_positions, slot_ids
+from mmserve.worker.request_inputs import cross_attention_batch, lora_row_groups
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
@@ -252,7 +253,7 @@ class ModelRunner:
         decode_only = len(input_ids) == len(computed) and not any(
             s.request.mm_items_in(s.start, s.end) for s in computed)
         positions = cat_positions(positions, self.uses_mrope)
-        lora = self._lora_groups(computed, qsl)
+        lora = lora_row_groups(computed, qsl, self.lora, dev)
         graphs_ok = not lora
         if graphs_ok and self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
@@ -279,13 +280,13 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, [s.block_ids for s in computed])
         elif graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
             # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
-            meta = self._metadata(computed, slots, qsl, seq_lens,
-                                  self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
+            meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev,
+                                      self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
             hidden = self.piecewise_graphs.run(embeds, positions, slots, meta)
         else:
-            meta = self._metadata(computed, slots, qsl, seq_lens)
+            meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev)
             if self.uses_cross_attention:
-                meta.cross = self._cross_batch(computed, qsl)
+                meta.cross = cross_attention_batch(computed, qsl, self._encode)
             with self.lora.step(lora) if lora else contextlib.nullcontext():
                 hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         self._store_prompt_ends(computed, hidden, qsl)
@@ -306,20 +307,6 @@ class ModelRunner:
         dev = self.device
         self.prompt_ends[to_device([slot for _, slot in stores], torch.int64, dev)] = \
             hidden[to_device(rows, torch.int64, dev)].to(self.prompt_ends.dtype)
-
-    def _metadata(self, computed: list, slots: list[int], qsl: list[int], seq_lens: list[int],
-                  slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
-        dev = self.device
-        max_blocks = max(len(s.block_ids) for s in computed)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in computed]
-        return AttentionMetadata(
-            query_start_loc=to_device(qsl, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            block_tables=to_device(tables, torch.int32, dev),
-            slot_mapping=to_device(slots, torch.int64, dev) if slot_mapping is None else slot_mapping,
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            max_query_len=max(s.num_tokens for s in computed), max_seq_len=max(seq_lens),
-            block_size=self.block_size, num_decodes=num_leading_decodes(qsl))
 
     def _context_logits(self, computed: list, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
@@ -360,29 +347,6 @@ class ModelRunner:
         encoded = self._encode([item for _, item, _, _ in spans])
         for dst, item, src, n in spans:
             embeds[dst:dst + n] = encoded[item.content_hash][src:src + n].to(embeds.dtype)
-
-    def _lora_groups(self, computed: list, qsl: list[int]) -> list:
-        """(adapter, its rows of the flat batch) for each LoRA adapter the step's sequences use."""
-        rows: dict[str, list[int]] = {}
-        for i, s in enumerate(computed):
-            if s.request.lora is not None:
-                rows.setdefault(s.request.lora, []).extend(range(qsl[i], qsl[i + 1]))
-        return [(self.lora.get(name), to_device(r, torch.int64, self.device)) for name, r in rows.items()]
-
-    def _cross_batch(self, computed: list, qsl: list[int]) -> CrossAttentionBatch:
-        """The step's sequences with media and what their cross-attention layers attend: the encoder's output
-        per item, made on a request's first step (encoder cache first) and kept with the request."""
-        with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
-        todo = [it for _, s in with_media if s.request.encoder_states is None for it in s.request.mm_items]
-        encoded = self._encode(todo) if todo else {}
-        seqs = []
-        for i, s in with_media:
-            req = s.request
-            if req.encoder_states is None:
-                req.encoder_states = [encoded[it.content_hash] for it in req.mm_items]
-            seqs.append(CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
-                                          req.encoder_states))
-        return CrossAttentionBatch(seqs)
 
     def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
         """Embeddings by content hash: cached ones reused, the rest encoded in batches of equal shape."""
