@@ -36,7 +36,8 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    return JSONResponse(ModelList(data=[ModelCard(id=name) for name in state.model_names]).model_dump())
+    cards = ModelList(data=[_card(state, name) for name in state.model_names])
+    return JSONResponse(cards.model_dump(exclude_none=True))
 
 
 @router.get("/v1/models/{model:path}")
@@ -45,7 +46,11 @@ async def retrieve_model(model: str, request: Request) -> Response:
         check_model(_state(request), model)
     except OpenAIError as e:
         return e.response()
-    return JSONResponse(ModelCard(id=model).model_dump())
+    return JSONResponse(_card(_state(request), model).model_dump(exclude_none=True))
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, parent=state.model_name if name in state.lora_names else None)
 
 
 @router.post("/v1/chat/completions")

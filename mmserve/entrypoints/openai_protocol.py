@@ -230,6 +230,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "mmserve"
+    parent: str | None = None   # a LoRA adapter's base model (left out for the base model names)
 
 
 class ModelList(BaseModel):

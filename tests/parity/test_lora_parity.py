@@ -10,6 +10,7 @@ import functools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -124,7 +125,9 @@ def test_openai_model_and_triton_lora_task_id_name_an_adapter(tiny_llava_dir, ad
     text = "USER: tell me a story ASSISTANT:"
     with start_server(tiny_llava_dir, tmp_path, *flags) as server:
         client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
-        assert {"alpha", "beta", "7"} <= {m.id for m in client.models.list().data}
+        cards = {m.id: m for m in client.models.list().data}
+        assert {"alpha", "beta", "7"} <= set(cards) and cards["alpha"].parent == Path(tiny_llava_dir).name
+        assert getattr(cards["ensemble"], "parent", None) is None
         got = {name: client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0).choices[0].text
                for name in ("alpha", "beta")}
         bls = f"{server.http_url}/v2/models/tensorrt_llm_bls/generate"
