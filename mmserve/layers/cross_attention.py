@@ -1,5 +1,6 @@
-"""Attention of each sequence's query rows over its own encoder keys/values (not in the paged cache): the cross-
-attention of Mllama's cross layers and of encoder-decoder families, one SDPA call per sequence."""
+"""Attention outside the paged cache: each sequence's query rows over its own encoder keys/values (the cross-
+attention of Mllama's cross layers and of encoder-decoder families, one SDPA call per sequence), and batched
+bidirectional multi-head attention of equal-length inputs (BLIP-2's Q-Former, Kosmos-2's latent queries)."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +20,12 @@ def attend_per_sequence(q: torch.Tensor, seqs: list[tuple[int, torch.Tensor, tor
         out[row:row + n] = o[0].transpose(0, 1)
         row += n
     return out
+
+
+def attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Bidirectional multi-head attention, scaled by head_dim^-0.5. q [N, Sq, H*D], k/v [N, Sk, H*D] -> [N, Sq, H*D]."""
+    n, sq, width = q.shape
+    d = width // heads
+    q, k, v = (t.view(n, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5)
+    return o.transpose(1, 2).reshape(n, sq, width)

@@ -83,8 +83,10 @@ class MultiModalCausalLM(nn.Module):
         return self.language_model.compute_logits(hidden)
 
 
-def require_one_image(image_keys: list[str], video_keys: list[str]) -> None:
-    """Encoder-decoder families read exactly one picture per prompt; ValueError otherwise."""
-    if video_keys or len(image_keys) != 1:
-        raise ValueError(f"this model reads exactly one image per prompt, got {len(image_keys)} image(s) and "
+def check_single_image(image_keys: list[str], video_keys: list[str], required: bool) -> None:
+    """Families of one picture per prompt and no video (BLIP-2, Fuyu, Kosmos-2; `required`: the encoder-decoders,
+    which read exactly one); ValueError otherwise."""
+    if video_keys or len(image_keys) > 1 or (required and not image_keys):
+        how = "exactly" if required else "at most"
+        raise ValueError(f"this model takes {how} one image per prompt, got {len(image_keys)} image(s) and "
                          f"{len(video_keys)} video(s)")

@@ -6,13 +6,13 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
+from mmserve.layers.cross_attention import attend_batched
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPEncoderLayer
 from mmserve.models.opt import OPTForCausalLM
 from mmserve.models.weights import load_weights
@@ -25,15 +25,6 @@ WEIGHT_RENAMES = [("language_model.model.decoder.", "language_model.model.")]
 # In the Salesforce repos (converted with transformers 4.2x) each Q-Former layer also carries the
 # feed-forward of the text branch, which image-conditioned generation never runs.
 _UNUSED = re.compile(r"^qformer\.(embeddings\.|encoder\.layer\.\d+\.(intermediate|output)\.)")
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Bidirectional multi-head attention. q [N, Sq, H*D], k/v [N, Sk, H*D] -> [N, Sq, H*D]."""
-    n, sq, width = q.shape
-    d = width // heads
-    q, k, v = (t.view(n, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5)
-    return o.transpose(1, 2).reshape(n, sq, width)
 
 
 # ---- vision tower ---------------------------------------------------------------------------
@@ -68,7 +59,7 @@ class Blip2VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        return self.projection(_attend(q, k, v, self.num_heads))
+        return self.projection(attend_batched(q, k, v, self.num_heads))
 
 
 class _Stack(nn.Module):
@@ -117,7 +108,7 @@ class _QKV(nn.Module):
         self.value = ReplicatedLinear(kv_features, h, bias=True)
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return _attend(self.query(x), self.key(kv), self.value(kv), self.num_heads)
+        return attend_batched(self.query(x), self.key(kv), self.value(kv), self.num_heads)
 
 
 class Blip2QFormerAttention(nn.Module):
@@ -222,9 +213,7 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
         """The single image's run of `num_query_tokens` image tokens and its pixel_values [3, H, W]."""
-        if video_keys or len(image_keys) > 1:
-            raise ValueError(f"BLIP-2 takes at most one image per prompt, got {len(image_keys)} image(s) "
-                             f"and {len(video_keys)} video(s)")
+        check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
             return []
         n = hf_config.num_query_tokens

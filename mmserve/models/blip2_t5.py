@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.request import MultiModalItem
-from mmserve.models.base import require_one_image
+from mmserve.models.base import check_single_image
 from mmserve.models.blip2 import Blip2ForConditionalGeneration, _used
 from mmserve.models.t5 import T5LanguageModel
 from mmserve.models.weights import load_weights
@@ -37,7 +37,7 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
     @classmethod
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
-        require_one_image(image_keys, video_keys)
+        check_single_image(image_keys, video_keys, required=True)
         encoder_ids = enc["encoder_input_ids"][0].long()
         n = hf_config.num_query_tokens
         if int((encoder_ids == hf_config.image_token_index).sum()) != n:

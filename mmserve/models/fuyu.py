@@ -13,7 +13,7 @@ import torch
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.persimmon import PersimmonModel
 from mmserve.models.weights import load_weights
@@ -58,10 +58,7 @@ class FuyuForCausalLM(MultiModalCausalLM):
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
         """One item per row of the picture's image tokens, with that row's patches [row width, 3 * 30 * 30]."""
-        if video_keys:
-            raise ValueError("Fuyu does not take video input")
-        if len(image_keys) > 1:
-            raise ValueError(f"this model takes at most one image per prompt, got {len(image_keys)}")
+        check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
             return []
         patches = enc["pixel_values"] if "pixel_values" in enc else enc["image_patches"]

@@ -18,8 +18,9 @@ from mmserve.attention.metadata import AttentionMetadata
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
+from mmserve.layers.cross_attention import attend_batched
 from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.weights import load_weights
@@ -127,18 +128,11 @@ class Kosmos2ImageToTextProjection(nn.Module):
                                      for name in ("q_proj", "k_proj", "v_proj", "out_proj")})
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        n = len(features)
-        latent = self.latent_query.expand(n, -1, -1)
+        latent = self.latent_query.expand(len(features), -1, -1)
         states = torch.cat([self.dense(features), latent], dim=1)
-        head_dim = latent.shape[-1] // self.num_heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(n, -1, self.num_heads, head_dim).transpose(1, 2)
-
         a = self.x_attn
-        o = F.scaled_dot_product_attention(heads(a["q_proj"](latent)), heads(a["k_proj"](states)),
-                                           heads(a["v_proj"](states)), scale=head_dim ** -0.5)
-        return a["out_proj"](o.transpose(1, 2).reshape(n, -1, latent.shape[-1]))
+        return a["out_proj"](attend_batched(a["q_proj"](latent), a["k_proj"](states), a["v_proj"](states),
+                                            self.num_heads))
 
 
 class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
@@ -160,10 +154,7 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
         """The image span (where image_embeds_position_mask is 1) and the image's pixel_values [3, H, W]."""
-        if video_keys:
-            raise ValueError("Kosmos-2 does not take video input")
-        if len(image_keys) > 1:
-            raise ValueError(f"this model takes at most one image per prompt, got {len(image_keys)}")
+        check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
             return []
         span = [i for i, m in enumerate(enc["image_embeds_position_mask"][0].tolist()) if m]

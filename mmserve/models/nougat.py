@@ -16,7 +16,7 @@ import torch
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import MultiModalCausalLM, require_one_image
+from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.donut_swin import DonutSwinTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.mbart import MBartDecoder
@@ -62,7 +62,7 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
     @classmethod
     def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
                        video_keys: list[str]) -> list[MultiModalItem]:
-        require_one_image(image_keys, video_keys)
+        check_single_image(image_keys, video_keys, required=True)
         return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, 0, 1, image_keys[0], kv_from=0)]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
