@@ -45,7 +45,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         v = kv_cache[1, blocks].flatten(0, 1)[:ctx].transpose(0, 1)
         qi = q[qs:qe].transpose(0, 1)                                 # [H, q_len, D]
         mask = None
-        pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        if q_len > 1 or bias_fn is not None:
+            pos = torch.arange(ctx - q_len, ctx, device=q.device)
         if q_len > 1:
             mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]   # [q_len, ctx]
         if bias_fn is not None:

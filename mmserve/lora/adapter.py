@@ -59,6 +59,7 @@ class LoRAAdapter:
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
         tensors, digest = _read_tensors(path)
         adapter = cls(name, digest, rank)
+        params = dict(model.named_parameters())
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             stem, _, kind = key.rpartition(".lora_")
@@ -69,7 +70,7 @@ class LoRAAdapter:
         for stem, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter {name!r}: {stem} has no lora_{'B' if 'A' in ab else 'A'}")
-            module_name, shard = _resolve(model, stem.removeprefix(_PEFT_PREFIX), name)
+            module_name, shard = _resolve(model, params, stem.removeprefix(_PEFT_PREFIX), name)
             module = model.get_submodule(module_name)
             offset, size, _ = module._out_rows(shard) if shard is not None else (0, module.out_features, 0)
             a, b = ab["A"], ab["B"]
@@ -95,14 +96,13 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     raise ValueError(f"LoRA adapter at {path}: neither adapter_model.safetensors nor adapter_model.bin found")
 
 
-def _resolve(model: nn.Module, hf_module: str, adapter: str) -> tuple[str, object]:
+def _resolve(model: nn.Module, params: dict[str, nn.Parameter], hf_module: str, adapter: str) -> tuple[str, object]:
     """(our module name, packed shard id or None) of a checkpoint linear layer of the language model."""
     name = hf_module + ".weight"
     for old, new in getattr(model, "weight_renames", []):
         if name.startswith(old):
             name = new + name[len(old):]
             break
-    params = dict(model.named_parameters())
     shard = None
     if name not in params:
         for part, (fused, shard_id) in getattr(model.language_model, "packed_modules", {}).items():

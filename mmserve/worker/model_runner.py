@@ -253,7 +253,7 @@ class ModelRunner:
         decode_only = len(input_ids) == len(computed) and not any(
             s.request.mm_items_in(s.start, s.end) for s in computed)
         positions = cat_positions(positions, self.uses_mrope)
-        lora = lora_row_groups(computed, qsl, self.lora, dev)
+        lora = lora_row_groups(computed, qsl, self.lora, dev) if self.lora is not None and self.lora.adapters else []
         graphs_ok = not lora
         if graphs_ok and self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
