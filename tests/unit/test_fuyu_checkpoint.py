@@ -22,7 +22,7 @@ from mmserve.testing.fuyu import (
     image_grid,
     make_fuyu_checkpoint,
 )
-from tests.checkpoint_files import file_tensors, files_digest
+from tests.checkpoint_files import file_tensors, files_digest, load_matching_the_file
 
 SPEAKER, NEWLINE, EOS, BOA, BOS, PAD = 400, 401, 402, 407, 1, 0   # tiny preset ids
 SPACE = 223   # "Ġ": the leading space of a text span, alone
@@ -45,13 +45,9 @@ def loaded(layouts):
 
 def test_transformers_loads_both_layouts_with_every_tensor_from_the_file(layouts):
     for layout, d in layouts.items():
-        model, info = FuyuForCausalLM.from_pretrained(d, output_loading_info=True)
-        assert not any(info.values()), info
-        on_disk = file_tensors(d)
-        state = model.state_dict()
+        _, state, on_disk = load_matching_the_file(FuyuForCausalLM, d,
+                                                   lambda n, layout=layout: checkpoint_key(n, layout))
         assert len(on_disk) == len(state) == 3 * 16 + 6   # 16 per layer; embed, final norm (2), patch embed (2), head
-        for name, value in state.items():
-            assert torch.equal(on_disk[checkpoint_key(name, layout)], value), (layout, name)
     hub, tf = file_tensors(layouts["hub"]), file_tensors(layouts["transformers"])
     assert {"vision_embed_tokens.weight", "vision_embed_tokens.bias", "language_model.lm_head.weight",
             "language_model.model.embed_tokens.weight", "language_model.model.final_layernorm.bias",

@@ -22,7 +22,7 @@ from mmserve.testing.mllama import (
     mllama_sizes,
     patches_per_tile,
 )
-from tests.checkpoint_files import file_tensors, files_digest
+from tests.checkpoint_files import file_tensors, files_digest, load_matching_the_file
 
 IMAGE, BOS, EOT, PAD = 416, 400, 409, 404   # tiny preset ids
 CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
@@ -43,16 +43,10 @@ def loaded(layouts):
 
 
 def test_transformers_loads_both_layouts_with_every_tensor_from_the_file(layouts):
-    states = {}
     for layout, d in layouts.items():
-        model, info = MllamaForConditionalGeneration.from_pretrained(d, output_loading_info=True)
-        assert not any(info.values()), info
-        on_disk = file_tensors(d)
-        state = model.state_dict()
+        _, state, on_disk = load_matching_the_file(MllamaForConditionalGeneration, d,
+                                                   lambda n, layout=layout: checkpoint_key(n, layout))
         assert len(on_disk) == len(state)
-        for name, value in state.items():
-            assert torch.equal(on_disk[checkpoint_key(name, layout)], value), (layout, name)
-        states[layout] = state
     assert "language_model.model.layers.1.cross_attn_attn_gate" in file_tensors(layouts["hub"])
     assert "model.language_model.layers.1.cross_attn_attn_gate" in file_tensors(layouts["transformers"])
 
