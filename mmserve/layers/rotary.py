@@ -16,7 +16,8 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.to(torch.get_default_device()), scaling   # models are built under `with torch.device(...)`
 
 
 class RotaryEmbedding(nn.Module):

@@ -173,7 +173,7 @@ def _config_from_sizes(s: FuyuSizes) -> FuyuConfig:
         qk_layernorm=s.qk_layernorm, tie_word_embeddings=False,
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
     )
-    cfg = FuyuConfig(text_config=text, image_size=s.image_size, patch_size=s.patch_size, num_channels=3,
+    cfg = FuyuConfig(text_config=text, hidden_size=s.text_hidden, image_size=s.image_size, patch_size=s.patch_size, num_channels=3,
                      initializer_range=s.text_init_std, image_token_id=ids[IMAGE_TOKEN], tie_word_embeddings=False)
     return finish_config(cfg, "FuyuForCausalLM", s.dtype)
 

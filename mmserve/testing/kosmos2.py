@@ -251,7 +251,11 @@ def _make(name: str, shape: tuple[int, ...], kind: str, s: Kosmos2Sizes, seed: i
     if kind == "sub_norm_weight":
         return (1.0 + make_tensor(name, shape, "normal", s.norm_std, seed, torch.float32)).to(dtype)
     std = s.norm_std if kind == "norm_bias" else s.bias_std if kind == "bias" else _std(name, s)
-    return make_tensor(name, shape, "normal", std, seed, dtype)
+    t = make_tensor(name, shape, "normal", std, seed, dtype)
+    if name.endswith("embed_tokens.weight"):
+        # <pad>'s row is zero, as in fairseq-trained checkpoints; transformers 5.17 zeroes it on load (padding_idx)
+        t[token_ids(s)[PAD]] = 0
+    return t
 
 
 def build_kosmos2_tokenizer(s: Kosmos2Sizes) -> PreTrainedTokenizerFast:

@@ -14,7 +14,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
-from mmserve.attention.metadata import AttentionMetadata
 from mmserve.config import CacheConfig
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
@@ -28,6 +27,7 @@ from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
+from mmserve.worker.memory_profile import peak_activation_bytes
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.transfer import to_device
@@ -126,57 +126,10 @@ class ModelRunner:
                 self.encoder_graphs.warm_up(self._on_device(template),
                                             cdiv(max_num_batched_tokens, template.length) + 1)
 
-    @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int, template: MultiModalItem | None = None) -> int:
-        """The memory a step needs beyond weights and KV cache, measured: the larger of one text-only prefill
-        of num_tokens (through a scratch KV cache) and, for a vision model whose encoder runs eagerly (no
-        encoder graphs, whose pool is taken before this), encoding as many copies of `template` as a step of
-        num_tokens overlaps; plus the encoder cache's bound (its capacity in rows at the LM's width)."""
-        if self.device.type != "cuda":
-            return 0
-        encoder_peak = 0
-        if template is not None and self.encoder_graphs is None:
-            item = self._on_device(template)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            # cross-attention families encode a request's images when its first chunk runs, not per placeholder
-            copies = 1 if self.uses_cross_attention else cdiv(num_tokens, template.length) + 1
-            with self._vision_kernels():
-                encoded = self.model.get_mm_embeddings([item] * copies)
-            torch.cuda.synchronize(self.device)
-            encoder_peak = torch.cuda.max_memory_allocated(self.device) - base
-            row_bytes = encoded[0][0].numel() * encoded[0].element_size()
-            del encoded
-        blocks = cdiv(num_tokens, self.block_size) + 1
-        self.allocate_kv_cache(blocks)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=self.device),
-            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
-            max_seq_len=num_tokens, block_size=self.block_size)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        if self.uses_mrope:
-            positions = positions.expand(3, -1)
-        embeds = self.model.embed_input_ids(ids)
-        hidden = self.model(embeds, positions, meta)
-        self.model.compute_logits(hidden[-64:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_caches = []
-        for layer in self.attn_layers:
-            layer.kv_cache = None
-        torch.cuda.empty_cache()
-        if template is not None and self.encoder_graphs is not None:
-            row_bytes = embeds.shape[-1] * embeds.element_size()
-        cache_bound = self.encoder_cache.capacity * row_bytes if template else 0
-        return max(peak, encoder_peak) + cache_bound
+        """The memory a step needs beyond weights and KV cache, measured on CUDA (0 elsewhere): see
+        :func:`mmserve.worker.memory_profile.peak_activation_bytes`."""
+        return peak_activation_bytes(self, num_tokens, template)
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -16,10 +16,11 @@ import transformers
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
 from mmserve.testing.blip2 import make_blip2_checkpoint
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import TOL, assert_matches_oracle, run_staggered
 
 N = 16
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,11 @@ def _hf(model_dir: str):
     return model, transformers.AutoProcessor.from_pretrained(model_dir)
 
 
-def _oracle(model_dir: str, prompt: dict):
+def _oracle(model_dir: str, prompt: dict, device: str = "cpu"):
+    """The model on the CPU; the picture resized where mmserve resizes it (on the GPU when it runs there)."""
     model, processor = _hf(model_dir)
-    enc = processor(images=prompt["images"], text=prompt["prompt"], return_tensors="pt")
+    kw = {"device": device} if device != "cpu" else {}
+    enc = processor(images=prompt["images"], text=prompt["prompt"], return_tensors="pt", **kw).to("cpu")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
@@ -58,11 +61,12 @@ def test_question_matches_transformers(t5_dir):
     assert other.outputs[0].token_ids != out.outputs[0].token_ids
 
 
-def test_staggered_batch_and_repeats(t5_dir):
-    llm = LLM(t5_dir, device="cpu", dtype="float32", block_size=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_staggered_batch_and_repeats(t5_dir, device):
+    llm = LLM(t5_dir, device=device, dtype="float32", block_size=4)
     prompts = [_prompt(i % 3, f"Question: item {i}? Answer:") for i in range(5)]
     for prompt, out in zip(prompts, run_staggered(llm.engine, prompts, GREEDY)):
-        assert_matches_oracle(out, _oracle(t5_dir, prompt))
+        assert_matches_oracle(out, _oracle(t5_dir, prompt, device), TOL[device])
     again = llm.generate([prompts[0]], GREEDY)[0]   # an exact repeat: its first token from the prompt-end cache
     assert again.outputs[0].token_ids == _oracle(t5_dir, prompts[0])[1]
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks

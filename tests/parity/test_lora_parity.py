@@ -21,11 +21,12 @@ import transformers
 from mmserve import LLM, SamplingParams
 from mmserve.testing import image_to_data_uri, make_test_image
 from mmserve.testing.lora import make_lora_adapter, merge_lora_into
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import TOL, assert_matches_oracle, run_staggered
 from tests.server.conftest import start_server
 
 N = 16
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 
 
@@ -45,9 +46,11 @@ def _hf(model_dir: str, adapter_dir: str | None):
     return model, transformers.AutoProcessor.from_pretrained(model_dir)
 
 
-def _oracle(model_dir: str, adapter_dir: str | None, prompt: dict):
+def _oracle(model_dir: str, adapter_dir: str | None, prompt: dict, device: str = "cpu"):
+    """The merged model on the CPU; pictures resized where mmserve resizes them (on the GPU when it runs there)."""
     model, processor = _hf(model_dir, adapter_dir)
-    enc = processor(text=prompt["prompt"], images=prompt.get("images") or None, return_tensors="pt")
+    kw = {"device": device} if device != "cpu" else {}
+    enc = processor(text=prompt["prompt"], images=prompt.get("images") or None, return_tensors="pt", **kw).to("cpu")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
@@ -71,12 +74,13 @@ def test_adapter_request_matches_transformers_with_the_adapter_merged(tiny_llava
     assert base.outputs[0].token_ids != out.outputs[0].token_ids   # the adapter changes the answer
 
 
-def test_staggered_batch_mixes_two_adapters_and_the_base_model(tiny_llava_dir, adapters):
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters, enable_prefix_caching=False)
+@pytest.mark.parametrize("device", DEVICES)
+def test_staggered_batch_mixes_two_adapters_and_the_base_model(tiny_llava_dir, adapters, device):
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", lora_modules=adapters, enable_prefix_caching=False)
     names = ["alpha", None, "beta", "alpha", None, "beta"]
     prompts = [_prompt(i, name) for i, name in enumerate(names)]
     for prompt, name, out in zip(prompts, names, run_staggered(llm.engine, prompts, GREEDY)):
-        assert_matches_oracle(out, _oracle(tiny_llava_dir, adapters.get(name), {**prompt}))
+        assert_matches_oracle(out, _oracle(tiny_llava_dir, adapters.get(name), prompt, device), TOL[device])
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
 
 

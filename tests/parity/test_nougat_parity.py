@@ -16,10 +16,11 @@ import transformers
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
 from mmserve.testing.nougat import make_nougat_checkpoint
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import TOL, assert_matches_oracle, run_staggered
 
 N = 16
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,11 @@ def _hf(model_dir: str):
     return model, transformers.AutoProcessor.from_pretrained(model_dir)
 
 
-def _oracle(model_dir: str, prompt: dict):
+def _oracle(model_dir: str, prompt: dict, device: str = "cpu"):
+    """The model on the CPU; the page resized where mmserve resizes it (on the GPU when it runs there)."""
     model, processor = _hf(model_dir)
-    pixels = processor(images=prompt["images"], return_tensors="pt").pixel_values
+    kw = {"device": device} if device != "cpu" else {}
+    pixels = processor(images=prompt["images"], return_tensors="pt", **kw).pixel_values.cpu()
     start = model.config.decoder_start_token_id
     ids = [start] + (processor.tokenizer(prompt["prompt"], add_special_tokens=False).input_ids if prompt["prompt"] else [])
     with torch.no_grad():
@@ -61,11 +64,12 @@ def test_page_matches_transformers(nougat_dir, text):
     assert other.outputs[0].token_ids != out.outputs[0].token_ids   # the page conditions the answer
 
 
-def test_staggered_batch_of_pages(nougat_dir):
-    llm = LLM(nougat_dir, device="cpu", dtype="float32", enable_prefix_caching=False)
+@pytest.mark.parametrize("device", DEVICES)
+def test_staggered_batch_of_pages(nougat_dir, device):
+    llm = LLM(nougat_dir, device=device, dtype="float32", enable_prefix_caching=False)
     prompts = [_page(i, "# A" if i % 2 else "") for i in range(5)]
     for prompt, out in zip(prompts, run_staggered(llm.engine, prompts, GREEDY)):
-        assert_matches_oracle(out, _oracle(nougat_dir, prompt))
+        assert_matches_oracle(out, _oracle(nougat_dir, prompt, device), TOL[device])
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
 
 

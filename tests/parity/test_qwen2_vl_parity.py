@@ -205,6 +205,17 @@ def qwen25_dir(tmp_path_factory) -> str:
     return str(make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), preset="tiny-2.5", seed=1))
 
 
+def _oracle_truncates_seconds() -> bool:
+    import inspect
+
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+    return "int(next(second_per_grid_ts))" in inspect.getsource(m.Qwen2_5_VLModel.get_rope_index)
+
+
+# transformers 5.17 takes int() of the seconds per temporal patch (0.083 s at the tiny preset's default 24 fps, so
+# every frame gets the same temporal position); the model's rule, and later versions', keep the fraction
+@pytest.mark.skipif(_oracle_truncates_seconds(), reason="the installed transformers' Qwen2.5-VL video time "
+                    "positions truncate seconds per temporal patch to whole seconds; the oracle is wrong here")
 def test_qwen2_5_vl_windowed_tower_and_video_time_positions_match(qwen25_dir):
     """Qwen2.5-VL: windowed ViT attention (windows cut partial blocks at the edges) and video temporal
     positions spaced by tokens_per_second * seconds per temporal patch."""

@@ -8,11 +8,10 @@ import httpx
 import openai
 import pytest
 import torch
-import transformers
 from PIL import Image
-from transformers import AutoConfig, AutoProcessor
 
 from mmserve.testing import image_to_data_uri, make_checkpoint, make_test_image
+from tests.parity.hf_oracle import _load
 from tests.server.conftest import start_server
 
 # family -> (the text the ensemble gets, the picture's size)
@@ -28,9 +27,7 @@ def family_server(request, tmp_path_factory):
 
 
 def _hf_completion(model_dir: str, prompt: str, image: Image.Image, n: int) -> str:
-    processor = AutoProcessor.from_pretrained(model_dir)
-    arch = AutoConfig.from_pretrained(model_dir).architectures[0]
-    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
+    model, processor = _load(model_dir, "cpu")
     enc = processor(text=prompt, images=[image], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False)

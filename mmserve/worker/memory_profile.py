@@ -1,0 +1,81 @@
+"""The activation memory profile that sizes the KV cache: one step's peak beyond weights and KV cache, measured
+on the GPU with a text prefill of the step budget (and the vision encoder's, for models whose encoder runs eagerly)."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
+from mmserve.engine.kv_cache import cdiv
+from mmserve.engine.request import MultiModalItem
+
+if TYPE_CHECKING:
+    from mmserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None) -> int:
+    """The memory a step needs beyond weights and KV cache, measured: the larger of one text-only prefill
+    of num_tokens (through a scratch KV cache) and, for a vision model whose encoder runs eagerly (no
+    encoder graphs, whose pool is taken before this), encoding as many copies of `template` as a step of
+    num_tokens overlaps; plus the encoder cache's bound (its capacity in rows at the LM's width)."""
+    if runner.device.type != "cuda":
+        return 0
+    if getattr(runner.model, "encoder_decoder", False) and template is None:
+        logger.warning("no activation profile: an encoder-decoder's decoder needs a picture's encoder output")
+        return 0
+    encoder_peak = 0
+    if template is not None and runner.encoder_graphs is None:
+        item = runner._on_device(template)
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        base = torch.cuda.memory_allocated(runner.device)
+        # cross-attention families encode a request's images when its first chunk runs, not per placeholder
+        copies = 1 if runner.uses_cross_attention else cdiv(num_tokens, template.length) + 1
+        with runner._vision_kernels():
+            encoded = runner.model.get_mm_embeddings([item] * copies)
+        torch.cuda.synchronize(runner.device)
+        encoder_peak = torch.cuda.max_memory_allocated(runner.device) - base
+        row_bytes = encoded[0][0].numel() * encoded[0].element_size()
+        del encoded
+    blocks = cdiv(num_tokens, runner.block_size) + 1
+    runner.allocate_kv_cache(blocks)
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    base = torch.cuda.memory_allocated(runner.device)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=runner.device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=runner.device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=runner.device)[None],
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=runner.device),
+        query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
+        max_seq_len=num_tokens, block_size=runner.block_size)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    positions = torch.arange(num_tokens, device=runner.device)
+    if runner.uses_mrope:
+        positions = positions.expand(3, -1)
+    if runner.uses_cross_attention and template is not None:
+        # the prompt attends one picture's encoder output, as a request's steps do (an encoder-decoder's
+        # decoder has nothing to attend without it)
+        item = runner._on_device(template)
+        with runner._vision_kernels():
+            states = runner.model.get_mm_embeddings([item])[0]
+        meta.cross = CrossAttentionBatch([CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
+                                                            [states])])
+    embeds = runner.model.embed_input_ids(ids)
+    hidden = runner.model(embeds, positions, meta)
+    runner.model.compute_logits(hidden[-64:])
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - base
+    runner.kv_caches = []
+    for layer in runner.attn_layers:
+        layer.kv_cache = None
+    torch.cuda.empty_cache()
+    if template is not None and runner.encoder_graphs is not None:
+        row_bytes = embeds.shape[-1] * embeds.element_size()
+    cache_bound = runner.encoder_cache.capacity * row_bytes if template else 0
+    return max(peak, encoder_peak) + cache_bound
