@@ -5,6 +5,7 @@ Readable and device-agnostic; it is the oracle the Triton kernels are tested aga
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,3 +58,61 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                                            scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1)
     return out
+
+
+# a step's [sequences, heads, queries, keys] score bias above this many elements goes sequence by sequence instead
+PADDED_BIAS_MAX_ELEMENTS = 1 << 25
+
+
+@dataclass
+class PaddedBatch:
+    """A step's sequences padded to one query length and one key length (whole blocks), with the score bias and
+    causal mask of every (query, key) pair built once for all layers: attention over the paged cache in a few
+    batched calls instead of a loop over sequences (T5-style decoders, whose relative-position bias only this
+    backend takes)."""
+
+    rows: torch.Tensor      # [T] int64: each query's row in the padded [B * max_q] queries
+    blocks: torch.Tensor    # [B, blocks] the sequences' block ids (padded columns masked out)
+    mask: torch.Tensor      # [B, H, max_q, keys] additive: the bias, -inf where a query does not see a key
+    max_q: int
+
+
+def padded_batch(meta: AttentionMetadata, bias_fn: Callable[[torch.Tensor, int], torch.Tensor],
+                 heads: int) -> PaddedBatch | None:
+    """The padded layout of `meta`'s step and its masked bias (`bias_fn` as in `paged_attention`); None when the
+    bias would exceed PADDED_BIAS_MAX_ELEMENTS (long prompts: `paged_attention` per sequence then)."""
+    qsl, ctx = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
+    max_q, bs = max(q_lens), meta.block_size
+    num_blocks = -(-max(ctx) // bs)
+    keys = num_blocks * bs
+    if meta.num_seqs * heads * max_q * keys > PADDED_BIAS_MAX_ELEMENTS:
+        return None
+    device = meta.block_tables.device
+    j = torch.arange(max_q, device=device)
+    q_len = torch.tensor(q_lens, device=device)
+    # query j of sequence b sits at position ctx_b - q_len_b + j; padding rows (j >= q_len_b) look at key 0 only
+    pos = (torch.tensor(ctx, device=device) - q_len)[:, None] + j[None, :]
+    pos = torch.where(j[None, :] < q_len[:, None], pos, 0)
+    bias = bias_fn(pos.flatten(), keys).view(heads, meta.num_seqs, max_q, keys).transpose(0, 1)
+    causal = torch.arange(keys, device=device)[None, None, :] <= pos[:, :, None]
+    rows = torch.cat([b * max_q + torch.arange(n, device=device) for b, n in enumerate(q_lens)])
+    return PaddedBatch(rows, meta.block_tables[:, :num_blocks], bias.masked_fill(~causal[:, None], float("-inf")),
+                       max_q)
+
+
+def padded_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: PaddedBatch, scale: float,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """`paged_attention` of a step laid out by `padded_batch`: q [T, H, D] -> [T, H, D]."""
+    num_seqs, heads, dim = batch.blocks.shape[0], q.shape[1], q.shape[2]
+
+    def gathered(part: int, kv_scale: float) -> torch.Tensor:   # [B, KVH, keys, D]
+        kv = kv_cache[part][batch.blocks]
+        return dequantize_kv(kv.flatten(1, 2), q.dtype, kv_scale).transpose(1, 2)
+
+    padded = q.new_zeros(num_seqs * batch.max_q, heads, dim)
+    padded[batch.rows] = q
+    o = F.scaled_dot_product_attention(padded.view(num_seqs, batch.max_q, heads, dim).transpose(1, 2),
+                                       gathered(0, k_scale), gathered(1, v_scale), attn_mask=batch.mask.to(q.dtype),
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).reshape(-1, heads, dim)[batch.rows]

@@ -72,6 +72,17 @@ class HFBaseline:
         self._torch = torch
 
     def _encode(self, prompts: list[str], images: list[Any]) -> Any:
+        if getattr(self.model.config, "is_vqa", False):
+            # Pix2Struct VQA (Deplot): each question drawn on its picture, as mmserve draws it (same route, same font)
+            from mmserve.models.pix2struct import Pix2StructForConditionalGeneration, builtin_font_bytes
+
+            font = builtin_font_bytes()
+            parts = [Pix2StructForConditionalGeneration.call_processor(
+                self.processor, p, {"images": [image], "font_bytes": font}) for p, image in zip(prompts, images)]
+            enc = {k: self._torch.cat([part[k] for part in parts]) for k in ("flattened_patches", "attention_mask")}
+            enc["flattened_patches"] = enc["flattened_patches"].to(self.model.dtype)
+            enc["decoder_input_ids"] = self._torch.tensor([[self.model.config.decoder_start_token_id]] * len(prompts))
+            return {k: v.to(self.device) for k, v in enc.items()}
         if getattr(self.model.config, "is_encoder_decoder", False):
             # an encoder-decoder (Nougat): the processor reads the pictures; the text starts the decoder's answer
             enc = dict(self.processor(images=images, return_tensors="pt"))

@@ -114,6 +114,9 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
         text = {**text, "hidden_size": text["d_model"], "num_attention_heads": text["num_heads"],
                 "head_dim": text["d_kv"], "intermediate_size": text["d_ff"],
                 "num_hidden_layers": text.get("num_decoder_layers") or text["num_layers"]}
+    if text.get("model_type") == "pix2struct_text_model":   # T5-style names, its own hidden_size
+        text = {**text, "num_attention_heads": text["num_heads"], "head_dim": text["d_kv"],
+                "intermediate_size": text["d_ff"], "num_hidden_layers": text["num_layers"]}
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
@@ -141,6 +144,9 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
         gated = str(text.get("feed_forward_proj", "relu")).startswith("gated-")
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads,
                        mlp_matrices=3 if gated else 2, cross_attention=True)
+    if text.get("model_type") == "pix2struct_text_model":   # always gated
+        return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=3,
+                       cross_attention=True)
     if text.get("model_type") in ("persimmon", "fuyu"):   # "fuyu": adept/fuyu-8b's flat config.json
         return LMShape(**common, intermediate=int(text["intermediate_size"]), kv_heads=heads, mlp_matrices=2,
                        qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,

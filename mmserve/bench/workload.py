@@ -166,7 +166,7 @@ class PromptTemplate:
     With a chat template: `apply_chat_template` of one user turn holding an image part and a text part, plus the
     generation prompt. Without one: `Question: <text> Answer:`, with the processor's image placeholder in front
     unless the processor inserts the image tokens itself (BLIP-2); an encoder-decoder's (Nougat) is the text alone,
-    the beginning of its decoder's answer.
+    the beginning of its decoder's answer, or (Deplot) the question drawn on the picture.
     """
 
     def __init__(self, model_dir: str) -> None:
@@ -178,6 +178,7 @@ class PromptTemplate:
         self.chat_template = getattr(self.processor, "chat_template", None)
         self.placeholder_in_prompt = True
         self.decoder_prompt = None   # an encoder-decoder's prompt ids of a text: its decoder's (Nougat)
+        self.drawn_text = False
         if not self.chat_template:
             from transformers import AutoConfig
 
@@ -188,6 +189,7 @@ class PromptTemplate:
             self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
             if getattr(model_cls, "encoder_decoder", False):
                 self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(config, self.tokenizer, text)
+            self.drawn_text = bool(getattr(config, "is_vqa", False))   # Deplot: the question is drawn on the picture
 
     def wrap(self, text: str) -> str:
         """The full prompt of one image + the user `text` (an encoder-decoder's: the text that starts its answer)."""
@@ -200,7 +202,10 @@ class PromptTemplate:
         return f"{image}Question: {text} Answer:"
 
     def text_tokens(self, prompt: str) -> int:
-        """Tokens of `prompt` as the processor tokenizes it (special tokens added), minus its image placeholders."""
+        """Tokens of `prompt` as the processor tokenizes it (special tokens added), minus its image placeholders; a
+        question drawn on the picture counts the tokens it would be."""
+        if self.drawn_text:
+            return len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         if self.decoder_prompt:
             return len(self.decoder_prompt(prompt))
         placeholders = prompt.count(self.image_token) if self.placeholder_in_prompt else 0

@@ -43,6 +43,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-images-per-request", type=int, default=16)
     p.add_argument("--max-image-pixels", type=int, default=64 * 2**20)
     p.add_argument("--media-fetch-timeout", type=float, default=10.0)
+    p.add_argument("--header-font", default=None, metavar="TTF",
+                   help="font Pix2Struct VQA models (Deplot) read the question in (default: Arial.TTF in the model "
+                        "directory or the hub cache, else Pillow's built-in font)")
     p.add_argument("--accumulate-tokens", action="store_true", help="BLS streaming sends all text so far")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode steps, short prefills, vision towers)")
@@ -108,7 +111,7 @@ async def _serve(args: argparse.Namespace) -> None:
     media = MediaConfig(allow_private_urls=args.allow_private_media_urls,
                         allowed_local_media_path=args.allowed_local_media_path,
                         fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
-                        max_images_per_request=args.max_images_per_request)
+                        max_images_per_request=args.max_images_per_request, header_font_path=args.header_font)
     server_config = ServerConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                                  served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                                  max_concurrent_requests=args.max_concurrent_requests,

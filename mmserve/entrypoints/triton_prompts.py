@@ -43,6 +43,7 @@ FORMATS: dict[str, PromptFormat] = {
 FORMATS["blip-2"] = FORMATS["blip2"]
 FORMATS["llava_llama"] = FORMATS["vila"]      # VILA checkpoints' HF model_type
 FORMATS["nougat"] = FORMATS["vision-encoder-decoder"]
+FORMATS["pix2struct"] = FORMATS["vision-encoder-decoder"]   # Deplot: the text is the question drawn on the picture
 
 
 def format_for(model_type: str, image_token: str | None = "<image>", video_token: str | None = None

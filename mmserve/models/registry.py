@@ -15,6 +15,7 @@ _MODELS = {
     "FuyuForCausalLM": ("mmserve.models.fuyu", "FuyuForCausalLM"),
     "Kosmos2ForConditionalGeneration": ("mmserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
     "VisionEncoderDecoderModel": ("mmserve.models.nougat", "NougatForConditionalGeneration"),
+    "Pix2StructForConditionalGeneration": ("mmserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
 }
 
 

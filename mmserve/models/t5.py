@@ -4,7 +4,8 @@ embeddings (BLIP-2: the query tokens, then the question), the decoder over the p
 T5's attention does not scale its scores and adds a learned relative-position bias (from buckets of the key's
 distance to the query, computed in the first layer and shared by all layers of the stack); the decoder's
 self-attention does so over the paged cache in torch on every device (`torch_backend.paged_attention` with
-`bias_fn`), its cross-attention attends the encoder states without a bias. RMS LayerNorms (no mean, no bias),
+`bias_fn`; a step's sequences padded together when the bias fits, `torch_backend.padded_batch`), its
+cross-attention attends the encoder states without a bias. RMS LayerNorms (no mean, no bias),
 gated-GELU or ReLU feed-forward, a final norm per stack; a tied LM head scales its input by d_model^-0.5.
 """
 from __future__ import annotations
@@ -155,12 +156,16 @@ class T5DecoderBlock(nn.Module):
         a = self.layer[1].EncDecAttention
         return torch.stack([a.heads_of(a.k(states)), a.heads_of(a.v(states))], dim=1)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, bias_fn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, bias_fn,
+                padded: torch_backend.PaddedBatch | None) -> torch.Tensor:
         sa, p = self.layer[0], self.paged
         a, h = sa.SelfAttention, sa.layer_norm(x)
         q, k, v = a.heads_of(a.q(h)), a.heads_of(a.k(h)), a.heads_of(a.v(h))
         p.backend.write_kv(k, v, p.kv_cache, meta.slot_mapping, p.k_scale, p.v_scale)
-        o = torch_backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, bias_fn=bias_fn)
+        if padded is not None:
+            o = torch_backend.padded_attention(q, p.kv_cache, padded, 1.0, p.k_scale, p.v_scale)
+        else:
+            o = torch_backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, bias_fn=bias_fn)
         x = _clamp(x + a.o(o.reshape(len(x), -1)))
         ca = self.layer[1]
         c = ca.EncDecAttention
@@ -181,9 +186,11 @@ class T5DecoderStack(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(x):
             raise ValueError("every sequence of an encoder-decoder model needs its encoder states")
-        bias_fn = self.block[0].layer[0].SelfAttention.position_bias
+        first = self.block[0].layer[0].SelfAttention
+        # the relative-position bias and the causal mask of the step's padded layout, once for all layers
+        padded = torch_backend.padded_batch(meta, first.position_bias, first.heads)
         for block in self.block:
-            x = block(x, meta, bias_fn)
+            x = block(x, meta, first.position_bias, padded)
         return self.final_layer_norm(x)
 
 
@@ -196,19 +203,21 @@ def _clamp(x: torch.Tensor) -> torch.Tensor:
 
 
 class T5LanguageModel(nn.Module):
-    """`shared` embedding, the encoder (run per request by the family), the decoder over the paged cache, LM head."""
+    """`shared` embedding, the encoder (run per request by the family; `with_encoder=False`: none, as Pix2Struct,
+    whose encoder is a vision tower), the decoder over the paged cache, LM head (`output_scale`: what its input is
+    multiplied by; default T5's rule)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, with_encoder: bool = True, output_scale: float | None = None) -> None:
         super().__init__()
         self.config = config
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = T5EncoderStack(config)
+        self.encoder = T5EncoderStack(config) if with_encoder else None
         self.decoder = T5DecoderStack(config)
         # the LM head is its own tensor when the checkpoint has one (Flan-T5), else a copy of `shared`
         # (`share_head_if_absent`); transformers 5 reads the old `tie_word_embeddings` as `scale_decoder_outputs`
         self.lm_head = ReplicatedLinear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight.tied = True   # may be absent from the checkpoint
-        self.output_scale = config.d_model ** -0.5 if getattr(
+        self.output_scale = output_scale if output_scale is not None else config.d_model ** -0.5 if getattr(
             config, "scale_decoder_outputs", getattr(config, "tie_word_embeddings", False)) else 1.0
         for p in self.parameters():
             p.requires_grad_(False)

@@ -40,11 +40,14 @@ class MediaConfig:
     max_image_pixels: int = 64 * 2**20             # width * height of one image or video frame
     max_images_per_request: int = 16
     max_video_frames: int = 64
+    header_font_path: str | None = None            # TrueType font Pix2Struct VQA models (Deplot) read questions in
 
     def __post_init__(self) -> None:
         path = self.allowed_local_media_path
         if path is not None and not os.path.isdir(path):
             raise ValueError(f"allowed_local_media_path must be an existing directory, got {path!r}")
+        if self.header_font_path is not None and not os.path.isfile(self.header_font_path):
+            raise ValueError(f"header_font_path must be an existing font file, got {self.header_font_path!r}")
         if not self.fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
         for name in ("max_media_bytes", "max_image_pixels", "max_images_per_request", "max_video_frames"):

@@ -88,6 +88,9 @@ class InputProcessor:
         self.model_cls = model_cls
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
+        # what every processor call of this family needs (Pix2Struct VQA: the font its question is drawn in)
+        extra = getattr(model_cls, "processor_kwargs", None)
+        self._family_kwargs = extra(model_dir, hf_config, self.media.header_font_path) if extra else {}
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.image_token = getattr(self.processor, "image_token", None) or "<image>"
         self.video_token = getattr(self.processor, "video_token", None)
@@ -185,10 +188,15 @@ class InputProcessor:
             image_keys = [f"id:{i}" for i in ids_given]
         if self.device is not None:
             kwargs["device"] = str(self.device)
+        kwargs.update(self._family_kwargs)
         if getattr(self.model_cls, "encoder_decoder", False):   # the prompt is the decoder's
-            if getattr(self.model_cls, "encoder_reads_text", False):   # BLIP-2 T5: the text is the encoder's input
-                enc = dict(self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs)))
-                enc["encoder_input_ids"] = enc["input_ids"]
+            if getattr(self.model_cls, "encoder_reads_text", False):   # BLIP-2 T5, Pix2Struct VQA: the encoder's
+                call = getattr(self.model_cls, "call_processor", None)   # a family's own route through it
+                enc = dict(self._on_stream(lambda: call(self.processor, text, kwargs) if call is not None
+                                           else self.processor(text=text, return_tensors="pt", **kwargs)))
+                if "input_ids" in enc:
+                    enc["encoder_input_ids"] = enc["input_ids"]
+                enc["encoder_text"] = text
             else:   # Nougat: the processor sees only the picture
                 enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
             enc["input_ids"] = torch.tensor([self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)])
