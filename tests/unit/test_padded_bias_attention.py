@@ -1,8 +1,6 @@
-"""Padded attention of several sequences in one call equals one call per sequence: the torch backend's attention
-with a dense score bias (T5-style decoders: Flan-T5, Pix2Struct) against its sequence-by-sequence
-`paged_attention(bias_fn=...)` on mixed steps (decodes, prompt chunks over a cached prefix, grouped heads, an FP8
-cache; a step whose bias would be too large left to the per-sequence path), and the cross-attention's padded groups
-(`layers/cross_attention.py`) against separate SDPA calls."""
+"""The torch backend's padded attention with a dense score bias (T5-style decoders: Flan-T5, Pix2Struct) equals its
+sequence-by-sequence `paged_attention(bias_fn=...)` on mixed steps: decodes, prompt chunks over a cached prefix,
+grouped heads, an FP8 cache; and a step whose bias would be too large is left to the per-sequence path."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -52,33 +50,3 @@ def test_a_bias_too_large_goes_sequence_by_sequence(monkeypatch):
     monkeypatch.setattr(torch_backend, "PADDED_BIAS_MAX_ELEMENTS", 384)
     assert torch_backend.padded_batch(meta, attn.position_bias, 4) is not None
 
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cap_seqs", [1, 2, 100])
-def test_cross_attention_padded_groups_equal_one_call_per_sequence(device, cap_seqs, monkeypatch):
-    """Sequences of different row and key counts, grouped heads, a per-row mask on one (Mllama): every grouping
-    (one sequence per call, pairs, all at once) gives what separate SDPA calls give."""
-    import torch.nn.functional as F
-
-    from mmserve.layers import cross_attention
-
-    gen = torch.Generator().manual_seed(0)
-    rows, keys = [1, 3, 1, 2], [5, 9, 2, 7]
-    q = torch.randn(sum(rows), 4, 8, generator=gen).to(device)
-    seqs = []
-    for n, t in zip(rows, keys):
-        k, v = (torch.randn(t, 2, 8, generator=gen).to(device) for _ in range(2))
-        mask = (torch.rand(n, t, generator=gen) > 0.4).to(device) if n == 3 else None
-        if mask is not None:
-            mask[:, 0] = True   # no row without a key
-        seqs.append((n, k, v, mask))
-    monkeypatch.setattr(cross_attention, "PADDED_KV_MAX_BYTES", cap_seqs * 9 * 2 * 2 * 8 * 4)
-    got = cross_attention.attend_per_sequence(q, seqs, 0.3)
-    want, row = [], 0
-    for n, k, v, mask in seqs:
-        o = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=None if mask is None else mask[None, None],
-                                           scale=0.3, enable_gqa=True)
-        want.append(o[0].transpose(0, 1))
-        row += n
-    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
