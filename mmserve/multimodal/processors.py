@@ -204,6 +204,8 @@ class InputProcessor:
             enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
                                images_key=(str(self.device), tuple(content_keys)))
         if pixel_values is not None:
+            if "pixel_values" not in enc:   # Pix2Struct: flattened patches drawn with the question
+                raise ValueError("pixel_values: this model does not take preprocessed pixels; send the images")
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
                 raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
                                  f"model expects {list(enc['pixel_values'].shape[1:])}")
@@ -334,7 +336,8 @@ class InputProcessor:
         """OpenAI-style messages -> a prompt dict {"prompt", "images", "videos"} for process().
 
         Content parts: text, image_url / image, video_url / video (URL, data URI, path, bytes or decoded
-        frames), in order; the checkpoint's chat template places their placeholders.
+        frames), in order; the checkpoint's chat template places their placeholders. An encoder-decoder without
+        a chat template takes one user message: its text is the prompt, its picture the image.
         """
         hf_messages: list[dict] = []
         media: dict[str, list[Any]] = {"images": [], "videos": []}
@@ -360,6 +363,13 @@ class InputProcessor:
             hf_messages.append({"role": m["role"], "content": parts})
         # some processors drop the template their tokenizer carries (Fuyu's): use the tokenizer's then
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        if not getattr(owner, "chat_template", None) and getattr(self.model_cls, "encoder_decoder", False):
+            # encoder-decoders (Deplot, Nougat, BLIP-2 T5) have no chat format: one user turn is the prompt
+            if len(hf_messages) != 1 or hf_messages[0]["role"] != "user":
+                raise ValueError("messages: this model takes one user message (its text and picture), got roles "
+                                 f"{[m['role'] for m in hf_messages]}")
+            text = "\n".join(p["text"] for p in hf_messages[0]["content"] if p["type"] == "text")
+            return {"prompt": text, **{k: v for k, v in media.items() if v}}
         if not getattr(owner, "chat_template", None):
             raise ValueError("this model has no chat template: send a plain prompt (e.g. /v1/completions)")
         prompt = owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)

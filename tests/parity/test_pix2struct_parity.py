@@ -85,7 +85,7 @@ def test_caches_key_on_the_picture_and_the_question(deplot_dir):
     assert_matches_oracle(asked, _oracle(deplot_dir, _chart(3, "Which year?")))
 
 
-def test_preemption_and_missing_picture(deplot_dir):
+def test_preemption_missing_picture_and_preprocessed_pixels(deplot_dir):
     tight = LLM(deplot_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=10,
                 enable_prefix_caching=False)
     prompts = [_chart(10 + i) for i in range(4)]
@@ -93,6 +93,8 @@ def test_preemption_and_missing_picture(deplot_dir):
         assert_matches_oracle(out, _oracle(deplot_dir, prompt))
     with pytest.raises(ValueError, match="images: this model reads one picture"):
         tight.generate([{"prompt": "no chart"}], GREEDY)
+    with pytest.raises(ValueError, match="pixel_values: this model does not take preprocessed pixels"):
+        tight.generate([{"prompt": DEPLOT_PROMPT, "pixel_values": torch.zeros(1, 3, 16, 16)}], GREEDY)
     assert not tight.engine.scheduler.waiting and not tight.engine.scheduler.running
 
 
@@ -110,21 +112,32 @@ def test_header_font_option(deplot_dir, tmp_path):
         MediaConfig(header_font_path=str(tmp_path / "missing.ttf"))
 
 
-def test_triton_ensemble_answers_a_chart_question(deplot_dir, tmp_path):
-    """The seed's Deplot request through Triton: the question as `text_input` and a chart on a real server."""
+def test_triton_ensemble_and_openai_chat_answer_a_chart_question(deplot_dir, tmp_path):
+    """The seed's Deplot request through Triton (the question as `text_input`, a chart) and the same question as an
+    OpenAI chat message on one real server; a chat of two turns is refused naming the field."""
     import httpx
+    import openai
 
     from mmserve.testing import image_to_data_uri
     from tests.server.conftest import start_server
 
     chart = _chart(6)
-    body = {"text_input": DEPLOT_PROMPT, "max_tokens": N, "min_tokens": N, "temperature": 0,
-            "image_url_input": image_to_data_uri(chart["images"][0])}
+    url = image_to_data_uri(chart["images"][0])
+    body = {"text_input": DEPLOT_PROMPT, "max_tokens": N, "min_tokens": N, "temperature": 0, "image_url_input": url}
+    user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": DEPLOT_PROMPT}]}
     with start_server(deplot_dir, tmp_path) as server:
         r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate", json=body, timeout=120)
         missing = httpx.post(f"{server.http_url}/v2/models/ensemble/generate",
                              json={"text_input": DEPLOT_PROMPT, "max_tokens": 4}, timeout=60)
+        client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+        chat = client.chat.completions.create(model=client.models.list().data[0].id, messages=[user], max_tokens=N,
+                                              temperature=0, extra_body={"min_tokens": N})
+        with pytest.raises(openai.BadRequestError, match="messages: this model takes one user message"):
+            client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                           messages=[user, {"role": "assistant", "content": "x"}, user])
     assert r.status_code == 200, r.text
     _, want_ids, _ = _oracle(deplot_dir, chart)
-    assert r.json()["text_output"] == _hf(deplot_dir)[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    want = _hf(deplot_dir)[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    assert r.json()["text_output"] == want and chat.choices[0].message.content == want
     assert missing.status_code == 400 and "images: this model reads one picture" in missing.text
