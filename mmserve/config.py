@@ -87,6 +87,9 @@ class CacheConfig:
     prompt_end_cache_size: int = 1024
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with a per-layer scale, half the bytes per token
     kv_cache_dtype: str = "auto"
+    # cross-attention families (Mllama, the encoder-decoders): the part of the KV budget kept for the running
+    # requests' encoder keys/values (TensorRT-LLM's cross_kv_cache_fraction); requests wait for room in it
+    cross_kv_cache_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -95,6 +98,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 < self.cross_kv_cache_fraction < 1.0:
+            raise ValueError(f"cross_kv_cache_fraction must be in (0, 1), got {self.cross_kv_cache_fraction}")
         if self.prompt_end_cache_size < 0:
             raise ValueError(f"prompt_end_cache_size must be >= 0, got {self.prompt_end_cache_size}")
         if self.kv_cache_size_gb <= 0:

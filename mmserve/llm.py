@@ -32,6 +32,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_size_gb: float = 1.0, kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
+                 cross_kv_cache_fraction: float = 0.5,
                  prompt_end_cache_size: int = 1024,
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False, async_scheduling: bool = True, quantization: str | None = None,
@@ -44,7 +45,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
                               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
-                              prompt_end_cache_size=prompt_end_cache_size),
+                              prompt_end_cache_size=prompt_end_cache_size,
+                              cross_kv_cache_fraction=cross_kv_cache_fraction),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       async_scheduling=async_scheduling))

@@ -75,6 +75,7 @@ class Engine:
                                             config.scheduler.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
+        self.scheduler.encoder_state_budget = self.runner.encoder_state_budget
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}
@@ -155,8 +156,15 @@ class Engine:
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
+        state_bytes = sum(self.model.encoder_state_bytes(it) for it in inputs.mm_items) \
+            if self.runner.uses_cross_attention else 0
+        budget = self.scheduler.encoder_state_budget
+        if budget is not None and state_bytes > budget:
+            raise ValueError(f"images: their encoder keys/values take {state_bytes / 2**20:.1f} MiB, more than the "
+                             f"{budget / 2**20:.1f} MiB kept for them (cross_kv_cache_fraction)")
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_ids=eos, bad_words_ids=[b for b in bad if b])
+        req.encoder_state_bytes = state_bytes
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
         req.lora, req.hash_salt = inputs.lora, self.lora.hash_salt(inputs.lora)   # ValueError: unknown adapter
         if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:

@@ -68,6 +68,8 @@ class Request:
         # cross-attention families: the encoder's output per item, which every step of the request attends; kept
         # here so it lives exactly as long as the request (the encoder cache may evict its copy meanwhile)
         self.encoder_states: list | None = None
+        self.encoder_state_bytes = 0          # their size, known before encoding (the scheduler's budget)
+        self.holds_encoder_budget = False     # admitted: those bytes are counted against the budget
         self.lora: str | None = None             # the LoRA adapter its steps apply (LoRAManager), if any
         self.hash_salt: bytes | None = None      # parent digest of its first KV block (the adapter's), if any
         self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)

@@ -22,6 +22,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    p.add_argument("--cross-kv-cache-fraction", type=float, default=0.5,
+                   help="cross-attention models (Mllama, Nougat, Deplot, BLIP-2 T5): the part of the KV budget kept "
+                        "for the running requests' encoder keys/values (TensorRT-LLM's cross_kv_cache_fraction)")
     p.add_argument("--kv-cache-size-gb", type=float, default=1.0, help="KV pool size on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -66,6 +69,7 @@ def build_engine_config(args: argparse.Namespace):
                           max_loras=args.max_loras),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          cross_kv_cache_fraction=args.cross_kv_cache_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching,
                           prompt_end_cache_size=args.prompt_end_cache_size),

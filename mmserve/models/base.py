@@ -70,6 +70,12 @@ class MultiModalCausalLM(nn.Module):
         """Load the checkpoint's (name, tensor) pairs, renaming them to our module paths."""
         raise NotImplementedError
 
+    def encoder_state_bytes(self, item: MultiModalItem) -> int:
+        """Cross-attention families: the bytes `get_mm_embeddings` will return for `item` (its cross keys/values,
+        held by the request while it runs), known before encoding so the scheduler can budget them."""
+        raise NotImplementedError
+
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
         return self.language_model.embed_input_ids(input_ids)
@@ -90,3 +96,8 @@ def check_single_image(image_keys: list[str], video_keys: list[str], required: b
         how = "exactly" if required else "at most"
         raise ValueError(f"this model takes {how} one image per prompt, got {len(image_keys)} image(s) and "
                          f"{len(video_keys)} video(s)")
+
+
+def cross_kv_bytes(rows: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of [rows, layers, 2, heads, head_dim] keys/values in dtype."""
+    return rows * layers * 2 * heads * head_dim * dtype.itemsize

@@ -26,7 +26,7 @@ from mmserve.layers.cross_attention import attend_per_sequence
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
-from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.base import MultiModalCausalLM, cross_kv_bytes
 from mmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from mmserve.models.mllama_vision import MllamaVisionTower
 from mmserve.models.weights import load_weights
@@ -254,6 +254,13 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
         states = self.multi_modal_projector(states.flatten(1, 2))                     # [N, tiles * patches, hidden]
         layers = self.language_model.model.cross_layers
         return [torch.stack([layer.cross_attn.project_kv(s) for layer in layers], dim=1) for s in states]
+
+    def encoder_state_bytes(self, item: MultiModalItem) -> int:
+        """Every tile (padding tiles too) of every patch, through each cross layer."""
+        layers = self.language_model.model.cross_layers
+        a = layers[0].cross_attn
+        return cross_kv_bytes(item.data["pixel_values"].shape[0] * self.vision_model.num_patches, len(layers),
+                              a.num_kv_heads, a.head_dim, self.multi_modal_projector.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,

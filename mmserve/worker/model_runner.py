@@ -44,6 +44,7 @@ class ModelRunner:
         self.model = model
         self.uses_mrope = getattr(model, "uses_mrope", False)   # positions [3, T] (Qwen2-VL)
         self.uses_cross_attention = getattr(model, "uses_cross_attention", False)   # Mllama
+        self.encoder_state_budget: int | None = None   # bytes of encoder keys/values (num_blocks_for)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_config.cache_dtype(dtype)
@@ -139,7 +140,10 @@ class ModelRunner:
 
     def num_blocks_for(self, cache_config: CacheConfig, activation_peak: int = 0) -> int:
         """Pool size: fixed, else a fraction of the GPU memory free after weights and the activation
-        peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU."""
+        peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU. A
+        cross-attention family keeps `cross_kv_cache_fraction` of that budget for its requests' encoder
+        keys/values (`encoder_state_budget`, bytes; None with a fixed pool: unbounded)."""
+        self.encoder_state_budget = None
         if cache_config.num_blocks is not None:
             return cache_config.num_blocks
         if self.device.type == "cuda":
@@ -152,6 +156,10 @@ class ModelRunner:
         else:
             budget = cache_config.kv_cache_size_gb * 2**30
             source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
+        if self.uses_cross_attention:
+            self.encoder_state_budget = int(budget * cache_config.cross_kv_cache_fraction)
+            budget -= self.encoder_state_budget
+            source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"
         blocks = int(budget // self.kv_bytes_per_block())
         if blocks < 2:
             raise ValueError(f"the KV cache would get {blocks} blocks of {self.kv_bytes_per_block()} bytes "
