@@ -79,6 +79,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}
+        self._slow_shapes: set[tuple] = set()   # shapes of slow steps logged (_log_slow_step)
+        self._slow_logged_at = float("-inf")
         self._needs_history: set[str] = set()   # requests whose sampling reads their previous tokens on the host
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
         self.step_stats = StepStats()
@@ -238,10 +240,22 @@ class Engine:
             self.step_stats.launched(sched.kind, sched.num_batched_tokens,
                                      len(sched.scheduled), host_s)
             if host_s > SLOW_STEP_S:
-                logger.warning("slow step: %s of %d tokens, %d sequences took %.0f ms on the host (a shape's first "
-                               "use compiles kernels or captures graphs)", sched.kind, sched.num_batched_tokens,
-                               len(sched.scheduled), host_s * 1000)
+                self._log_slow_step(sched, host_s)
         return outputs
+
+    def _log_slow_step(self, sched: SchedulerOutput, host_s: float) -> None:
+        """A shape's first slow step is most likely compiling kernels or capturing graphs; slow steps of a shape
+        seen before are the host work itself (eager steps), logged at most once a minute."""
+        shape = (sched.kind, sched.num_batched_tokens, len(sched.scheduled))
+        what = "%s of %d tokens, %d sequences took %.0f ms on the host" % (*shape, host_s * 1000)
+        if shape not in self._slow_shapes:
+            self._slow_shapes.add(shape)
+            logger.warning("slow step: %s (a shape's first use compiles kernels or captures graphs)", what)
+        elif time.monotonic() - self._slow_logged_at > 60:
+            logger.warning("slow step: %s, again for this shape: the host work of the step itself is slow", what)
+        else:
+            return
+        self._slow_logged_at = time.monotonic()
 
     def _forget_prompt_end_stores(self, sched: SchedulerOutput) -> None:
         """A step that failed to launch wrote no prompt-end rows: drop the slots the scheduler claimed for it."""

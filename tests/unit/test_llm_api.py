@@ -203,6 +203,11 @@ def test_steps_over_the_host_time_limit_are_logged(llm, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
         llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert "slow step: prefill of" in caplog.text and "on the host" in caplog.text
+    caplog.clear()   # the same shapes again: logged once a minute at most, saying it is not a first use
+    with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
+        llm.generate(["USER: hello ASSISTANT:"] * 3, SamplingParams(max_tokens=8), use_tqdm=False)
+    repeats = [r.message for r in caplog.records if "again for this shape" in r.message]
+    assert len(repeats) <= 1 and caplog.text.count("slow step") <= 8
 
 
 def test_generation_config_eos_ids_all_end_a_request(tiny_llava_dir, tmp_path):
