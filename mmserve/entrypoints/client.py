@@ -22,7 +22,9 @@ import numpy as np
 from PIL import Image
 
 DEFAULT_IMAGE = "https://storage.googleapis.com/sfr-vision-language-research/LAVIS/assets/merlion.png"
-MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl", "pixtral")
+# the seed's, then families mmserve serves beyond them (their pictures go as image_bytes_input too)
+MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl", "pixtral",
+               "fuyu", "kosmos-2", "nougat", "pix2struct")
 PREPROCESSED_TYPES = ("blip2", "llava", "vila")   # the seed sends HF-processed FP16 `image_input` for these
 
 

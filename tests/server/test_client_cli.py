@@ -121,3 +121,27 @@ def test_errors_go_to_stderr_with_exit_code_1(server, image_path, protocol):
     assert proc.stderr.startswith("[ERROR]") or "\n[ERROR]" in proc.stderr
     proc = run_client(server, "--image", image_path + ".missing", protocol=protocol)
     assert proc.returncode == 1 and "cannot read image" in proc.stderr
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_deplot_chart_question_through_the_client(tmp_path_factory, protocol):
+    """--model_type pix2struct (beyond the seed's types): the chart goes as raw pixels, the question as the text,
+    and the answer is the offline API's for the same picture and question."""
+    from mmserve.testing.pix2struct import DEPLOT_PROMPT, make_pix2struct_checkpoint
+    from tests.server.conftest import start_server
+
+    root = tmp_path_factory.mktemp("client-deplot")
+    model_dir = str(make_pix2struct_checkpoint(root / "deplot", preset="tiny", seed=0, progress=False))
+    chart = root / "chart.png"
+    chart.write_bytes(image_to_png_bytes(make_test_image(5, (60, 40))))
+    want = LLM(model_dir, device="cpu").generate({"prompt": DEPLOT_PROMPT, "images": [make_test_image(5, (60, 40))]},
+                                                  SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0),
+                                                  use_tqdm=False)[0].outputs[0].text
+    with start_server(model_dir, root) as server:
+        url = server.grpc_url if protocol == "grpc" else server.http_url
+        proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", url, "--protocol",
+                               protocol, "--model_type", "pix2struct", "--text", DEPLOT_PROMPT, "--image", str(chart),
+                               "--request-output-len", str(OUTPUT_LEN)], capture_output=True, timeout=120, text=True,
+                              env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert proc.returncode == 0, proc.stderr
+    assert printed_text(proc.stdout, streaming=False) == want
