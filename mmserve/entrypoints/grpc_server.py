@@ -14,6 +14,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 import mmserve
 from mmserve.entrypoints import triton_protocol as tp
+from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
     BLS, MODEL_VERSION, has_sequence_parameters, model_config, model_metadata)
@@ -135,7 +136,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             tp.check_model(state, request.model_name, request.model_version)
             reqs = await tp.parse_request(state, request.model_name, decode_inputs(request))
             requested = [o.name for o in request.outputs]
-            outputs = tp.select_outputs(await tp.infer(state, reqs), requested, request.model_name)
+            outputs = select_outputs(await tp.infer(state, reqs), requested, request.model_name)
         except Exception as exc:
             error = exc
         if error is None:
@@ -193,7 +194,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             accumulate = model == BLS and state.config.accumulate_tokens
             async for tensors, last in tp.stream(state, reqs[0], accumulate):
                 started = True
-                outputs = tp.select_outputs(tensors, requested, model)
+                outputs = select_outputs(tensors, requested, model)
                 final = last and not flag_only_final
                 queue.put_nowait(pb.ModelStreamInferResponse(infer_response=_response(model, request.id, outputs,
                                                                                       final)))

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import mmserve
 from mmserve.entrypoints import triton_protocol as tp
+from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
     ACCEPTED_INPUTS, BLS, MODEL_VERSION, has_sequence_parameters, inputs_of, model_config_json, model_metadata)
@@ -239,7 +240,7 @@ async def model_infer(request: Request, model: str, version: str = "") -> Respon
             raise ValueError(f"'id' must be a string, got {request_id!r}")
         requested, binary, default_binary = _requested_outputs(head)
         reqs = await tp.parse_request(state, model, tensors)
-        outputs = tp.select_outputs(await _until_disconnect(request, tp.infer(state, reqs)), requested, model)
+        outputs = select_outputs(await _until_disconnect(request, tp.infer(state, reqs)), requested, model)
     except Exception as exc:
         return _error(exc)
     return _infer_response(model, request_id, outputs, binary, default_binary)
@@ -289,7 +290,7 @@ async def generate(request: Request, model: str, version: str = "") -> Response:
         tensors = await _until_disconnect(request, tp.infer(state, reqs))
     except Exception as exc:
         return _error(exc)
-    return Response(_generate_json(model, request_id, tp.select_outputs(tensors, None, model)),
+    return Response(_generate_json(model, request_id, select_outputs(tensors, None, model)),
                     media_type="application/json")
 
 
@@ -313,12 +314,12 @@ async def generate_stream(request: Request, model: str, version: str = "") -> Re
 
     async def events():
         async with aclosing(responses):
-            yield _sse(_generate_json(model, request_id, tp.select_outputs(first, None, model)))
+            yield _sse(_generate_json(model, request_id, select_outputs(first, None, model)))
             if last:
                 return
             try:
                 async for tensors, _ in responses:
-                    yield _sse(_generate_json(model, request_id, tp.select_outputs(tensors, None, model)))
+                    yield _sse(_generate_json(model, request_id, select_outputs(tensors, None, model)))
             except Exception as exc:  # the status (200) is already sent
                 logger.info("generate_stream failed mid-stream: %r", exc)
                 yield _sse(json.dumps({"error": str(exc) or type(exc).__name__}).encode())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmserve.entrypoints import triton_outputs as tout
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints.triton_models import inputs_of, model_config_json, model_metadata
 from mmserve.entrypoints.triton_prompts import build_prompt
@@ -222,19 +223,19 @@ def _output(ids, logprobs=None, cum=None) -> RequestOutput:
 
 def test_output_tensors_have_the_seed_shapes_and_zero_placeholders():
     lps = [{5: Logprob(-0.5)}, {6: Logprob(-1.0), 9: Logprob(-0.1, 1)}]
-    tensors = tp.make_outputs([tp.Chunk("xyz", _output([5, 6], lps, -1.5), 0, True)], "ensemble")
+    tensors = tout.make_outputs([tout.Chunk("xyz", _output([5, 6], lps, -1.5), 0, True)], "ensemble")
     assert tensors["text_output"].shape == (1,) and tensors["text_output"][0] == b"xyz"
     assert tensors["cum_log_probs"].tolist() == [[-1.5]]
     assert tensors["output_log_probs"].tolist() == [[[-0.5, -1.0]]]
     assert tensors["context_logits"].shape == (1, 1, 1) and tensors["generation_logits"].shape == (1, 1, 1, 1)
-    piece = tp.make_outputs([tp.Chunk("z", _output([5, 6]), 1, False)], "tensorrt_llm_bls")
+    piece = tout.make_outputs([tout.Chunk("z", _output([5, 6]), 1, False)], "tensorrt_llm_bls")
     assert piece["output_log_probs"].tolist() == [[[0.0]]] and piece["cum_log_probs"].tolist() == [[0.0]]
     assert piece["kv_cache_alloc_total_blocks"].shape == (1, 1)
-    assert list(tp.select_outputs(piece, None, "tensorrt_llm_bls")) == list(tp.select_outputs(tensors, None, "x"))
-    assert list(tp.select_outputs(piece, ["arrival_time_ns", "text_output"], "tensorrt_llm_bls")) == [
+    assert list(tout.select_outputs(piece, None, "tensorrt_llm_bls")) == list(tout.select_outputs(tensors, None, "x"))
+    assert list(tout.select_outputs(piece, ["arrival_time_ns", "text_output"], "tensorrt_llm_bls")) == [
         "arrival_time_ns", "text_output"]
     with pytest.raises(ValueError, match="unexpected inference output 'arrival_time_ns' for model 'ensemble'"):
-        tp.select_outputs(tensors, ["arrival_time_ns"], "ensemble")
+        tout.select_outputs(tensors, ["arrival_time_ns"], "ensemble")
 
 
 def test_full_text_puts_the_decoded_prompt_before_the_completion():
@@ -244,8 +245,8 @@ def test_full_text_puts_the_decoded_prompt_before_the_completion():
             return " ".join(words[i] for i in ids)
     out = _output([5, 6])
     out.outputs[0].text = "a b"
-    assert tp.full_text(Tok(), out, exclude_input=False) == "USER: Hi a b"
-    assert tp.full_text(Tok(), out, exclude_input=True) == "a b"
+    assert tout.full_text(Tok(), out, exclude_input=False) == "USER: Hi a b"
+    assert tout.full_text(Tok(), out, exclude_input=True) == "a b"
 
 
 def test_errors_map_to_triton_http_statuses():
@@ -266,7 +267,7 @@ def test_logits_flags_reach_sampling_params_and_logits_fill_the_outputs():
     out = _output([5, 6])
     out.context_logits, out.generation_logits = torch.ones(3, 10), torch.full((2, 10), 2.0)
     other = _output([7])
-    tensors = tp.make_outputs([tp.Chunk("a", out), tp.Chunk("b", other)], "ensemble")
+    tensors = tout.make_outputs([tout.Chunk("a", out), tout.Chunk("b", other)], "ensemble")
     assert tensors["context_logits"].shape == (2, 3, 10) and tensors["generation_logits"].shape == (2, 1, 2, 10)
     assert tensors["context_logits"][0].min() == 1.0 and tensors["context_logits"][1].max() == 0.0
     assert tensors["generation_logits"][0, 0].min() == 2.0

@@ -1,0 +1,118 @@
+"""Output tensors of the Triton models from mmserve's RequestOutputs: the text (with or without the prompt), log
+probs, context / generation logits, the BLS model's timing and KV-cache metrics, and the client's choice of
+outputs (PROTOCOL §1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmserve.engine.kv_cache import cdiv
+from mmserve.entrypoints.triton_models import BLS, OUTPUTS, outputs_of
+from mmserve.outputs import RequestOutput
+
+
+@dataclass
+class Chunk:
+    """What one response carries for one batch item."""
+
+    text: str
+    out: RequestOutput
+    first_token: int = 0        # output_log_probs covers out's token_ids[first_token:]
+    logprobs: bool = False
+
+
+def full_text(tokenizer, out: RequestOutput, exclude_input: bool) -> str:
+    """text_output of a non-streaming response: the decoded prompt, then the completion (PROTOCOL §6)."""
+    completion = out.outputs[0]
+    if exclude_input:
+        return completion.text
+    prompt_ids, ids = list(out.prompt_token_ids), list(completion.token_ids)
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    # the space a tokenizer puts between prompt and completion only shows when they are decoded together
+    joint = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+    alone = tokenizer.decode(ids, skip_special_tokens=True)
+    sep = ""
+    if joint.startswith(prompt) and joint.endswith(alone):
+        sep = joint[len(prompt):len(joint) - len(alone)]
+    return prompt + (sep if sep.isspace() else "") + completion.text
+
+
+def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
+    def col(values, dtype):
+        return np.array(values, dtype=dtype).reshape(len(chunks), 1)
+
+    def ns(t):
+        return int(t * 1e9) if t else 0
+    ms = [c.out.metrics for c in chunks]
+    total = [cdiv(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids), block_size) for c in chunks]
+    reused = [(m.num_cached_tokens if m else 0) // block_size for m in ms]
+    zeros = [0] * len(chunks)
+    return {
+        "kv_cache_alloc_new_blocks": col([t - r for t, r in zip(total, reused)], np.int32),
+        "kv_cache_reused_blocks": col(reused, np.int32),
+        "kv_cache_alloc_total_blocks": col(total, np.int32),
+        "arrival_time_ns": col([ns(m and m.arrival_time) for m in ms], np.int64),
+        "first_scheduled_time_ns": col([ns(m and m.first_scheduled_time) for m in ms], np.int64),
+        "first_token_time_ns": col([ns(m and m.first_token_time) for m in ms], np.int64),
+        "last_token_time_ns": col([ns(m and (m.finished_time or m.first_token_time)) for m in ms], np.int64),
+        "acceptance_rate": col(zeros, np.float32),
+        "total_accepted_draft_tokens": col(zeros, np.int32),
+        "total_draft_tokens": col(zeros, np.int32),
+    }
+
+
+def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[str, np.ndarray]:
+    """Output tensors of one response. Shapes follow the seeds: text_output [batch] (one string per item),
+    cum_log_probs [batch, 1], output_log_probs [batch, 1, tokens]; context_logits [batch, prompt, vocab] and
+    generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the response that
+    finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1]."""
+    n = len(chunks)
+    text = np.empty(n, dtype=np.object_)
+    text[:] = [c.text.encode("utf-8") for c in chunks]
+    per_token = []
+    for c in chunks:
+        comp = c.out.outputs[0]
+        ids = comp.token_ids[c.first_token:]
+        lps = (comp.logprobs or [])[c.first_token:] if c.logprobs else []
+        per_token.append([entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids))
+    width = max(len(p) for p in per_token)
+    out_lp = np.zeros((n, 1, width), dtype=np.float32)
+    for i, p in enumerate(per_token):
+        out_lp[i, 0, :len(p)] = p
+    cum = [(c.out.outputs[0].cumulative_logprob or 0.0) if c.logprobs else 0.0 for c in chunks]
+    tensors = {
+        "text_output": text,
+        "cum_log_probs": np.array(cum, dtype=np.float32).reshape(n, 1),
+        "output_log_probs": out_lp,
+        "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
+        "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[:, None],
+        "batch_index": np.arange(n, dtype=np.int32).reshape(n, 1),
+        "sequence_index": np.zeros((n, 1), dtype=np.int32),
+    }
+    if model == BLS:
+        tensors.update(_bls_metrics(chunks, block_size))
+    return tensors
+
+
+def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
+    """[n, rows, vocab] fp32 from per-item [rows, vocab] tensors (None: no logits), zero-padded."""
+    arrays = [None if t is None else t.numpy() for t in items]
+    rows = max([a.shape[0] for a in arrays if a is not None] or [empty[0]])
+    vocab = max([a.shape[1] for a in arrays if a is not None] or [empty[1]])
+    out = np.zeros((len(items), rows, vocab), dtype=np.float32)
+    for i, a in enumerate(arrays):
+        if a is not None:
+            out[i, :a.shape[0], :a.shape[1]] = a
+    return out
+
+
+def select_outputs(tensors: dict[str, np.ndarray], requested: list[str] | None, model: str) -> dict[str, np.ndarray]:
+    """The outputs a request asked for, in its order; all of the standard seven when it named none."""
+    if not requested:
+        return {s.name: tensors[s.name] for s in OUTPUTS}
+    known = {s.name for s in outputs_of(model)}
+    for name in requested:
+        if name not in known:
+            raise ValueError(f"unexpected inference output '{name}' for model '{model}'")
+    return {name: tensors[name] for name in dict.fromkeys(requested)}
