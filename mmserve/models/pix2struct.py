@@ -245,10 +245,9 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
 
 
 def header_font(model_dir: str, font_path: str | None) -> dict[str, Any]:
-    """Image-processor kwargs (`font_path` or `font_bytes`) of the font VQA headers are drawn in."""
+    """Image-processor kwargs (`font_path` or `font_bytes`) of the font VQA headers are drawn in (`font_path`: a
+    file MediaConfig has checked)."""
     if font_path is not None:
-        if not os.path.isfile(font_path):
-            raise ValueError(f"header_font_path {font_path!r} is not a file")
         return {"font_path": font_path}
     local = os.path.join(model_dir, "Arial.TTF")
     if os.path.isfile(local):

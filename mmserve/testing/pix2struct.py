@@ -22,7 +22,7 @@ The header font: transformers downloads Arial.TTF from the hub (``ybelkada/fonts
 ``font_bytes`` or ``font_path``, and no call of the processor passes them on (``Pix2StructProcessor`` drops an unknown
 ``font_bytes=`` with a warning, the image processor's kwargs check rejects it). mmserve draws the header with the image
 processor's own ``render_header`` instead (:func:`vqa_inputs`; by default in Pillow's built-in TrueType font, as
-:func:`default_font_bytes`); tests of the stock call put that font into an offline hub cache.
+``models.pix2struct.builtin_font_bytes``); tests of the stock call put that font into an offline hub cache.
 Note also that ``Pix2StructProcessor.__call__`` passes ``max_patches=2048`` (its
 class default) unless the call gives one, whatever the saved image processor says; the tiny preset's ``seq_len`` is
 the real 4096, so such inputs stay in range too.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmserve.models.pix2struct import builtin_font_bytes as default_font_bytes
+from mmserve.models.pix2struct import builtin_font_bytes
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
     DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
@@ -256,7 +256,7 @@ def vqa_inputs(processor: Any, images: Any, text: str, *, font_bytes: bytes | No
     from mmserve.models.pix2struct import Pix2StructForConditionalGeneration
 
     images = images if isinstance(images, list) else [images]
-    font = font_bytes if font_bytes is not None else default_font_bytes()
+    font = font_bytes if font_bytes is not None else builtin_font_bytes()
     return Pix2StructForConditionalGeneration.call_processor(processor, text, {"images": images, "font_bytes": font})
 
 

@@ -10,17 +10,14 @@ and a Triton ensemble request on a real server.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-import transformers
 
 from mmserve import LLM, SamplingParams
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.testing import make_test_image
 from mmserve.testing.pix2struct import DEPLOT_PROMPT, make_pix2struct_checkpoint, vqa_inputs
-from tests.parity.hf_oracle import TOL, assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import TOL, _load, assert_matches_oracle, run_staggered
 
 N = 16
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
@@ -33,14 +30,8 @@ def deplot_dir(tmp_path_factory) -> str:
                                           progress=False))
 
 
-@functools.lru_cache(maxsize=2)
-def _hf(model_dir: str):
-    model = transformers.Pix2StructForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(model_dir)
-
-
 def _oracle(model_dir: str, prompt: dict):
-    model, processor = _hf(model_dir)
+    model, processor = _load(model_dir, "cpu")
     enc = vqa_inputs(processor, prompt["images"], prompt["prompt"])
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
@@ -100,13 +91,13 @@ def test_preemption_missing_picture_and_preprocessed_pixels(deplot_dir):
 
 def test_header_font_option(deplot_dir, tmp_path):
     """A given font draws the header (other pixels, so another answer); a missing one is refused up front."""
-    from mmserve.testing.pix2struct import default_font_bytes
+    from mmserve.models.pix2struct import builtin_font_bytes
 
     font = tmp_path / "font.ttf"
-    font.write_bytes(default_font_bytes())
+    font.write_bytes(builtin_font_bytes())
     llm = LLM(deplot_dir, device="cpu", dtype="float32", media=MediaConfig(header_font_path=str(font)))
     got = llm.engine.inputs.process(_chart(2)).mm_items[0].data["flattened_patches"]
-    want = vqa_inputs(_hf(deplot_dir)[1], _chart(2)["images"], DEPLOT_PROMPT)
+    want = vqa_inputs(_load(deplot_dir, "cpu")[1], _chart(2)["images"], DEPLOT_PROMPT)
     assert torch.equal(got, want["flattened_patches"][0][want["attention_mask"][0].bool()])
     with pytest.raises(ValueError, match="header_font_path"):
         MediaConfig(header_font_path=str(tmp_path / "missing.ttf"))
@@ -138,6 +129,6 @@ def test_triton_ensemble_and_openai_chat_answer_a_chart_question(deplot_dir, tmp
                                            messages=[user, {"role": "assistant", "content": "x"}, user])
     assert r.status_code == 200, r.text
     _, want_ids, _ = _oracle(deplot_dir, chart)
-    want = _hf(deplot_dir)[1].tokenizer.decode(want_ids, skip_special_tokens=True)
+    want = _load(deplot_dir, "cpu")[1].tokenizer.decode(want_ids, skip_special_tokens=True)
     assert r.json()["text_output"] == want and chat.choices[0].message.content == want
     assert missing.status_code == 400 and "images: this model reads one picture" in missing.text

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoProcessor, AutoTokenizer, Pix2StructConfig, Pix2StructForConditionalGeneration
 
+from mmserve.models.pix2struct import builtin_font_bytes
 from mmserve.testing import make_checkpoint, make_test_image
 from mmserve.testing.pix2struct import (
     DEPLOT_PROMPT,
     _param_specs,
     checkpoint_key,
-    default_font_bytes,
     make_pix2struct_checkpoint,
     pix2struct_config,
     pix2struct_sizes,
@@ -94,7 +94,7 @@ def test_transformers_loads_every_tensor_of_the_file(ckpt):
 
 def test_processor_draws_the_prompt_offline_with_the_builtin_font(ckpt, loaded):
     _, processor = loaded
-    font = default_font_bytes()
+    font = builtin_font_bytes()
     assert isinstance(font, bytes) and font[:4] == b"\x00\x01\x00\x00"   # a TrueType file
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     assert pre["image_processor_type"] == "Pix2StructImageProcessor" and pre["is_vqa"] is True
@@ -128,13 +128,13 @@ def test_the_stock_processor_call_matches_given_the_hub_font(loaded, tmp_path, m
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(Exception, match="(?i)offline|cache|connection"):
-        processor(images=make_test_image(0), text=DEPLOT_PROMPT, return_tensors="pt", font_bytes=default_font_bytes())
+        processor(images=make_test_image(0), text=DEPLOT_PROMPT, return_tensors="pt", font_bytes=builtin_font_bytes())
     commit = "0" * 40
     repo = tmp_path / "models--ybelkada--fonts"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "snapshots" / commit / "Arial.TTF").write_bytes(default_font_bytes())
+    (repo / "snapshots" / commit / "Arial.TTF").write_bytes(builtin_font_bytes())
     stock = processor(images=make_test_image(0), text=DEPLOT_PROMPT, return_tensors="pt", max_patches=MAX_PATCHES)
     ours = vqa_inputs(processor, make_test_image(0), DEPLOT_PROMPT)
     assert stock.keys() == ours.keys() and all(torch.equal(stock[k], ours[k]) for k in ours)
