@@ -3,27 +3,40 @@ cross-attention inputs of families whose text attends the encoder's states inste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass
 class CrossAttentionSeq:
-    """One sequence of the step that has media: its rows of the flat batch, the positions they hold, and the
-    encoder's output per item (in prompt order; what a cross-attention layer attends, e.g. its keys/values)."""
+    """One sequence of the step that has media: its rows of the flat batch, the positions they hold, and where
+    its encoder keys/values are in the cross-attention pool (worker/cross_kv.py)."""
 
     rows: slice                    # its rows [start, stop) of the step's flat batch
     start: int                     # the position of its first row
     prompt_len: int
     items: list                    # its MultiModalItems (offsets, encoder inputs), in prompt order
-    states: list[torch.Tensor]     # the encoder's output for each item
+    block_table: torch.Tensor | None   # [blocks] int64, on device: its pool blocks (None: one of the decodes)
+    num_tokens: int                # encoder tokens it holds in them
+    # pool position p holds column order[p] of its items' concatenated encoder outputs (None: the same order);
+    # the family orders them so that the columns its generated tokens attend come first
+    order: torch.Tensor | None = None
 
 
 @dataclass
 class CrossAttentionBatch:
-    """The step's sequences with media; rows of other sequences skip the cross-attention layers."""
+    """The step's sequences with media; rows of other sequences skip the cross-attention layers.
+
+    The first num_decodes of seqs hold one generated token each and attend the first decode_lens[i] tokens of
+    their pool blocks, all through the backend's paged decode attention (decode_meta); the others attend
+    theirs one sequence at a time."""
 
     seqs: list[CrossAttentionSeq] = field(default_factory=list)
+    caches: list[torch.Tensor] = field(default_factory=list)   # the pool, one cache per cross-attention layer
+    num_decodes: int = 0
+    decode_meta: AttentionMetadata | None = None
+    backend: Any = None            # the attention backend module (attention/torch_backend.py or triton_backend.py)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 from mmserve.config import EngineConfig, resolve_device, resolve_dtype
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes
 from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
@@ -69,13 +70,15 @@ class Engine:
                                                              self.max_model_len), blank)
         num_blocks = self.runner.num_blocks_for(config.cache, peak)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_cross_kv()
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
                                             config.scheduler.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
-        self.scheduler.encoder_state_budget = self.runner.encoder_state_budget
+        if self.runner.cross_kv is not None:
+            self.scheduler.cross_blocks = CrossBlockAllocator(self.runner.cross_kv.num_blocks, config.cache.block_size)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}
@@ -158,15 +161,17 @@ class Engine:
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
-        state_bytes = sum(self.model.encoder_state_bytes(it) for it in inputs.mm_items) \
-            if self.runner.uses_cross_attention else 0
-        budget = self.scheduler.encoder_state_budget
-        if budget is not None and state_bytes > budget:
-            raise ValueError(f"images: their encoder keys/values take {state_bytes / 2**20:.1f} MiB, more than the "
-                             f"{budget / 2**20:.1f} MiB kept for them (cross_kv_cache_fraction)")
+        pool = self.runner.cross_kv
+        cross_tokens = sum(self.model.cross_kv_tokens(it) for it in inputs.mm_items) if pool is not None else 0
+        cross_blocks = pool.num_blocks_of(cross_tokens) if pool is not None else 0
+        if cross_blocks > (pool.num_blocks if pool is not None else 0):
+            per_token, room = pool.layout.bytes_per_token(), pool.num_blocks * pool.block_size
+            raise ValueError(f"images: their encoder keys/values ({cross_tokens} tokens, "
+                             f"{cross_tokens * per_token / 2**20:.2f} MiB) do not fit the {room} tokens "
+                             f"({room * per_token / 2**20:.2f} MiB) kept for them (cross_kv_cache_fraction)")
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_ids=eos, bad_words_ids=[b for b in bad if b])
-        req.encoder_state_bytes = state_bytes
+        req.cross_blocks_needed = cross_blocks
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
         req.lora, req.hash_salt = inputs.lora, self.lora.hash_salt(inputs.lora)   # ValueError: unknown adapter
         if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:

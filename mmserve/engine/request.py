@@ -65,11 +65,14 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.mm_items = list(mm_items or [])   # in prompt order (ProcessedInputs sorts them)
-        # cross-attention families: the encoder's output per item, which every step of the request attends; kept
-        # here so it lives exactly as long as the request (the encoder cache may evict its copy meanwhile)
-        self.encoder_states: list | None = None
-        self.encoder_state_bytes = 0          # their size, known before encoding (the scheduler's budget)
-        self.holds_encoder_budget = False     # admitted: those bytes are counted against the budget
+        # cross-attention families: the pool blocks holding the encoder's keys/values, which every step of the
+        # request attends (engine/cross_blocks.py, worker/cross_kv.py)
+        self.cross_blocks_needed = 0          # known before encoding: the scheduler admits it when they are free
+        self.cross_block_ids: list[int] | None = None   # held from admission to finish / abort / preemption
+        self.cross_kv_written = False         # its encoder ran and filled them
+        self.cross_kv_tokens = 0              # encoder tokens in them
+        self.cross_kv_order = None            # pool position -> encoder column (None: identity), set when written
+        self.cross_decode_len = 0             # how many of them (from the first) its generated tokens attend
         self.lora: str | None = None             # the LoRA adapter its steps apply (LoRAManager), if any
         self.hash_salt: bytes | None = None      # parent digest of its first KV block (the adapter's), if any
         self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mmserve.config import SchedulerConfig
+from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
@@ -81,9 +82,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # cross-attention families: bytes of encoder keys/values the running requests may hold (None: unbounded)
-        self.encoder_state_budget: int | None = None
-        self.encoder_state_in_use = 0
+        # cross-attention families: the pool blocks of the running requests' encoder keys/values
+        self.cross_blocks: CrossBlockAllocator | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -149,11 +149,12 @@ class Scheduler:
             n = 0 if load is not None else min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self._encoder_room(req) or not self.kv.allocate_slots(req, n, hits):
+            if self.cross_blocks is not None and not self.cross_blocks.fits(req):
                 break
-            if req.encoder_state_bytes:
-                self.encoder_state_in_use += req.encoder_state_bytes
-                req.holds_encoder_budget = True
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            if self.cross_blocks is not None:
+                self.cross_blocks.allocate(req)
             del self.waiting[i]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -171,17 +172,9 @@ class Scheduler:
                     computing.add(self.kv.prompt_digest(req))
             budget -= n
 
-    def _encoder_room(self, req: Request) -> bool:
-        """Whether req's encoder keys/values fit beside the running requests' (the engine refuses a request
-        larger than the whole budget, so the first in line always fits once the others are done)."""
-        return (self.encoder_state_budget is None or not req.encoder_state_bytes
-                or self.encoder_state_in_use + req.encoder_state_bytes <= self.encoder_state_budget)
-
-    def _release_encoder_budget(self, req: Request) -> None:
-        if req.holds_encoder_budget:
-            self.encoder_state_in_use -= req.encoder_state_bytes
-            req.holds_encoder_budget = False
-        req.encoder_states = None   # a preempted request encodes again (the encoder cache may still have it)
+    def _release_cross_blocks(self, req: Request) -> None:
+        if self.cross_blocks is not None:
+            self.cross_blocks.free(req)
 
     def _prompt_end_hit(self, req: Request, num_hit_tokens: int) -> int | None:
         """The prompt-end slot of a new request whose prompt blocks are all cached and whose prompt's final
@@ -202,7 +195,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        self._release_encoder_budget(req)
+        self._release_cross_blocks(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -218,4 +211,4 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        self._release_encoder_budget(req)
+        self._release_cross_blocks(req)

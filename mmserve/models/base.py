@@ -16,6 +16,7 @@ A family class wraps a vision encoder and a causal language model (``self.langua
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,10 +71,20 @@ class MultiModalCausalLM(nn.Module):
         """Load the checkpoint's (name, tensor) pairs, renaming them to our module paths."""
         raise NotImplementedError
 
-    def encoder_state_bytes(self, item: MultiModalItem) -> int:
-        """Cross-attention families: the bytes `get_mm_embeddings` will return for `item` (its cross keys/values,
-        held by the request while it runs), known before encoding so the scheduler can budget them."""
+    def cross_kv_layout(self) -> CrossKVLayout:
+        """Cross-attention families: what `get_mm_embeddings` returns per encoder token (its keys/values of every
+        cross-attention layer, [tokens, layers, 2, kv heads, head_dim]), for sizing the cross-attention pool."""
         raise NotImplementedError
+
+    def cross_kv_tokens(self, item: MultiModalItem) -> int:
+        """Cross-attention families: how many tokens `get_mm_embeddings` returns for `item`, known before
+        encoding so the scheduler can hold pool blocks for them."""
+        raise NotImplementedError
+
+    def cross_kv_order(self, items: list[MultiModalItem], prompt_len: int) -> tuple[torch.Tensor | None, int]:
+        """Cross-attention families: (order, n): the pool keeps a request's concatenated encoder tokens in this
+        order (None: as they are), the n its generated tokens attend first. Default: they attend all."""
+        return None, sum(self.cross_kv_tokens(it) for it in items)
 
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -98,6 +109,15 @@ def check_single_image(image_keys: list[str], video_keys: list[str], required: b
                          f"{len(video_keys)} video(s)")
 
 
-def cross_kv_bytes(rows: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of [rows, layers, 2, heads, head_dim] keys/values in dtype."""
-    return rows * layers * 2 * heads * head_dim * dtype.itemsize
+@dataclass(frozen=True)
+class CrossKVLayout:
+    """What a cross-attention family's encoder yields per token: keys and values of `layers` cross-attention
+    layers (the cross-attention pool's shape, worker/cross_kv.py)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize

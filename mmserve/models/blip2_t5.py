@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.request import MultiModalItem
-from mmserve.models.base import check_single_image, cross_kv_bytes
+from mmserve.models.base import CrossKVLayout, check_single_image
 from mmserve.models.blip2 import Blip2ForConditionalGeneration, _used
 from mmserve.models.t5 import T5LanguageModel
 from mmserve.models.weights import load_weights
@@ -60,12 +60,14 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
             out.append(torch.stack([block.project_kv(states) for block in lm.decoder.block], dim=1))
         return out
 
-    def encoder_state_bytes(self, item: MultiModalItem) -> int:
-        """The encoder's input (query tokens + question), through every decoder layer."""
+    def cross_kv_layout(self) -> CrossKVLayout:
         blocks = self.language_model.decoder.block
         a = blocks[0].layer[1].EncDecAttention
-        return cross_kv_bytes(len(item.data["input_ids"]), len(blocks), a.heads, a.d_kv,
-                              self.language_model.shared.weight.dtype)
+        return CrossKVLayout(len(blocks), a.heads, a.d_kv, self.language_model.shared.weight.dtype)
+
+    def cross_kv_tokens(self, item: MultiModalItem) -> int:
+        """The encoder's input: query tokens + question."""
+        return len(item.data["input_ids"])
 
     def lora_target_ok(self, module_name: str) -> bool:
         # the encoder runs per request and the cross k/v once per request: their rows are not the step's

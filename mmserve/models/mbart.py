@@ -15,7 +15,7 @@ from torch import nn
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
-from mmserve.layers.cross_attention import attend_per_sequence
+from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 POSITION_OFFSET = 2   # MBart's learned positions start at row 2
@@ -56,11 +56,7 @@ class MBartCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = len(x)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        seqs = []
-        for s in meta.cross.seqs:
-            kv = s.states[0][:, self.slot]
-            seqs.append((s.rows.stop - s.rows.start, kv[:, 0], kv[:, 1], None))
-        return self.out_proj(attend_per_sequence(q, seqs, self.head_dim ** -0.5).view(n, -1))
+        return self.out_proj(attend_cross(q, meta.cross, self.slot, self.head_dim ** -0.5).view(n, -1))
 
 
 class MBartDecoderLayer(nn.Module):

@@ -3,8 +3,9 @@ attends through gated cross-attention layers placed between its Llama self-atten
 
 Unlike the placeholder families, an image occupies one `<|image|>` token of the prompt, embedded as a normal
 token. What the encoder yields per image (`get_mm_embeddings`) is the keys and values of every cross-attention
-layer over the image's tiles ([tokens, cross layers, 2, kv heads, head_dim]); the runner keeps them with the
-request and hands each step's sequences with images to the text model in `AttentionMetadata.cross`.
+layer over the image's tiles ([tokens, cross layers, 2, kv heads, head_dim]); the runner writes them to the
+request's blocks of the cross-attention pool (`cross_kv_order`: the real tiles its generated tokens attend
+first) and hands each step's sequences with images to the text model in `AttentionMetadata.cross`.
 
 Which images a text position attends follows the HF processor's `cross_attention_mask`: image i from its own
 `<|image|>` token up to the next image's token (a run of adjacent image tokens up to the end of the run's
@@ -15,18 +16,17 @@ uniformly, as transformers does, and its cross-layer MLP output is dropped.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch
 from mmserve.engine.request import MultiModalItem
-from mmserve.layers.cross_attention import attend_per_sequence
+from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
-from mmserve.models.base import MultiModalCausalLM, cross_kv_bytes
+from mmserve.models.base import CrossKVLayout, MultiModalCausalLM
 from mmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from mmserve.models.mllama_vision import MllamaVisionTower
 from mmserve.models.weights import load_weights
@@ -52,41 +52,40 @@ def image_spans(offsets: list[int], prompt_len: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in spans]
 
 
-@dataclass
-class _SeqCross:
-    """One sequence's cross-attention inputs of a step, shared by every cross layer."""
-
-    rows: slice                # its rows of the flat batch
-    kv: torch.Tensor           # [tokens of all its images, cross layers, 2, kv heads, head_dim]
-    mask: torch.Tensor         # [rows, tokens] bool: which image tokens each row attends
-    mlp_keep: torch.Tensor | None   # [rows, 1]: 0 for rows attending no image (their MLP output is dropped)
-
-
 class _StepCross:
-    """The step's sequences with images, their masks built once for all cross layers."""
+    """The step's sequences with images (`batch`): the masks of those that are not decodes (pool order) and which
+    rows keep their cross-layer MLP output, built once for all cross layers. A decode attends the images its
+    prompt's last position does, the first tokens of its pool blocks (`cross_kv_order`), so it needs no mask."""
 
     def __init__(self, batch: CrossAttentionBatch, num_rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.seqs = [self._seq(s, dtype, device) for s in batch.seqs]
-        rows = [s.rows for s in self.seqs]
+        self.batch = batch
+        rows = [s.rows for s in batch.seqs]
         self.all_rows = rows[0].start == 0 and rows[-1].stop == num_rows and all(
             a.stop == b.start for a, b in zip(rows, rows[1:]))
         self.index = None if self.all_rows else torch.cat(
             [torch.arange(r.start, r.stop, device=device) for r in rows])
+        d = batch.num_decodes
+        built = [self._seq(s, dtype, device) for s in batch.seqs[d:]]
+        self.masks = [mask for mask, _ in built]
+        keeps = [keep for _, keep in built]
+        self.keep = None   # [rows, 1]: 0 for rows attending no image (their MLP output is dropped), None: all kept
+        if any(k is not None for k in keeps):
+            self.keep = torch.cat([torch.ones(d, 1, dtype=dtype, device=device)] + [
+                k if k is not None else torch.ones(s.rows.stop - s.rows.start, 1, dtype=dtype, device=device)
+                for k, s in zip(keeps, batch.seqs[d:])])
 
     @staticmethod
-    def _seq(s, dtype: torch.dtype, device: torch.device) -> _SeqCross:
-        kv = s.states[0] if len(s.states) == 1 else torch.cat(s.states)
+    def _seq(s, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mask [rows, tokens] bool in pool order: which image tokens each row attends, keep [rows, 1] or None)."""
         n = s.rows.stop - s.rows.start
-        mask = torch.zeros(n, len(kv), dtype=torch.bool, device=device)
+        mask = torch.zeros(n, s.num_tokens, dtype=torch.bool, device=device)
         keep = torch.zeros(n, 1, dtype=dtype, device=device)
         last = s.prompt_len - 1   # generated positions attend what the prompt's last one does
-        spans = image_spans([it.offset for it in s.items], s.prompt_len)
+        per_tile = s.num_tokens // sum(it.data["pixel_values"].shape[0] for it in s.items)
         col = 0
         any_rows = []
-        for item, states, (lo, hi) in zip(s.items, s.states, spans):
-            tiles = item.data["pixel_values"].shape[0]
+        for item, (lo, hi) in zip(s.items, image_spans([it.offset for it in s.items], s.prompt_len)):
             real = int(item.data["num_tiles"])
-            per_tile = len(states) // tiles
             # rows whose clamped position p satisfies lo <= p < hi; positions past the prompt count as `last`
             first = max(lo - s.start, 0)
             stop = n if hi > last else min(max(hi - s.start, 0), n)
@@ -94,11 +93,11 @@ class _StepCross:
                 mask[first:stop, col:col + real * per_tile] = True
                 keep[first:stop] = 1
                 any_rows.append((first, stop))
-            col += len(states)
+            col += item.data["pixel_values"].shape[0] * per_tile
         covered = _union_len(any_rows)
         if covered < n:   # rows attending no image attend all image tokens alike (transformers' masked-out rows)
             mask[keep[:, 0] == 0] = True
-        return _SeqCross(s.rows, kv, mask, None if covered == n else keep)
+        return (mask if s.order is None else mask[:, s.order]), (None if covered == n else keep)
 
 
 def _union_len(intervals: list[tuple[int, int]]) -> int:
@@ -136,8 +135,7 @@ class MllamaCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, cross: _StepCross) -> torch.Tensor:
         n = len(x)
         q = self.q_norm(self.q_proj(x).reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
-        seqs = [(s.rows.stop - s.rows.start, s.kv[:, self.slot, 0], s.kv[:, self.slot, 1], s.mask) for s in cross.seqs]
-        return self.o_proj(attend_per_sequence(q, seqs, self.head_dim ** -0.5).view(n, -1))
+        return self.o_proj(attend_cross(q, cross.batch, self.slot, self.head_dim ** -0.5, cross.masks).view(n, -1))
 
 
 class MllamaCrossAttentionDecoderLayer(nn.Module):
@@ -156,10 +154,8 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         x = h if cross.all_rows else h[cross.index]
         x = x + self.cross_attn_attn_gate.tanh() * self.cross_attn(self.input_layernorm(x), cross)
         m = self.mlp(self.post_attention_layernorm(x))
-        keeps = [s.mlp_keep for s in cross.seqs]
-        if any(k is not None for k in keeps):
-            m = m * torch.cat([k if k is not None else m.new_ones(s.rows.stop - s.rows.start, 1)
-                               for k, s in zip(keeps, cross.seqs)])
+        if cross.keep is not None:
+            m = m * cross.keep
         x = x + self.cross_attn_mlp_gate.tanh() * m
         return x if cross.all_rows else h.index_copy(0, cross.index, x)
 
@@ -255,12 +251,28 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
         layers = self.language_model.model.cross_layers
         return [torch.stack([layer.cross_attn.project_kv(s) for layer in layers], dim=1) for s in states]
 
-    def encoder_state_bytes(self, item: MultiModalItem) -> int:
-        """Every tile (padding tiles too) of every patch, through each cross layer."""
+    def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.cross_layers
         a = layers[0].cross_attn
-        return cross_kv_bytes(item.data["pixel_values"].shape[0] * self.vision_model.num_patches, len(layers),
-                              a.num_kv_heads, a.head_dim, self.multi_modal_projector.weight.dtype)
+        return CrossKVLayout(len(layers), a.num_kv_heads, a.head_dim, self.multi_modal_projector.weight.dtype)
+
+    def cross_kv_tokens(self, item: MultiModalItem) -> int:
+        """Every tile (padding tiles too) of every patch."""
+        return item.data["pixel_values"].shape[0] * self.vision_model.num_patches
+
+    def cross_kv_order(self, items: list[MultiModalItem], prompt_len: int) -> tuple[torch.Tensor | None, int]:
+        """The real tiles of the images the prompt's last position attends (and so its generated tokens) first,
+        then the rest (padding tiles, earlier images: only prompt rows attend those)."""
+        first, rest, col = [], [], 0
+        for item, (_, hi) in zip(items, image_spans([it.offset for it in items], prompt_len)):
+            n = self.cross_kv_tokens(item)
+            real = int(item.data["num_tiles"]) * self.vision_model.num_patches
+            (first if hi >= prompt_len else rest).append(torch.arange(col, col + real))
+            rest.append(torch.arange(col + real, col + n))
+            col += n
+        order = torch.cat(first + rest)
+        decode_len = sum(len(c) for c in first)
+        return (None if torch.equal(order, torch.arange(col)) else order), decode_len
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,

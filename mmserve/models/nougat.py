@@ -16,7 +16,7 @@ import torch
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import MultiModalCausalLM, check_single_image, cross_kv_bytes
+from mmserve.models.base import CrossKVLayout, MultiModalCausalLM, check_single_image
 from mmserve.models.donut_swin import DonutSwinTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.mbart import MBartDecoder
@@ -73,16 +73,19 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
         layers = self.language_model.model.layers
         return [torch.stack([layer.encoder_attn.project_kv(s) for layer in layers], dim=1) for s in states]
 
-    def encoder_state_bytes(self, item: MultiModalItem) -> int:
-        """The Swin's last map: ceil(H / patch), halved with ceil at each later stage; every decoder layer's."""
+    def cross_kv_layout(self) -> CrossKVLayout:
+        layers = self.language_model.model.layers
+        a = layers[0].encoder_attn
+        return CrossKVLayout(len(layers), a.num_heads, a.head_dim, a.k_proj.weight.dtype)
+
+    def cross_kv_tokens(self, item: MultiModalItem) -> int:
+        """The Swin's last map: ceil(H / patch), halved with ceil at each later stage."""
         config = self.encoder.config
         ph, pw = self.encoder.embeddings.patch_embeddings.patch_size
         h, w = (-(-n // p) for n, p in zip(item.data["pixel_values"].shape[-2:], (ph, pw)))
         for _ in range(len(config.depths) - 1):
             h, w = -(-h // 2), -(-w // 2)
-        layers = self.language_model.model.layers
-        a = layers[0].encoder_attn
-        return cross_kv_bytes(h * w, len(layers), a.num_heads, a.head_dim, a.k_proj.weight.dtype)
+        return h * w
 
     def lora_target_ok(self, module_name: str) -> bool:
         return ".encoder_attn." not in module_name   # its k/v run on the encoder states, once per picture

@@ -32,7 +32,7 @@ from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
-from mmserve.models.base import MultiModalCausalLM, check_single_image, cross_kv_bytes
+from mmserve.models.base import CrossKVLayout, MultiModalCausalLM, check_single_image
 from mmserve.models.t5 import T5LanguageModel
 from mmserve.models.weights import load_weights
 
@@ -221,12 +221,14 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
             out.append(torch.stack([block.project_kv(states) for block in blocks], dim=1))
         return out
 
-    def encoder_state_bytes(self, item: MultiModalItem) -> int:
-        """The picture's real patches, through every decoder layer."""
+    def cross_kv_layout(self) -> CrossKVLayout:
         blocks = self.language_model.decoder.block
         a = blocks[0].layer[1].EncDecAttention
-        return cross_kv_bytes(item.data["flattened_patches"].shape[0], len(blocks), a.heads, a.d_kv,
-                              self.language_model.shared.weight.dtype)
+        return CrossKVLayout(len(blocks), a.heads, a.d_kv, self.language_model.shared.weight.dtype)
+
+    def cross_kv_tokens(self, item: MultiModalItem) -> int:
+        """The picture's real patches."""
+        return item.data["flattened_patches"].shape[0]
 
     def lora_target_ok(self, module_name: str) -> bool:
         return ".EncDecAttention." not in module_name   # its k/v run on the encoder states, once per picture

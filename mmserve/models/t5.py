@@ -20,7 +20,7 @@ from mmserve.attention import torch_backend
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
-from mmserve.layers.cross_attention import attend_per_sequence
+from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 
@@ -170,9 +170,7 @@ class T5DecoderBlock(nn.Module):
         ca = self.layer[1]
         c = ca.EncDecAttention
         cq = c.heads_of(c.q(ca.layer_norm(x)))
-        seqs = [(s.rows.stop - s.rows.start, s.states[0][:, self.slot, 0], s.states[0][:, self.slot, 1], None)
-                for s in meta.cross.seqs]
-        x = _clamp(x + c.o(attend_per_sequence(cq, seqs, 1.0).reshape(len(x), -1)))
+        x = _clamp(x + c.o(attend_cross(cq, meta.cross, self.slot, 1.0).reshape(len(x), -1)))
         return self.layer[2](x)
 
 

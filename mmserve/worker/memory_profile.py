@@ -10,6 +10,7 @@ import torch
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.request import MultiModalItem
+from mmserve.worker.cross_kv import CrossKVPool
 
 if TYPE_CHECKING:
     from mmserve.worker.model_runner import ModelRunner
@@ -64,8 +65,16 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         item = runner._on_device(template)
         with runner._vision_kernels():
             states = runner.model.get_mm_embeddings([item])[0]
-        meta.cross = CrossAttentionBatch([CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
-                                                            [states])])
+        pool = CrossKVPool(runner.model.cross_kv_layout(), cdiv(len(states), runner.block_size), runner.block_size,
+                           runner.device)   # a scratch pool of its blocks
+        blocks = list(range(pool.num_blocks))
+        pool.write(states, blocks)
+        encoder_tokens = len(states)
+        del states
+        meta.cross = CrossAttentionBatch(
+            [CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
+                               torch.tensor(blocks, device=runner.device), encoder_tokens)],
+            pool.caches, 0, None, runner.attn_layers[0].backend)
     embeds = runner.model.embed_input_ids(ids)
     hidden = runner.model(embeds, positions, meta)
     runner.model.compute_logits(hidden[-64:])

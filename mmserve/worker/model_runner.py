@@ -22,6 +22,7 @@ from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
 from mmserve.worker.batch_inputs import attention_metadata, cat_positions, slot_ids
 from mmserve.worker.request_inputs import cross_attention_batch, lora_row_groups
+from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
@@ -44,7 +45,8 @@ class ModelRunner:
         self.model = model
         self.uses_mrope = getattr(model, "uses_mrope", False)   # positions [3, T] (Qwen2-VL)
         self.uses_cross_attention = getattr(model, "uses_cross_attention", False)   # Mllama
-        self.encoder_state_budget: int | None = None   # bytes of encoder keys/values (num_blocks_for)
+        self.cross_kv_budget = 0   # bytes for the cross-attention pool (num_blocks_for)
+        self.cross_kv: CrossKVPool | None = None   # its requests' encoder keys/values (allocate_kv_cache)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_config.cache_dtype(dtype)
@@ -142,9 +144,12 @@ class ModelRunner:
         """Pool size: fixed, else a fraction of the GPU memory free after weights and the activation
         peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU. A
         cross-attention family keeps `cross_kv_cache_fraction` of that budget for its requests' encoder
-        keys/values (`encoder_state_budget`, bytes; None with a fixed pool: unbounded)."""
-        self.encoder_state_budget = None
+        keys/values (`cross_kv_budget`, bytes; with a fixed pool, in that proportion to it)."""
+        self.cross_kv_budget = 0
         if cache_config.num_blocks is not None:
+            if self.uses_cross_attention:
+                f = cache_config.cross_kv_cache_fraction
+                self.cross_kv_budget = int(cache_config.num_blocks * self.kv_bytes_per_block() * f / (1 - f))
             return cache_config.num_blocks
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -157,8 +162,8 @@ class ModelRunner:
             budget = cache_config.kv_cache_size_gb * 2**30
             source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
         if self.uses_cross_attention:
-            self.encoder_state_budget = int(budget * cache_config.cross_kv_cache_fraction)
-            budget -= self.encoder_state_budget
+            self.cross_kv_budget = int(budget * cache_config.cross_kv_cache_fraction)
+            budget -= self.cross_kv_budget
             source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"
         blocks = int(budget // self.kv_bytes_per_block())
         if blocks < 2:
@@ -173,6 +178,15 @@ class ModelRunner:
                                  self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+
+    def allocate_cross_kv(self) -> None:
+        """The cross-attention pool of a cross-attention family, from `cross_kv_budget` (after num_blocks_for)."""
+        if not self.uses_cross_attention:
+            return
+        layout = self.model.cross_kv_layout()
+        self.cross_kv = None   # the old pool's memory goes back before the new one is taken
+        self.cross_kv = CrossKVPool(layout, CrossKVPool.blocks_for(layout, self.cross_kv_budget, self.block_size),
+                                    self.block_size, self.device)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -247,7 +261,8 @@ class ModelRunner:
         else:
             meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev)
             if self.uses_cross_attention:
-                meta.cross = cross_attention_batch(computed, qsl, self._encode)
+                meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
+                                                   self.attn_layers[0].backend)
             with self.lora.step(lora) if lora else contextlib.nullcontext():
                 hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         self._store_prompt_ends(computed, hidden, qsl)

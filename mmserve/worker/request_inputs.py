@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from mmserve.attention.metadata import CrossAttentionBatch, CrossAttentionSeq
+from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
 from mmserve.engine.request import MultiModalItem
+from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.transfer import to_device
 
 
@@ -22,18 +23,50 @@ def lora_row_groups(computed: list, qsl: list[int], lora, device: torch.device) 
 
 
 def cross_attention_batch(computed: list, qsl: list[int],
-                          encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]]) -> CrossAttentionBatch:
-    """The step's sequences with media and what their cross-attention layers attend: the encoder's output per
-    item (`encode`: by content hash, the encoder cache first), made on a request's first step and kept with the
-    request so it lives exactly as long as the request."""
+                          encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]], model,
+                          pool: CrossKVPool, backend) -> CrossAttentionBatch:
+    """The step's sequences with media and where their encoder keys/values are: a request's items are encoded
+    (`encode`: by content hash, the encoder cache first) on its first step after admission and written to its
+    blocks of the cross-attention pool, in the order `model.cross_kv_order` gives. The leading sequences that
+    hold one generated token each are the batch's decodes (the scheduler puts decodes first)."""
     with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
-    todo = [it for _, s in with_media if s.request.encoder_states is None for it in s.request.mm_items]
+    todo = [it for _, s in with_media if not s.request.cross_kv_written for it in s.request.mm_items]
     encoded = encode(todo) if todo else {}
-    seqs = []
+    dev = pool.storage.device
+    seqs, decode_lens = [], []
     for i, s in with_media:
         req = s.request
-        if req.encoder_states is None:
-            req.encoder_states = [encoded[it.content_hash] for it in req.mm_items]
-        seqs.append(CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
-                                      req.encoder_states))
-    return CrossAttentionBatch(seqs)
+        if not req.cross_kv_written:
+            states = [encoded[it.content_hash] for it in req.mm_items]
+            states = states[0] if len(states) == 1 else torch.cat(states)
+            req.cross_kv_order, decode_len = model.cross_kv_order(req.mm_items, req.num_prompt_tokens)
+            pool.write(states if req.cross_kv_order is None else states[req.cross_kv_order.to(states.device)],
+                       req.cross_block_ids)
+            req.cross_kv_written, req.cross_kv_tokens, req.cross_decode_len = True, len(states), decode_len
+        seq = CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
+                                None, req.cross_kv_tokens)
+        if len(decode_lens) == len(seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
+            decode_lens.append(req.cross_decode_len)   # attends through decode_meta
+        else:
+            seq.block_table = to_device(req.cross_block_ids, torch.int64, dev)
+            seq.order = None if req.cross_kv_order is None else req.cross_kv_order.to(dev)
+        seqs.append(seq)
+    batch = CrossAttentionBatch(seqs, pool.caches, len(decode_lens), None, backend)
+    if decode_lens:
+        batch.decode_meta = decode_metadata([s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]],
+                                            decode_lens, pool.block_size, dev)
+    return batch
+
+
+def decode_metadata(block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device) -> AttentionMetadata:
+    """AttentionMetadata of one query per sequence over the first seq_lens[i] tokens of block_tables[i]."""
+    width = max(len(t) for t in block_tables)
+    n = len(seq_lens)
+    return AttentionMetadata(
+        query_start_loc=to_device(list(range(n + 1)), torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=to_device([t + [0] * (width - len(t)) for t in block_tables], torch.int32, device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=list(seq_lens), max_query_len=1,
+        max_seq_len=max(seq_lens), block_size=block_size, num_decodes=n)

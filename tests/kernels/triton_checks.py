@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from tests.kernels import attention_checks, sampling_checks  # noqa: F401  (register their checks)
+from tests.kernels import attention_checks, cross_attention_checks, sampling_checks  # noqa: F401  (register them)
 from tests.kernels.check_registry import CHECKS, INTERPRET, TOLERANCE, assert_close, check, interpreter_fp8_rounding
 
 # --------------------------------------------------------------------------------------------- torch references

@@ -8,9 +8,6 @@ that a request's image keys/values live exactly as long as the request.
 """
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 
 from mmserve import LLM, SamplingParams
@@ -115,19 +112,36 @@ def test_chunked_prefill_and_preemption_match_transformers(mllama_dir):
 
 
 def test_image_keys_and_values_live_as_long_as_the_request(mllama_dir):
+    """A request's image keys/values sit in its blocks of the cross-attention pool from admission to its end (finish
+    or abort); the pool's real tiles its generated tokens attend come first."""
     llm = _llm(mllama_dir)
     engine = llm.engine
-    engine.add_request("r", _prompt("<|image|> describe", make_test_image(8)), SamplingParams(max_tokens=4))
+    pool, blocks = engine.runner.cross_kv, engine.scheduler.cross_blocks
+    assert blocks.num_free == pool.num_blocks > 0
+    engine.add_request("r", _prompt("<|image|> describe", make_test_image(8, WIDE)), SamplingParams(max_tokens=4))
+    engine.add_request("a", _prompt("<|image|> describe", make_test_image(9)), SamplingParams(max_tokens=50))
     engine.step()
-    req = engine.scheduler.running[0]
-    assert req.encoder_states is not None and len(req.encoder_states) == 1
-    ref = weakref.ref(req.encoder_states[0])
-    del req
+    req = engine.requests["r"]
+    item = req.mm_items[0]
+    tokens = engine.model.cross_kv_tokens(item)
+    assert req.cross_kv_written and req.cross_kv_tokens == tokens
+    assert len(req.cross_block_ids) == -(-tokens // pool.block_size)
+    patches = engine.model.vision_model.num_patches
+    real = int(item.data["num_tiles"]) * patches
+    assert 0 < real < tokens and req.cross_decode_len == real and req.cross_kv_order is None   # real tiles first
+    # two images: the generated tokens attend the second one's real tiles, which come first
+    two = engine.inputs.process(_prompt("<|image|> a <|image|> b", make_test_image(8, WIDE), make_test_image(9)))
+    first, second = (engine.model.cross_kv_tokens(it) for it in two.mm_items)
+    real2 = int(two.mm_items[1].data["num_tiles"]) * patches
+    order, n = engine.model.cross_kv_order(two.mm_items, len(two.prompt_token_ids))
+    assert n == real2
+    assert order.tolist() == list(range(first, first + real2)) + list(range(first)) + \
+        list(range(first + real2, first + second))
+    engine.abort("a")
     while engine.has_unfinished():
         engine.step()
-    engine.runner.encoder_cache.clear()   # the cache's own reference
-    gc.collect()
-    assert ref() is None
+    assert blocks.num_free == pool.num_blocks
+    assert req.cross_block_ids is None and not req.cross_kv_written
 
 
 def test_lora_on_self_attention_layers_matches_and_cross_layers_are_refused(mllama_dir, tmp_path):

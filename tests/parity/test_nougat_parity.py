@@ -87,7 +87,8 @@ def test_same_page_hits_the_caches_other_page_does_not(nougat_dir):
 
 def test_preemption_and_missing_picture(nougat_dir):
     tight = LLM(nougat_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=12,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False,
+                cross_kv_cache_fraction=0.9)   # a fixed pool: the cross pool gets 0.9 / 0.1 of its bytes
     prompts = [_page(10 + i) for i in range(4)]
     for prompt, out in zip(prompts, tight.generate(prompts, GREEDY)):
         assert_matches_oracle(out, _oracle(nougat_dir, prompt))

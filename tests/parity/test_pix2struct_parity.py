@@ -78,7 +78,8 @@ def test_caches_key_on_the_picture_and_the_question(deplot_dir):
 
 def test_preemption_missing_picture_and_preprocessed_pixels(deplot_dir):
     tight = LLM(deplot_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=10,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False,
+                cross_kv_cache_fraction=0.9)   # a fixed pool: the cross pool gets 0.9 / 0.1 of its bytes
     prompts = [_chart(10 + i) for i in range(4)]
     for prompt, out in zip(prompts, tight.generate(prompts, GREEDY)):
         assert_matches_oracle(out, _oracle(deplot_dir, prompt))
