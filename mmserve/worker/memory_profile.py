@@ -36,7 +36,7 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         torch.cuda.reset_peak_memory_stats(runner.device)
         base = torch.cuda.memory_allocated(runner.device)
         # cross-attention families encode a request's images when its first chunk runs, not per placeholder
-        copies = 1 if runner.uses_cross_attention else cdiv(num_tokens, template.length) + 1
+        copies = runner.cross_encode_batch if runner.uses_cross_attention else cdiv(num_tokens, template.length) + 1
         with runner._vision_kernels():
             encoded = runner.model.get_mm_embeddings([item] * copies)
         torch.cuda.synchronize(runner.device)

@@ -37,6 +37,7 @@ from mmserve.worker.transfer import to_device
 # cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
 # eager vision tower host-bound (about 10 ms for one CLIP-L image); flash / memory-efficient launch in µs
 _VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CROSS_ENCODE_BATCH = 8   # Llama 3.2 Vision: 8 pictures of 4 tiles are ~51k vision tokens, enough to fill an H100
 
 
 class ModelRunner:
@@ -47,6 +48,9 @@ class ModelRunner:
         self.uses_cross_attention = getattr(model, "uses_cross_attention", False)   # Mllama
         self.cross_kv_budget = 0   # bytes for the cross-attention pool (num_blocks_for)
         self.cross_kv: CrossKVPool | None = None   # its requests' encoder keys/values (allocate_kv_cache)
+        # a cross-attention family's step may admit many requests with pictures at once (their prompts are short):
+        # they are encoded this many at a time, the number the activation profile measures
+        self.cross_encode_batch = CROSS_ENCODE_BATCH
         self.device = device
         self.dtype = dtype
         self.kv_dtype = cache_config.cache_dtype(dtype)
@@ -262,7 +266,7 @@ class ModelRunner:
             meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev)
             if self.uses_cross_attention:
                 meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
-                                                   self.attn_layers[0].backend)
+                                                   self.attn_layers[0].backend, self.cross_encode_batch)
             with self.lora.step(lora) if lora else contextlib.nullcontext():
                 hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
         self._store_prompt_ends(computed, hidden, qsl)

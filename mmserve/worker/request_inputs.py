@@ -24,25 +24,26 @@ def lora_row_groups(computed: list, qsl: list[int], lora, device: torch.device) 
 
 def cross_attention_batch(computed: list, qsl: list[int],
                           encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]], model,
-                          pool: CrossKVPool, backend) -> CrossAttentionBatch:
+                          pool: CrossKVPool, backend, encode_batch: int) -> CrossAttentionBatch:
     """The step's sequences with media and where their encoder keys/values are: a request's items are encoded
-    (`encode`: by content hash, the encoder cache first) on its first step after admission and written to its
-    blocks of the cross-attention pool, in the order `model.cross_kv_order` gives. The leading sequences that
-    hold one generated token each are the batch's decodes (the scheduler puts decodes first)."""
+    (`encode`: by content hash, the encoder cache first; about encode_batch items at a time, so a step that
+    admits many requests stays within the activation profile) on its first step after admission and written to
+    its blocks of the cross-attention pool, in the order `model.cross_kv_order` gives. The leading sequences
+    that hold one generated token each are the batch's decodes (the scheduler puts decodes first)."""
     with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
-    todo = [it for _, s in with_media if not s.request.cross_kv_written for it in s.request.mm_items]
-    encoded = encode(todo) if todo else {}
+    todo = [s.request for _, s in with_media if not s.request.cross_kv_written]
+    while todo:
+        group = [todo.pop(0)]
+        while todo and len(todo[0].mm_items) + sum(len(r.mm_items) for r in group) <= encode_batch:
+            group.append(todo.pop(0))
+        encoded = encode([it for r in group for it in r.mm_items])
+        for req in group:
+            _write_cross_kv(req, encoded, model, pool)
+        del encoded
     dev = pool.storage.device
     seqs, decode_lens = [], []
     for i, s in with_media:
         req = s.request
-        if not req.cross_kv_written:
-            states = [encoded[it.content_hash] for it in req.mm_items]
-            states = states[0] if len(states) == 1 else torch.cat(states)
-            req.cross_kv_order, decode_len = model.cross_kv_order(req.mm_items, req.num_prompt_tokens)
-            pool.write(states if req.cross_kv_order is None else states[req.cross_kv_order.to(states.device)],
-                       req.cross_block_ids)
-            req.cross_kv_written, req.cross_kv_tokens, req.cross_decode_len = True, len(states), decode_len
         seq = CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
                                 None, req.cross_kv_tokens)
         if len(decode_lens) == len(seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
@@ -56,6 +57,16 @@ def cross_attention_batch(computed: list, qsl: list[int],
         batch.decode_meta = decode_metadata([s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]],
                                             decode_lens, pool.block_size, dev)
     return batch
+
+
+def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool) -> None:
+    """Write req's encoder outputs (by content hash in `encoded`) to its pool blocks in the family's order."""
+    states = [encoded[it.content_hash] for it in req.mm_items]
+    states = states[0] if len(states) == 1 else torch.cat(states)
+    req.cross_kv_order, decode_len = model.cross_kv_order(req.mm_items, req.num_prompt_tokens)
+    pool.write(states if req.cross_kv_order is None else states[req.cross_kv_order.to(states.device)],
+               req.cross_block_ids)
+    req.cross_kv_written, req.cross_kv_tokens, req.cross_decode_len = True, len(states), decode_len
 
 
 def decode_metadata(block_tables: list[list[int]], seq_lens: list[int], block_size: int,

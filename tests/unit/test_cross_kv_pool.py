@@ -110,3 +110,19 @@ def test_a_request_larger_than_the_pool_is_refused(family_dirs):
     with pytest.raises(ValueError, match=r"images: their encoder keys/values \(\d+ tokens"):
         engine.add_request("big", prompt, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
+
+
+def test_a_step_admitting_many_pictures_encodes_them_a_few_at_a_time(family_dirs):
+    """The activation profile measures `cross_encode_batch` pictures through the encoder; a step that admits more
+    (short prompts) encodes them in groups of that many, and each answer is the one of a run without groups."""
+    model_dir, text = family_dirs["mllama"], MAKERS["mllama"][1]
+    prompts = [{"prompt": text, "images": [make_test_image(i, (40 + 7 * i, 30))]} for i in range(5)]
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(model_dir, device="cpu", dtype="float32").generate(prompts, params)]
+    engine = LLM(model_dir, device="cpu", dtype="float32").engine
+    runner = engine.runner
+    runner.cross_encode_batch = 2
+    sizes, encode = [], runner._encode
+    runner._encode = lambda items: sizes.append(len(items)) or encode(items)
+    outs, _ = _run(engine, prompts, params)
+    assert sizes == [2, 2, 1] and [outs[str(i)] for i in range(5)] == want
