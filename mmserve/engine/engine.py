@@ -74,7 +74,7 @@ class Engine:
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
-                                            config.scheduler.max_num_batched_tokens)
+                                            config.scheduler.max_num_batched_tokens, blank)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:

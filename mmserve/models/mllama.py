@@ -200,6 +200,7 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
     weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
 
     uses_cross_attention = True
+    cross_decode_graphs = True
 
     def __init__(self, config) -> None:
         super().__init__()

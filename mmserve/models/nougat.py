@@ -33,6 +33,7 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
 
     weight_renames = WEIGHT_RENAMES
     uses_cross_attention = True
+    cross_decode_graphs = True
     placeholder_in_prompt = False
     encoder_decoder = True
 

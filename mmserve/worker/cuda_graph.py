@@ -2,7 +2,9 @@
 
 Inputs live in persistent device buffers; a replay copies the step's ids, positions, slots, context
 lengths and block tables into them, pads the rest of the bucket (slot -1, context 0) and reads the
-logits of the real rows. Needs an attention backend without host syncs (the Triton one).
+logits of the real rows. Needs an attention backend without host syncs (the Triton one). Cross-attention
+families that allow it (`cross_decode_graphs`) get each row's blocks of the cross-attention pool (the ones its
+generated token attends, at most `cross_blocks`) and their length the same way; padding rows attend nothing.
 
 Captured with mmserve/graph_capture.py, as every graph of mmserve.
 """
@@ -13,7 +15,7 @@ import bisect
 import torch
 from torch import nn
 
-from mmserve.attention.metadata import AttentionMetadata
+from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
 from mmserve.graph_capture import graph_capture
 
 
@@ -24,7 +26,8 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, max_model_len: int, buckets: list[int] | None = None, mrope: bool = False) -> None:
+                 block_size: int, max_model_len: int, buckets: list[int] | None = None, mrope: bool = False,
+                 cross=None, cross_blocks: int = 0, cross_backend=None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -37,10 +40,14 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.cross, self.cross_blocks, self.cross_backend = cross, cross_blocks, cross_backend   # CrossKVPool
+        self.cross_seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.cross_tables = torch.zeros(n, max(cross_blocks, 1), dtype=torch.int32, device=device)
         # pinned host staging in two sets used in turn: with async scheduling the host fills one set
         # while the previous step's copies out of the other may still be queued; an event per set says
         # when its copies ran
-        self._staging = [_Staging(n, self.positions.shape, max_blocks_per_seq) for _ in range(2)]
+        self._staging = [_Staging(n, self.positions.shape, max_blocks_per_seq, self.cross_tables.shape[1])
+                         for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -52,11 +59,21 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
             query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[self.max_model_len] * b,
             max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+        if self.cross is not None:
+            longest = self.cross_blocks * self.block_size
+            decodes = AttentionMetadata(
+                query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.cross_seq_lens[:b],
+                block_tables=self.cross_tables[:b], slot_mapping=self.slot_mapping[:0],
+                query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[longest] * b, max_query_len=1,
+                max_seq_len=longest, block_size=self.block_size, num_decodes=b)
+            seqs = [CrossAttentionSeq(slice(i, i + 1), 0, 0, [], None, 0) for i in range(b)]
+            meta.cross = CrossAttentionBatch(seqs, self.cross.caches, b, decodes, self.cross_backend)
+        return meta
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.model.embed_input_ids(self.input_ids[:b])
@@ -78,13 +95,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+            cross: tuple[list[list[int]], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that fits; returns (logits [n, V], final hidden states [n, H]) of the
         n = len(input_ids) rows (views, valid until the next replay).
 
         positions: [n] or [3, n] (M-RoPE) int64 on the host. fill: (rows, ids) device tensors that
-        overwrite those rows' input ids on the device (tokens the host does not have yet).
+        overwrite those rows' input ids on the device (tokens the host does not have yet). cross: each row's
+        cross-attention pool blocks (at most cross_blocks) and the tokens of them it attends.
         """
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -111,6 +129,15 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(st.ints[2, :b], non_blocking=True)
         self.positions[..., :b].copy_(st.pos[..., :b], non_blocking=True)
         self.block_tables[:b].copy_(st.tables[:b], non_blocking=True)
+        if cross is not None:
+            ints[3, :b] = 0
+            ints[3, :n] = cross[1]
+            ctables = st.cross_tables.numpy()
+            ctables[:b] = 0
+            for i, row in enumerate(cross[0]):
+                ctables[i, : len(row)] = row
+            self.cross_seq_lens[:b].copy_(st.ints[3, :b], non_blocking=True)
+            self.cross_tables[:b].copy_(st.cross_tables[:b], non_blocking=True)
         st.copied = torch.cuda.Event()
         st.copied.record()
         if fill is not None:
@@ -122,8 +149,9 @@ class DecodeGraphs:
 class _Staging:
     """Pinned host buffers of one step's graph inputs."""
 
-    def __init__(self, n: int, pos_shape: torch.Size, max_blocks_per_seq: int) -> None:
-        self.ints = torch.zeros(3, n, dtype=torch.int64).pin_memory()      # ids, slots, context lengths
+    def __init__(self, n: int, pos_shape: torch.Size, max_blocks_per_seq: int, cross_blocks: int) -> None:
+        self.ints = torch.zeros(4, n, dtype=torch.int64).pin_memory()   # ids, slots, context lengths, cross lengths
         self.pos = torch.zeros(pos_shape, dtype=torch.int64).pin_memory()
         self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.cross_tables = torch.zeros(n, cross_blocks, dtype=torch.int32).pin_memory()
         self.copied: torch.cuda.Event | None = None

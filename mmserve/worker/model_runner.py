@@ -21,7 +21,7 @@ from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
 from mmserve.worker.batch_inputs import attention_metadata, cat_positions, slot_ids
-from mmserve.worker.request_inputs import cross_attention_batch, lora_row_groups
+from mmserve.worker.request_inputs import cross_attention_batch, cross_decode_inputs, lora_row_groups
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
@@ -93,15 +93,24 @@ class ModelRunner:
             token = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.sampler.warm_up(self.model.compute_logits(self.model.embed_input_ids(token)), self.vocab_size)
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                            template: MultiModalItem | None = None) -> None:
         """Record decode-step graphs, whole-model graphs of small prefills and piecewise graphs of the other
-        steps (CUDA + Triton backend only); call after allocate_kv_cache."""
+        steps (CUDA + Triton backend only); call after allocate_kv_cache (and allocate_cross_kv). A cross-attention
+        family gets decode graphs only, if it allows them (`cross_decode_graphs`), for decodes attending at most
+        two `template` pictures' worth of pool blocks."""
         if self.device.type != "cuda" or self.backend_name != "triton":
-            return
-        if self.uses_cross_attention:   # its steps carry per-sequence image keys/values: eager for now
             return
         max_blocks = cdiv(max_model_len, self.block_size)
         mrope = self.uses_mrope
+        if self.uses_cross_attention:
+            if not getattr(self.model, "cross_decode_graphs", False) or template is None or self.cross_kv is None:
+                return
+            self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size,
+                                       max_model_len, cross=self.cross_kv, cross_backend=self.attn_layers[0].backend,
+                                       cross_blocks=2 * cdiv(self.model.cross_kv_tokens(template), self.block_size))
+            self.graphs.capture()
+            return
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
                                    mrope=mrope)
         self.graphs.capture()
@@ -234,9 +243,13 @@ class ModelRunner:
         positions = cat_positions(positions, self.uses_mrope)
         lora = lora_row_groups(computed, qsl, self.lora, dev) if self.lora is not None and self.lora.adapters else []
         graphs_ok = not lora
+        cross = None
+        if graphs_ok and self.graphs is not None and self.graphs.cross is not None and decode_only:
+            cross = cross_decode_inputs(computed, self.graphs.cross_blocks, bs)
+            graphs_ok = cross is not None
         if graphs_ok and self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
             logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
-                                             fill)
+                                             fill, cross)
             self._store_prompt_ends(computed, hidden, qsl)   # one row per request here
             # 1-token prompt chunks ride here too and sample nothing
             rows = [i for i, _ in sampling]

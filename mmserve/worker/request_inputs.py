@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
+from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.request import MultiModalItem
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.transfer import to_device
@@ -57,6 +58,21 @@ def cross_attention_batch(computed: list, qsl: list[int],
         batch.decode_meta = decode_metadata([s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]],
                                             decode_lens, pool.block_size, dev)
     return batch
+
+
+def cross_decode_inputs(computed: list, max_blocks: int, block_size: int) -> tuple[list[list[int]], list[int]] | None:
+    """For a decode graph of a cross-attention family: each sequence's pool blocks its generated token attends
+    and their token count, or None when a step cannot replay one (a sequence without media, a prompt chunk, one
+    whose encoder output is not in the pool yet, or more than max_blocks blocks)."""
+    tables, lens = [], []
+    for s in computed:
+        req = s.request
+        n = cdiv(req.cross_decode_len, block_size)
+        if not req.mm_items or not req.cross_kv_written or s.start < req.num_prompt_tokens or n > max_blocks:
+            return None
+        tables.append(req.cross_block_ids[:n])
+        lens.append(req.cross_decode_len)
+    return tables, lens
 
 
 def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool) -> None:
