@@ -27,14 +27,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
-                    bias_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+                    bias_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                    distance_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys.
 
     q [T, H, D] -> out [T, H, D]. Query j of a sequence with q_len new tokens and context L sits at
     position L - q_len + j and sees keys 0..that position. out: where to write it (rows no sequence
     owns are left as they are); None allocates it. bias_fn(query positions [q_len], L) -> [H, q_len, L]: a score
-    bias added before the softmax (T5's relative positions); only this backend takes one.
+    bias added before the softmax (T5's relative positions); only this backend takes one. distance_bias [H, N]: the
+    same by the key's distance from the query (the Triton backend takes it for decodes).
     """
+    if distance_bias is not None:
+        def bias_fn(pos: torch.Tensor, ctx: int) -> torch.Tensor:
+            return distance_bias[:, (pos[:, None] - torch.arange(ctx, device=pos.device)).clamp(min=0)]
     out = torch.empty_like(q) if out is None else out
     bs = meta.block_size
     for i in range(meta.num_seqs):
@@ -60,6 +65,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
+# T5-style decoders take this backend's padded batch (`padded_attention`) for every step, decodes too
+PREFERS_PADDED_BIAS = True
 # a step's [sequences, heads, queries, keys] score bias above this many elements goes sequence by sequence instead
 PADDED_BIAS_MAX_ELEMENTS = 1 << 25
 

@@ -34,14 +34,19 @@ def write_kv_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                    distance_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys. q [T, H, D] -> out [T, H, D].
 
-    out: where to write it (rows no sequence owns are left as they are); None allocates it."""
+    out: where to write it (rows no sequence owns are left as they are); None allocates it. distance_bias [H, N]
+    fp32: a score bias by the key's distance from the query (T5's relative positions), decode-only steps only."""
     # Decode kernel maps row i to sequence i, so it needs exactly one query row per sequence.
     if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
         return paged_decode.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                                   k_scale=k_scale, v_scale=v_scale, out=out)
+                                                   k_scale=k_scale, v_scale=v_scale, out=out,
+                                                   distance_bias=distance_bias)
+    if distance_bias is not None:
+        raise ValueError("the triton backend takes a distance bias for decode-only steps only")
     d = meta.num_decodes
     if not 0 < d < meta.num_seqs:
         return kernels.paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

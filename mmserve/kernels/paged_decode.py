@@ -103,15 +103,17 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_rows_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, bias_ptr,
     qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_bias,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """CUDA cores: one program = one sequence x one head (its own KV head) x one split. Key-tile row r folds
-    keys r, r + BLOCK_N, r + 2 BLOCK_N, ... into its own (m, l, acc); the BLOCK_N states merge at the end."""
+    keys r, r + BLOCK_N, r + 2 BLOCK_N, ... into its own (m, l, acc); the BLOCK_N states merge at the end.
+    HAS_BIAS: a score bias by the key's distance from the query, bias_ptr [heads, distances] fp32 (T5)."""
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -132,7 +134,10 @@ def _decode_rows_kernel(
         tok_mask = tok < seq_len
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, head, d, d_mask,
                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
-        s = tl.where(tok_mask, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+        s = tl.sum(k.to(tl.float32) * q[None, :], 1)
+        if HAS_BIAS:   # in the base-2 exponent's units, like qk_scale
+            s += tl.load(bias_ptr + head * stride_bias + (seq_len - 1 - tok), mask=tok_mask, other=0.0) * 1.4426950408889634
+        s = tl.where(tok_mask, s, float("-inf"))
         m_new = tl.maximum(m, s)
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new)
@@ -179,8 +184,8 @@ def _decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
-                           k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                           distance_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its whole cached context.
 
     Args:
@@ -192,6 +197,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         num_splits: split-K partitions per sequence; None picks one from host shapes only.
         k_scale, v_scale: an FP8 cache's scales (1.0 for caches in the model's dtype).
         out: where to write the result ([B, H, D], q's dtype, last dim contiguous); None allocates it.
+        distance_bias: [H, N] fp32, last dim contiguous: added to the score of a key d positions before the query
+            (T5's relative-position bias; N > every context; ungrouped heads only, through the CUDA-core kernel).
     Returns:
         out [B, H, D] in q's dtype.
     """
@@ -214,6 +221,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_out = part_lse = out   # unused
     kc, vc = kv_cache[0], kv_cache[1]
     tile = decode_tile(d_pad, kv_cache.element_size(), num_seqs, group)
+    if distance_bias is not None:
+        if group != 1 or distance_bias.stride(1) != 1:
+            raise ValueError("distance_bias needs ungrouped heads and a contiguous last dim")
+        tile = decode_tile(d_pad, kv_cache.element_size(), max(num_seqs, ROWS_MIN_BATCH), group)
+        if not tile.rows:
+            raise ValueError(f"distance_bias: head_dim {head_dim} is past the CUDA-core kernel's")
     args = (q, kc, vc, block_tables, seq_lens, out, part_out, part_lse, scale * k_scale * math.log2(math.e), v_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0))
@@ -221,8 +234,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                   num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
                   **pdl_options(q.device))
     if tile.rows:
+        bias = (distance_bias, distance_bias.stride(0)) if distance_bias is not None else (out, 0)
         _decode_rows_kernel[(num_seqs, num_heads, num_splits)](
-            *args, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), **launch)
+            *args[:8], bias[0], *args[8:], bias[1], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+            HAS_BIAS=distance_bias is not None, **launch)
     else:
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             *args, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,

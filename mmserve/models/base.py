@@ -48,8 +48,7 @@ class MultiModalCausalLM(nn.Module):
     # True: an encoder-decoder (Nougat); the prompt is the decoder's (`decoder_prompt_ids(hf_config, tokenizer,
     # text)`), the HF processor sees only the picture, and the decoder attends the encoder through cross-attention
     encoder_decoder: bool = False
-    # cross-attention families: True when its decode steps can replay CUDA graphs (worker/cuda_graph.py) — not the
-    # T5-style decoders, whose self-attention takes a relative-position bias through the torch path
+    # cross-attention families: True when its decode steps can replay CUDA graphs (worker/cuda_graph.py)
     cross_decode_graphs: bool = False
     # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
     weight_renames: list[tuple[str, str]] = []

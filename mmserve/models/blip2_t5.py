@@ -21,6 +21,7 @@ from mmserve.models.weights import load_weights
 
 class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
     uses_cross_attention = True
+    cross_decode_graphs = True
     encoder_decoder = True
     encoder_reads_text = True   # the processor's ids (query tokens + question) are the encoder's input
     encoder_cuda_graphs = False

@@ -154,6 +154,7 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
     """The vision tower + the T5-style decoder with cross-attention (Deplot, Pix2Struct, MatCha checkpoints)."""
 
     uses_cross_attention = True
+    cross_decode_graphs = True
     placeholder_in_prompt = False
     encoder_decoder = True
     encoder_reads_text = True   # VQA checkpoints: the question is drawn on the picture (see the module docstring)

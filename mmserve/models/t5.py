@@ -70,6 +70,12 @@ class T5Attention(nn.Module):
         bucket = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(bucket).permute(2, 0, 1)
 
+    def distance_bias(self, n: int, device: torch.device) -> torch.Tensor:
+        """[H, n] fp32 bias of a key d = 0..n-1 positions before the query (a decoder's, unidirectional)."""
+        bucket = relative_position_bucket(-torch.arange(n, device=device), False, self.num_buckets,
+                                          self.max_distance)
+        return self.relative_attention_bias(bucket).t().float().contiguous()
+
 
 class T5DenseAct(nn.Module):
     """`DenseReluDense`: wi -> act -> wo, or gated: act(wi_0 x) * wi_1 x -> wo (Flan-T5's gated-gelu)."""
@@ -157,12 +163,14 @@ class T5DecoderBlock(nn.Module):
         return torch.stack([a.heads_of(a.k(states)), a.heads_of(a.v(states))], dim=1)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, bias_fn,
-                padded: torch_backend.PaddedBatch | None) -> torch.Tensor:
+                padded: torch_backend.PaddedBatch | None, distance: torch.Tensor | None) -> torch.Tensor:
         sa, p = self.layer[0], self.paged
         a, h = sa.SelfAttention, sa.layer_norm(x)
         q, k, v = a.heads_of(a.q(h)), a.heads_of(a.k(h)), a.heads_of(a.v(h))
         p.backend.write_kv(k, v, p.kv_cache, meta.slot_mapping, p.k_scale, p.v_scale)
-        if padded is not None:
+        if distance is not None:
+            o = p.backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, distance_bias=distance)
+        elif padded is not None:
             o = torch_backend.padded_attention(q, p.kv_cache, padded, 1.0, p.k_scale, p.v_scale)
         else:
             o = torch_backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, bias_fn=bias_fn)
@@ -180,15 +188,23 @@ class T5DecoderStack(nn.Module):
         layers = config.num_decoder_layers if config.num_decoder_layers is not None else config.num_layers
         self.block = nn.ModuleList(T5DecoderBlock(config, i, i == 0) for i in range(layers))
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.distance: torch.Tensor | None = None   # the bias by key distance, grown by powers of two
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(x):
             raise ValueError("every sequence of an encoder-decoder model needs its encoder states")
         first = self.block[0].layer[0].SelfAttention
-        # the relative-position bias and the causal mask of the step's padded layout, once for all layers
-        padded = torch_backend.padded_batch(meta, first.position_bias, first.heads)
+        padded = distance = None
+        if meta.decode_only and not getattr(self.block[0].paged.backend, "PREFERS_PADDED_BIAS", False):
+            # the backend's decode kernel adds the bias by key distance (a table graphs can read); a decode graph is
+            # captured at max_model_len, so the table never grows after capture
+            if self.distance is None or self.distance.shape[1] < meta.max_seq_len:
+                self.distance = first.distance_bias(1 << (meta.max_seq_len - 1).bit_length(), x.device)
+            distance = self.distance
+        else:   # the relative-position bias and the causal mask of the step's padded layout, once for all layers
+            padded = torch_backend.padded_batch(meta, first.position_bias, first.heads)
         for block in self.block:
-            x = block(x, meta, first.position_bias, padded)
+            x = block(x, meta, first.position_bias, padded, distance)
         return self.final_layer_norm(x)
 
 

@@ -71,3 +71,27 @@ def check_cross_attention_pool_decodes_and_prompts(device):
     for dtype in (torch.float32, torch.float16):
         for name in ("torch", "triton"):
             _run(device, dtype, name)
+
+
+@check
+def check_decode_with_a_distance_bias(device):
+    """T5-style decoders' decodes: the CUDA-core kernel adds a bias by the key's distance from the query (one
+    sequence and many, with and without split-K, fp32 and fp16, a padding row), against the torch backend."""
+    from mmserve.attention import torch_backend, triton_backend
+    from mmserve.kernels import paged_decode
+    from mmserve.models.t5 import relative_position_bucket
+    from tests.kernels.attention_checks import make_batch, real_rows
+
+    for ctx, dtype, splits in (([37], torch.float32, None), ([5, 90, 33, 17, 64, 120, 8, 49, 70], torch.float16, 3),
+                               ([130, 3], torch.float32, 1)):
+        q, _, _, cache, meta = make_batch([1] * len(ctx), ctx, 4, 4, 64, 16, dtype, device, num_pad_rows=1)
+        buckets = relative_position_bucket(-torch.arange(256), False, 32, 128)
+        table = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))[buckets].t().contiguous().to(device)
+        end, sub = real_rows(meta, len(ctx))
+        got = paged_decode.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 1.0, splits,
+                                                  distance_bias=table)
+        want = torch_backend.paged_attention(q[:end], cache, sub, 1.0, distance_bias=table)
+        assert_close(got[:end], want, f"biased decode {ctx}")
+        assert torch.equal(got[end:], torch.zeros_like(got[end:])), "padding rows must be zero"
+        assert_close(triton_backend.paged_attention(q[:end], cache, sub, 1.0, distance_bias=table), want,
+                     "biased decode through the backend")
