@@ -222,7 +222,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     kc, vc = kv_cache[0], kv_cache[1]
     tile = decode_tile(d_pad, kv_cache.element_size(), num_seqs, group)
     if distance_bias is not None:
-        if group != 1 or distance_bias.stride(1) != 1:
+        if group != 1 or (distance_bias.stride(1) != 1 and distance_bias.shape[1] > 1):
             raise ValueError("distance_bias needs ungrouped heads and a contiguous last dim")
         tile = decode_tile(d_pad, kv_cache.element_size(), max(num_seqs, ROWS_MIN_BATCH), group)
         if not tile.rows:

@@ -199,7 +199,7 @@ class T5DecoderStack(nn.Module):
             # the backend's decode kernel adds the bias by key distance (a table graphs can read); a decode graph is
             # captured at max_model_len, so the table never grows after capture
             if self.distance is None or self.distance.shape[1] < meta.max_seq_len:
-                self.distance = first.distance_bias(1 << (meta.max_seq_len - 1).bit_length(), x.device)
+                self.distance = first.distance_bias(max(64, 1 << (meta.max_seq_len - 1).bit_length()), x.device)
             distance = self.distance
         else:   # the relative-position bias and the causal mask of the step's padded layout, once for all layers
             padded = torch_backend.padded_batch(meta, first.position_bias, first.heads)

@@ -95,3 +95,25 @@ def check_decode_with_a_distance_bias(device):
         assert torch.equal(got[end:], torch.zeros_like(got[end:])), "padding rows must be zero"
         assert_close(triton_backend.paged_attention(q[:end], cache, sub, 1.0, distance_bias=table), want,
                      "biased decode through the backend")
+
+
+@check
+def check_t5_decoder_steps_through_the_triton_backend(device):
+    """A Deplot (Pix2Struct) checkpoint generates the same tokens with the triton backend (decodes through the
+    distance-biased decode kernel, from a bias table of one distance up) as with the torch backend's padded path."""
+    import tempfile
+
+    from mmserve import LLM, SamplingParams
+    from mmserve.testing import make_test_image
+    from mmserve.testing.pix2struct import make_pix2struct_checkpoint
+
+    model_dir = tempfile.mkdtemp()
+    make_pix2struct_checkpoint(model_dir, preset="tiny", seed=0, progress=False)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    prompts = [{"prompt": "Which year?", "images": [make_test_image(i, (60 + 9 * i, 80))]} for i in range(3)]
+    runs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(model_dir, device=device.type, dtype="float32", max_num_seqs=4, attention_backend=backend,
+                  enforce_eager=True)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1], runs
