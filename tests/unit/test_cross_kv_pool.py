@@ -126,3 +126,20 @@ def test_a_step_admitting_many_pictures_encodes_them_a_few_at_a_time(family_dirs
     runner._encode = lambda items: sizes.append(len(items)) or encode(items)
     outs, _ = _run(engine, prompts, params)
     assert sizes == [2, 2, 1] and [outs[str(i)] for i in range(5)] == want
+
+
+def test_which_decode_steps_a_cross_graph_can_take():
+    """`cross_decode_inputs`: each decode's pool blocks up to the tokens it attends, or None for a step a decode graph
+    cannot replay (a row without media, a prompt chunk, an encoder output not yet written, too many blocks)."""
+    from types import SimpleNamespace
+
+    from mmserve.worker.request_inputs import cross_decode_inputs
+
+    def seq(start=10, media=True, written=True, decode_len=40, blocks=(7, 3, 9, 1, 4)):
+        req = SimpleNamespace(mm_items=[object()] if media else [], cross_kv_written=written, num_prompt_tokens=10,
+                              cross_decode_len=decode_len, cross_block_ids=list(blocks))
+        return SimpleNamespace(request=req, start=start)
+
+    assert cross_decode_inputs([seq(), seq(start=12, decode_len=16)], 4, 16) == ([[7, 3, 9], [7]], [40, 16])
+    for odd in (seq(media=False), seq(start=9), seq(written=False), seq(decode_len=65)):
+        assert cross_decode_inputs([seq(), odd], 4, 16) is None
