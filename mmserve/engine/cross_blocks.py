@@ -14,6 +14,11 @@ class CrossBlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks held by requests."""
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
     def fits(self, req: Request) -> bool:
         """Whether req's encoder keys/values fit beside the running requests' (the engine refuses a request
         larger than the whole pool, so the first in line always fits once the others are done)."""

@@ -385,6 +385,8 @@ class Engine:
             "encoder_cache_hit_rate": self.runner.encoder_cache.hit_rate,
             "prompt_end_cache_hits": self.scheduler.prompt_ends.hits if self.scheduler.prompt_ends else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "cross_kv_cache_usage": cross.usage if (cross := self.scheduler.cross_blocks) is not None else 0.0,
+            "cross_kv_cache_blocks_total": cross.num_blocks if cross is not None else 0,
         }
 
 

@@ -39,6 +39,10 @@ class Metrics:
             "prompt_end_cache_hits": ("mmserve_prompt_end_cache_hits",
                                       "First tokens sampled from a repeated prompt's kept final hidden state"),
             "num_preemptions": ("mmserve_num_preemptions", "Requests preempted so far"),
+            "cross_kv_cache_usage": ("mmserve_cross_kv_cache_usage_ratio",
+                                     "Fraction of the cross-attention pool's blocks held by requests (0 without one)"),
+            "cross_kv_cache_blocks_total": ("mmserve_cross_kv_cache_blocks_total",
+                                            "Blocks of the cross-attention pool (cross-attention models only)"),
         }
         for key, (name, doc) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda key=key: float(self._stats_fn().get(key, 0.0)))

@@ -89,3 +89,14 @@ def test_openai_chat_with_a_picture(mllama_server, mllama_dir):
                          "exclude_input_in_output": True}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["text_output"] == _hf_completion(mllama_dir, "<|image|><|image|>Compare them.", [image, second], 12)
+
+
+def test_metrics_show_the_cross_attention_pool(mllama_server):
+    """After the requests above have ended the pool has blocks and none is held (they went back on finish)."""
+    text = httpx.get(f"{mllama_server.http_url}/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+    assert value("mmserve_cross_kv_cache_blocks_total") > 0
+    assert value("mmserve_cross_kv_cache_usage_ratio") == 0

@@ -94,11 +94,14 @@ def test_requests_wait_for_room_in_the_pool_and_match_an_unbounded_run(family_di
     for i, p in enumerate(prompts[:4]):
         tight.add_request(str(i), p, long)
     tight.step()
+    assert 0 < tight.stats()["cross_kv_cache_usage"] <= 1
     tight.abort("3")
     while tight.has_unfinished():
         tight.step()
     assert tight.scheduler.num_preemptions > 0
     assert tight.scheduler.cross_blocks.num_free == tight.runner.cross_kv.num_blocks
+    assert tight.stats()["cross_kv_cache_usage"] == 0
+    assert tight.stats()["cross_kv_cache_blocks_total"] == tight.runner.cross_kv.num_blocks
 
 
 def test_a_request_larger_than_the_pool_is_refused(family_dirs):
