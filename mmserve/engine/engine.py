@@ -165,7 +165,7 @@ class Engine:
         cross_tokens = sum(self.model.cross_kv_tokens(it) for it in inputs.mm_items) if pool is not None else 0
         cross_blocks = pool.num_blocks_of(cross_tokens) if pool is not None else 0
         if cross_blocks > (pool.num_blocks if pool is not None else 0):
-            per_token, room = pool.layout.bytes_per_token(), pool.num_blocks * pool.block_size
+            per_token, room = pool.bytes_per_token, pool.num_blocks * pool.block_size
             raise ValueError(f"images: their encoder keys/values ({cross_tokens} tokens, "
                              f"{cross_tokens * per_token / 2**20:.2f} MiB) do not fit the {room} tokens "
                              f"({room * per_token / 2**20:.2f} MiB) kept for them (cross_kv_cache_fraction)")

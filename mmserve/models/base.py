@@ -114,12 +114,11 @@ def check_single_image(image_keys: list[str], video_keys: list[str], required: b
 @dataclass(frozen=True)
 class CrossKVLayout:
     """What a cross-attention family's encoder yields per token: keys and values of `layers` cross-attention
-    layers (the cross-attention pool's shape, worker/cross_kv.py)."""
+    layers (the cross-attention pool's shape, worker/cross_kv.py; its dtype is the model's)."""
 
     layers: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
 
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype.itemsize

@@ -255,7 +255,7 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
     def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.cross_layers
         a = layers[0].cross_attn
-        return CrossKVLayout(len(layers), a.num_kv_heads, a.head_dim, self.multi_modal_projector.weight.dtype)
+        return CrossKVLayout(len(layers), a.num_kv_heads, a.head_dim)
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """Every tile (padding tiles too) of every patch."""

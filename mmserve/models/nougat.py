@@ -77,7 +77,7 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
     def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.layers
         a = layers[0].encoder_attn
-        return CrossKVLayout(len(layers), a.num_heads, a.head_dim, a.k_proj.weight.dtype)
+        return CrossKVLayout(len(layers), a.num_heads, a.head_dim)
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """The Swin's last map: ceil(H / patch), halved with ceil at each later stage."""

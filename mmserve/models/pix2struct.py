@@ -225,7 +225,7 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
     def cross_kv_layout(self) -> CrossKVLayout:
         blocks = self.language_model.decoder.block
         a = blocks[0].layer[1].EncDecAttention
-        return CrossKVLayout(len(blocks), a.heads, a.d_kv, self.language_model.shared.weight.dtype)
+        return CrossKVLayout(len(blocks), a.heads, a.d_kv)
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """The picture's real patches."""

@@ -18,16 +18,19 @@ from mmserve.worker.transfer import to_device
 
 
 class CrossKVPool:
-    def __init__(self, layout: CrossKVLayout, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, layout: CrossKVLayout, dtype: torch.dtype, num_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        """dtype: the model's (the encoder's outputs are written as they are, whatever its linears are stored in)."""
         self.layout, self.num_blocks, self.block_size = layout, num_blocks, block_size
+        self.bytes_per_token = layout.bytes_per_token(dtype)
         shape = (layout.layers, 2, num_blocks, layout.kv_heads, block_size, layout.head_dim)
         # one tensor, head-major inside each block; indexed [layer, k/v, block, slot, head, dim]
-        self.storage = torch.zeros(shape, dtype=layout.dtype, device=device).transpose(3, 4)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4)
         self.caches = list(self.storage.unbind(0))   # layer l: [2, num_blocks, block_size, kv heads, head_dim]
 
     @staticmethod
-    def blocks_for(layout: CrossKVLayout, budget_bytes: int, block_size: int) -> int:
-        return int(budget_bytes // (layout.bytes_per_token() * block_size))
+    def blocks_for(layout: CrossKVLayout, dtype: torch.dtype, budget_bytes: int, block_size: int) -> int:
+        return int(budget_bytes // (layout.bytes_per_token(dtype) * block_size))
 
     def num_blocks_of(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

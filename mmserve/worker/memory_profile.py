@@ -65,8 +65,8 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         item = runner._on_device(template)
         with runner._vision_kernels():
             states = runner.model.get_mm_embeddings([item])[0]
-        pool = CrossKVPool(runner.model.cross_kv_layout(), cdiv(len(states), runner.block_size), runner.block_size,
-                           runner.device)   # a scratch pool of its blocks
+        pool = CrossKVPool(runner.model.cross_kv_layout(), runner.dtype, cdiv(len(states), runner.block_size),
+                           runner.block_size, runner.device)   # a scratch pool of its blocks
         blocks = list(range(pool.num_blocks))
         pool.write(states, blocks)
         encoder_tokens = len(states)

@@ -198,8 +198,8 @@ class ModelRunner:
             return
         layout = self.model.cross_kv_layout()
         self.cross_kv = None   # the old pool's memory goes back before the new one is taken
-        self.cross_kv = CrossKVPool(layout, CrossKVPool.blocks_for(layout, self.cross_kv_budget, self.block_size),
-                                    self.block_size, self.device)
+        blocks = CrossKVPool.blocks_for(layout, self.dtype, self.cross_kv_budget, self.block_size)
+        self.cross_kv = CrossKVPool(layout, self.dtype, blocks, self.block_size, self.device)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -30,7 +30,7 @@ def _run(device: torch.device, dtype: torch.dtype, backend_name: str) -> None:
     backend = triton_backend if backend_name == "triton" else torch_backend
     g = torch.Generator().manual_seed(0)
     layers, heads, kv_heads, head_dim, bs = 2, 4, 2, 32, 16
-    pool = CrossKVPool(CrossKVLayout(layers, kv_heads, head_dim, dtype), 24, bs, device)
+    pool = CrossKVPool(CrossKVLayout(layers, kv_heads, head_dim), dtype, 24, bs, device)
     # (encoder tokens, rows this step, decode length or None for a prompt chunk, order or None); the last one's
     # pool order puts columns 30.. first, as a family's cross_kv_order would for the tokens its decodes attend
     lengths = [37, 50, 21, 45]

@@ -5,6 +5,7 @@ path (finish, abort, preemption), and a request larger than the whole pool is re
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.config import CacheConfig
@@ -39,7 +40,7 @@ def test_each_family_knows_its_encoder_tokens_before_encoding(family, family_dir
         states = model.get_mm_embeddings(items)
         assert [model.cross_kv_tokens(it) for it in items] == [len(s) for s in states], size
         for s in states:
-            assert s.shape[1:] == (layout.layers, 2, layout.kv_heads, layout.head_dim) and s.dtype == layout.dtype
+            assert s.shape[1:] == (layout.layers, 2, layout.kv_heads, layout.head_dim)
 
 
 def test_the_kv_budget_gives_up_the_fraction_for_the_pool(family_dirs):
@@ -47,7 +48,8 @@ def test_the_kv_budget_gives_up_the_fraction_for_the_pool(family_dirs):
     runner = plain.engine.runner
     budget = int(0.01 * 2**30 * 0.5)
     assert runner.cross_kv_budget == budget
-    assert runner.cross_kv.num_blocks == CrossKVPool.blocks_for(runner.cross_kv.layout, budget, runner.block_size)
+    assert runner.cross_kv.num_blocks == CrossKVPool.blocks_for(runner.cross_kv.layout, runner.dtype, budget,
+                                                                runner.block_size)
     assert plain.engine.scheduler.cross_blocks.num_free == runner.cross_kv.num_blocks
     assert plain.engine.kv.num_blocks == int((0.01 * 2**30 - budget) // runner.kv_bytes_per_block())
     quarter = LLM(family_dirs["nougat"], device="cpu", dtype="float32", kv_cache_size_gb=0.01,
@@ -109,7 +111,7 @@ def test_a_request_larger_than_the_pool_is_refused(family_dirs):
     prompt = {"prompt": MAKERS["pix2struct"][1], "images": [make_test_image(0, (40, 30))]}
     need = engine.runner.cross_kv.num_blocks_of(engine.model.cross_kv_tokens(engine.inputs.process(prompt).mm_items[0]))
     runner = engine.runner
-    runner.cross_kv = CrossKVPool(runner.cross_kv.layout, need - 1, runner.block_size, runner.device)
+    runner.cross_kv = CrossKVPool(runner.cross_kv.layout, runner.dtype, need - 1, runner.block_size, runner.device)
     with pytest.raises(ValueError, match=r"images: their encoder keys/values \(\d+ tokens"):
         engine.add_request("big", prompt, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -146,3 +148,24 @@ def test_which_decode_steps_a_cross_graph_can_take():
     assert cross_decode_inputs([seq(), seq(start=12, decode_len=16)], 4, 16) == ([[7, 3, 9], [7]], [40, 16])
     for odd in (seq(media=False), seq(start=9), seq(written=False), seq(decode_len=65)):
         assert cross_decode_inputs([seq(), odd], 4, 16) is None
+
+
+@pytest.mark.parametrize("family", sorted(MAKERS))
+def test_the_pool_holds_the_encoder_output_in_the_model_dtype_with_fp8_weights(family, family_dirs):
+    """FP8 weights (--quantization fp8) cover the decoder's linears, Nougat's cross-attention k/v projections among
+    them; the pool keeps what they output, in the model's dtype, and generation runs through it."""
+    engine = LLM(family_dirs[family], device="cpu", dtype="float32", quantization="fp8").engine
+    prompt = {"prompt": MAKERS[family][1], "images": [make_test_image(2, (50, 40))]}
+    engine.add_request("r", prompt, SamplingParams(max_tokens=3, min_tokens=3, temperature=0.0))
+    engine.step()
+    req, pool = engine.requests["r"], engine.runner.cross_kv
+    assert pool.storage.dtype == engine.runner.dtype
+    want = engine.model.get_mm_embeddings(engine.inputs.process(prompt).mm_items)[0]
+    if req.cross_kv_order is not None:
+        want = want[req.cross_kv_order]
+    blocks = torch.tensor(req.cross_block_ids)
+    for layer, cache in enumerate(pool.caches):
+        kv = cache[:, blocks].flatten(1, 2)[:, :len(want)]
+        assert torch.equal(kv[0], want[:, layer, 0]) and torch.equal(kv[1], want[:, layer, 1])
+    while engine.has_unfinished():
+        engine.step()
