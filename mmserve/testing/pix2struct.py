@@ -142,12 +142,14 @@ def _config_from_sizes(s: Pix2StructSizes) -> Pix2StructConfig:
     from transformers import Pix2StructConfig, Pix2StructTextConfig, Pix2StructVisionConfig
 
     ids = token_ids(s)
+    # is_encoder_decoder: Pix2StructConfig sets it on a text_config it gets as a dict (from config.json), but
+    # transformers 5.17 leaves a config object's alone, which would then differ from the saved-and-loaded one
     text = Pix2StructTextConfig(
         vocab_size=s.vocab_size, hidden_size=s.hidden, d_kv=s.text_d_kv, d_ff=s.text_ffn, num_layers=s.text_layers,
         num_heads=s.text_heads, relative_attention_num_buckets=s.relative_buckets,
         relative_attention_max_distance=s.relative_max_distance, layer_norm_epsilon=s.layer_norm_eps,
         dense_act_fn=s.hidden_act, decoder_start_token_id=ids[PAD], pad_token_id=ids[PAD], eos_token_id=ids[EOS],
-        tie_word_embeddings=False)
+        tie_word_embeddings=False, is_encoder_decoder=True)
     vision = Pix2StructVisionConfig(
         hidden_size=s.hidden, patch_embed_hidden_size=s.patch_dim, d_ff=s.vision_ffn, d_kv=s.vision_d_kv,
         num_hidden_layers=s.vision_layers, num_attention_heads=s.vision_heads, dense_act_fn=s.hidden_act,

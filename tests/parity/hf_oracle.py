@@ -30,6 +30,12 @@ def _load(model_dir: str, device: str):
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
+def text_only_generator(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that generates for a prompt without pictures: Kosmos-2's text model alone (transformers 5.17's
+    Kosmos2ForConditionalGeneration.generate wants pixel_values; later ones run that decoder alone), else ``model``."""
+    return getattr(model, "text_model", model)
+
+
 def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: str = "cpu",
               videos: list | None = None, **processor_kwargs) -> tuple[list[int], list[int], torch.Tensor]:
     """Returns (prompt ids, n new greedy ids, [n, V] log-softmax of each step's scores).
@@ -44,8 +50,8 @@ def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: 
         processor_kwargs.setdefault("device", device)
     enc = processor(text=prompt, images=images or None, videos=videos or None, return_tensors="pt",
                     **processor_kwargs).to(device)
-    if not images and not videos and hasattr(model, "text_model"):
-        model = model.text_model   # transformers 5.17's Kosmos-2 wants pixel_values; its decoder alone is the same
+    if not images and not videos:
+        model = text_only_generator(model)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoProcessor, AutoTokenizer, Kosmos2ForConditionalGeneration
+from transformers import AutoProcessor, AutoTokenizer, Kosmos2ForConditionalGeneration, Kosmos2Processor
 
 from mmserve.bench.roofline import lm_shape
 from mmserve.testing import make_checkpoint, make_test_image
@@ -25,6 +26,7 @@ from mmserve.testing.kosmos2 import (
     token_ids,
 )
 from tests.checkpoint_files import file_tensors, files_digest, load_matching_the_file
+from tests.parity.hf_oracle import text_only_generator
 
 BOS, PAD, EOS, UNK, MASK = 0, 1, 2, 3, 400          # tiny preset ids
 BOI, EOI, PHRASE, OBJECT, GROUNDING = 402, 403, 406, 408, 411
@@ -44,6 +46,22 @@ def layouts(tmp_path_factory) -> dict[str, Path]:
 def loaded(layouts):
     model = Kosmos2ForConditionalGeneration.from_pretrained(layouts["hub"]).eval()
     return model, AutoProcessor.from_pretrained(layouts["hub"])
+
+
+def _default_image_tokens(processor: Kosmos2Processor) -> int:
+    """How many image placeholders the processor lays out unless told: an attribute in later transformers, the
+    images_kwargs default of Kosmos2ProcessorKwargs in 5.17."""
+    if hasattr(processor, "num_image_tokens"):
+        return processor.num_image_tokens
+    return processor.valid_processor_kwargs._defaults["images_kwargs"]["num_image_tokens"]
+
+
+def _image_embeds(model: Kosmos2ForConditionalGeneration, enc: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The projected image features that replace the placeholder rows. transformers 5.17's
+    Kosmos2ForConditionalGeneration has no get_image_features; its forward returns the same as image_embeds."""
+    if hasattr(model, "get_image_features"):
+        return model.get_image_features(enc["pixel_values"]).pooler_output
+    return model(**enc).image_embeds
 
 
 def test_transformers_loads_both_layouts_with_every_tensor_from_the_file(layouts):
@@ -111,7 +129,7 @@ def test_config_and_special_tokens(layouts, loaded):
     assert t.tie_word_embeddings is True and cfg.tie_word_embeddings is True
     assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size) == (32, 2, 2, 80)
     assert (v.image_size, v.patch_size, v.hidden_act) == (42, 14, "quick_gelu")
-    assert cfg.latent_query_num == 64 == processor.num_image_tokens   # the processor's, fixed at 64
+    assert cfg.latent_query_num == 64 == _default_image_tokens(processor)   # the processor's, fixed at 64
     assert not hasattr(cfg, "image_token_id")   # image_embeds_position_mask places the image, not a token id
     assert len(tok) == t.vocab_size == VOCAB   # as the real model: the tokenizer fills the vocab
     assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
@@ -196,7 +214,7 @@ def test_text_embedding_scale_positions_and_image_placement(loaded):
     enc = processor(text=PROMPT, images=make_test_image(0), return_tensors="pt")
     ids, mask = enc["input_ids"], enc["image_embeds_position_mask"]
     with torch.no_grad():
-        image_embeds = model.get_image_features(enc["pixel_values"]).pooler_output
+        image_embeds = _image_embeds(model, enc)
         got = lm.forward_embedding(input_ids=ids, image_embeds=image_embeds, img_input_mask=mask)
     assert image_embeds.shape == (1, 64, 64)
     n, d = ids.shape[1], 64
@@ -223,19 +241,29 @@ def test_the_image_matters(loaded):
 
 
 def test_greedy_generate_with_and_without_an_image(loaded):
-    """Kosmos2ForConditionalGeneration.generate runs the text model alone when there is no image (its forward
-    needs pixel_values or image_embeds)."""
+    """Without an image the text model alone generates (the parity oracle's way): Kosmos2ForConditionalGeneration's
+    forward needs pixel_values or image_embeds; its generate runs the text model alone itself (not in transformers
+    5.17, where it runs the vision tower on pixel_values=None)."""
     model, processor = loaded
     inputs = [processor(text=PROMPT, images=make_test_image(0), return_tensors="pt"),
               processor(text="Describe a red square.", return_tensors="pt")]
-    for enc in inputs:
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    for generator, enc in ((model, inputs[0]), (text_only_generator(model), inputs[1])):
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            out = generator.generate(**enc, **greedy)
         n = enc["input_ids"].shape[1]
         assert out.shape == (1, n + 8) and bool((out[0, n:] < VOCAB).all())
         assert torch.equal(out[0, :n], enc["input_ids"][0])
     with pytest.raises(ValueError, match="pixel_values"):
         model(**inputs[1])
+    with torch.no_grad():
+        try:
+            full = model.generate(**inputs[1], **greedy)
+        except ValueError as e:   # raised by the vision tower, run on pixel_values=None
+            if "You have to specify pixel_values" not in str(e):
+                raise
+            pytest.skip("transformers 5.17's Kosmos2ForConditionalGeneration.generate wants pixel_values")
+    assert torch.equal(full, out)   # the text model's ids above
 
 
 def test_seed_determinism_and_sharding(tmp_path):
