@@ -169,3 +169,17 @@ def test_the_pool_holds_the_encoder_output_in_the_model_dtype_with_fp8_weights(f
         assert torch.equal(kv[0], want[:, layer, 0]) and torch.equal(kv[1], want[:, layer, 1])
     while engine.has_unfinished():
         engine.step()
+
+
+def test_an_exact_repeat_loads_its_prompt_end_and_encodes_on_its_first_decode(family_dirs):
+    """A repeated Llama 3.2 Vision prompt gets its first token from the prompt-end cache (no forward pass, so no
+    encoder run then); its pictures are encoded into its pool blocks on its first decode step, and it answers
+    as the first one did."""
+    llm = LLM(family_dirs["mllama"], device="cpu", dtype="float32")
+    prompt = {"prompt": MAKERS["mllama"][1] + " and why" * 12, "images": [make_test_image(3, (60, 50))]}
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = llm.engine.stats()
+    assert stats["prompt_end_cache_hits"] == 1 and again == first
+    assert stats["cross_kv_cache_usage"] == 0
