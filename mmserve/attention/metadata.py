@@ -28,9 +28,9 @@ class CrossAttentionSeq:
 class CrossAttentionBatch:
     """The step's sequences with media; rows of other sequences skip the cross-attention layers.
 
-    The first num_decodes of seqs hold one generated token each and attend the first decode_lens[i] tokens of
-    their pool blocks, all through the backend's paged decode attention (decode_meta); the others attend
-    theirs one sequence at a time."""
+    The first num_decodes of seqs hold one generated token each and attend the first decode_meta.seq_lens[i]
+    tokens of their pool blocks, all through the backend's paged decode attention; the others attend theirs one
+    sequence at a time."""
 
     seqs: list[CrossAttentionSeq] = field(default_factory=list)
     caches: list[torch.Tensor] = field(default_factory=list)   # the pool, one cache per cross-attention layer

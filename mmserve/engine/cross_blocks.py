@@ -6,8 +6,8 @@ from mmserve.engine.request import Request
 
 
 class CrossBlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))   # popped from the end: low ids first
 
     @property

@@ -78,7 +78,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:
-            self.scheduler.cross_blocks = CrossBlockAllocator(self.runner.cross_kv.num_blocks, config.cache.block_size)
+            self.scheduler.cross_blocks = CrossBlockAllocator(self.runner.cross_kv.num_blocks)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stop_ids: dict[str, set[int]] = {}

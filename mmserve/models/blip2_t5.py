@@ -58,13 +58,11 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
             embeds = lm.embed_input_ids(ids)
             embeds[ids == self.config.image_token_index] = q.to(embeds.dtype)
             states = lm.encoder(embeds)
-            out.append(torch.stack([block.project_kv(states) for block in lm.decoder.block], dim=1))
+            out.append(lm.cross_kv(states))
         return out
 
     def cross_kv_layout(self) -> CrossKVLayout:
-        blocks = self.language_model.decoder.block
-        a = blocks[0].layer[1].EncDecAttention
-        return CrossKVLayout(len(blocks), a.heads, a.d_kv)
+        return self.language_model.cross_kv_layout()
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """The encoder's input: query tokens + question."""

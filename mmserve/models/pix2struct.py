@@ -215,17 +215,12 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per picture: every decoder layer's cross keys/values over its patches, [patches, layers, 2, heads, d_kv]."""
-        blocks = self.language_model.decoder.block
-        out = []
-        for item in items:   # pictures have as many patches as their aspect ratio gives: one at a time
-            states = self.encoder(item.data["flattened_patches"].to(self.encoder.layernorm.weight.dtype))
-            out.append(torch.stack([block.project_kv(states) for block in blocks], dim=1))
-        return out
+        dtype = self.encoder.layernorm.weight.dtype
+        # pictures have as many patches as their aspect ratio gives: one at a time
+        return [self.language_model.cross_kv(self.encoder(item.data["flattened_patches"].to(dtype))) for item in items]
 
     def cross_kv_layout(self) -> CrossKVLayout:
-        blocks = self.language_model.decoder.block
-        a = blocks[0].layer[1].EncDecAttention
-        return CrossKVLayout(len(blocks), a.heads, a.d_kv)
+        return self.language_model.cross_kv_layout()
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """The picture's real patches."""

@@ -23,6 +23,7 @@ from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
+from mmserve.models.base import CrossKVLayout
 
 
 def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -238,6 +239,14 @@ class T5LanguageModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.shared(input_ids)
+
+    def cross_kv(self, states: torch.Tensor) -> torch.Tensor:
+        """Encoder states [T, d_model] -> every decoder layer's cross keys/values [T, layers, 2, heads, d_kv]."""
+        return torch.stack([block.project_kv(states) for block in self.decoder.block], dim=1)
+
+    def cross_kv_layout(self) -> CrossKVLayout:
+        a = self.decoder.block[0].layer[1].EncDecAttention
+        return CrossKVLayout(len(self.decoder.block), a.heads, a.d_kv)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.decoder(inputs_embeds, positions, meta)

@@ -85,7 +85,7 @@ def test_requests_wait_for_room_in_the_pool_and_match_an_unbounded_run(family_di
     engine = LLM(model_dir, device="cpu", dtype="float32").engine
     one = max(engine.runner.cross_kv.num_blocks_of(engine.model.cross_kv_tokens(engine.inputs.process(p).mm_items[0]))
               for p in prompts)
-    engine.scheduler.cross_blocks = blocks = CrossBlockAllocator(2 * one, engine.runner.block_size)   # two at a time
+    engine.scheduler.cross_blocks = blocks = CrossBlockAllocator(2 * one)   # two at a time
     outs, most = _run(engine, prompts, params)
     assert most == 2 and [outs[str(i)] for i in range(6)] == want
     assert blocks.num_free == 2 * one
