@@ -58,6 +58,7 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
                    help="KV cache storage (fp8: e4m3, half the bytes per token)")
     g.add_argument("--quantization", default=None, choices=("fp8",),
                    help="mmserve's decoder linear weights to e4m3 at load (the transformers baseline stays as is)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (both engines)")
     thr.add_argument("--top-p", type=float, default=1.0)
     thr.add_argument("--top-k", type=int, default=0, help="0 = off")
+    thr.add_argument("--profile-dir", default=None,
+                     help="after the timed rounds, run one more under the torch profiler (CUDA) and write its "
+                          "trace and a kernel-time summary (kernels.md) here")
     _engine_args(thr, max_num_seqs=True)
 
     srv = sub.add_parser("serve", help="load generator against a running server (rate and concurrency sweeps)")
@@ -125,6 +129,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                             prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                            block_size=args.block_size,
                             bandwidth_mib=args.bandwidth_mib, image_size=args.image_size, **common)
         return run_latency, cfg
     if args.bench == "throughput":
@@ -135,8 +140,10 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                               block_size=args.block_size,
                                image_size=args.image_size, same_image=args.same_image,
-                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, **common)
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                               profile_dir=args.profile_dir, **common)
         return run_throughput, cfg
     from mmserve.bench.serve import ServeConfig, run_serve
     from mmserve.bench.workload import DEFAULT_IMAGE_SIZE, image_size_of

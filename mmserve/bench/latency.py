@@ -49,6 +49,7 @@ class LatencyConfig:
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
+    block_size: int = 16                 # mmserve: tokens per KV cache block
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
@@ -116,7 +117,8 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
     llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(cfg.batch_sizes),
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              quantization=cfg.quantization, seed=cfg.seed)
+              quantization=cfg.quantization, seed=cfg.seed,
+              block_size=cfg.block_size)
     samples: dict[int, list[dict]] = {}
     try:
         bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")

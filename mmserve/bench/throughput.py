@@ -5,6 +5,7 @@ in left-padded batches of `hf_batch_size`.
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,12 +48,14 @@ class ThroughputConfig:
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
+    block_size: int = 16                 # mmserve: tokens per KV cache block
     hf_attn: str | None = None
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
     temperature: float = 0.0             # 0 = greedy (both engines); > 0 samples, with top_p / top_k
     top_p: float = 1.0
     top_k: int = 0                       # 0 = off
     seed: int = 0
+    profile_dir: str | None = None       # after the timed rounds, one more (new images) under the torch profiler
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.output_len < 1 or self.input_len < 0:
@@ -89,7 +92,8 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
     llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              quantization=cfg.quantization, seed=cfg.seed)
+              quantization=cfg.quantization, seed=cfg.seed,
+              block_size=cfg.block_size)
     params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, ignore_eos=True)
     try:
@@ -116,6 +120,13 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None
+        if cfg.profile_dir:
+            from mmserve.bench.kernel_profile import profiled
+            images = make_images(cfg.num_requests, rounds[0][0].width, seed=cfg.seed + 777_777)
+            with profiled(cfg.profile_dir):
+                llm.generate([{"prompt": text, "images": [im]} for text, im in zip(texts, images)], params,
+                             use_tqdm=False)
+            best["profile"] = os.path.join(cfg.profile_dir, "kernels.md")
         return best
     finally:
         del llm
@@ -149,6 +160,13 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: lis
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None
+        if cfg.profile_dir:
+            from mmserve.bench.kernel_profile import profiled
+            images = make_images(cfg.num_requests, rounds[0][0].width, seed=cfg.seed + 777_777)
+            with profiled(cfg.profile_dir):
+                llm.generate([{"prompt": text, "images": [im]} for text, im in zip(texts, images)], params,
+                             use_tqdm=False)
+            best["profile"] = os.path.join(cfg.profile_dir, "kernels.md")
         return best
     finally:
         hf.close()

@@ -20,7 +20,7 @@ from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
-from mmserve.worker.batch_inputs import attention_metadata, cat_positions, slot_ids
+from mmserve.worker.batch_inputs import attention_metadata
 from mmserve.worker.request_inputs import cross_attention_batch, cross_decode_inputs, lora_row_groups
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
@@ -31,6 +31,7 @@ from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.memory_profile import peak_activation_bytes
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
+from mmserve.worker.step_batch import FlatBatch, flatten
 from mmserve.worker.transfer import to_device
 
 
@@ -217,77 +218,67 @@ class ModelRunner:
             loaded = self.prompt_ends[to_device([s.load_prompt_end for s in loads], torch.int64, self.device)]
         if not computed:
             return self._sample([s.request for s in loads], self.model.compute_logits(loaded))
-        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        fill_dst, fill_src = [], []
-        bs = self.block_size
-        for s in computed:
-            req = s.request
-            if s.end > req.num_known_tokens:
-                if prev is None or prev.tokens is None or s.end - req.num_known_tokens != 1:
-                    raise RuntimeError(f"{req.request_id}: its input tokens are not known yet")
-                fill_dst.append(len(input_ids) + s.num_tokens - 1)
-                fill_src.append(req.last_sample_row)
-            input_ids += req.token_ids(s.start, s.end)
-            positions.append(req.positions(s.start, s.end))
-            slots += slot_ids(s.block_ids, s.start, s.end, bs)
-            qsl.append(qsl[-1] + s.num_tokens)
-            seq_lens.append(s.end)
-        dev = self.device
-        fill = None
-        if fill_dst:
-            fill = (to_device(fill_dst, torch.int64, dev), prev.tokens[to_device(fill_src, torch.int64, dev)])
-        sampling = [(i, s) for i, s in enumerate(computed) if s.samples]
-        reqs = [s.request for _, s in sampling] + [s.request for s in loads]
-        decode_only = len(input_ids) == len(computed) and not any(
-            s.request.mm_items_in(s.start, s.end) for s in computed)
-        positions = cat_positions(positions, self.uses_mrope)
-        lora = lora_row_groups(computed, qsl, self.lora, dev) if self.lora is not None and self.lora.adapters else []
+        batch = flatten(computed, prev, self.block_size, self.device, self.uses_mrope)
+        lora = lora_row_groups(computed, batch.qsl, self.lora, self.device) \
+            if self.lora is not None and self.lora.adapters else []
         graphs_ok = not lora
         cross = None
-        if graphs_ok and self.graphs is not None and self.graphs.cross is not None and decode_only:
-            cross = cross_decode_inputs(computed, self.graphs.cross_blocks, bs)
+        if graphs_ok and self.graphs is not None and self.graphs.cross is not None and batch.one_token_each:
+            cross = cross_decode_inputs(computed, self.graphs.cross_blocks, self.block_size)
             graphs_ok = cross is not None
-        if graphs_ok and self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch:
-            logits, hidden = self.graphs.run(input_ids, positions, slots, seq_lens, [s.block_ids for s in computed],
-                                             fill, cross)
-            self._store_prompt_ends(computed, hidden, qsl)   # one row per request here
+        if graphs_ok and self.graphs is not None and batch.one_token_each and len(computed) <= self.graphs.max_batch:
             # 1-token prompt chunks ride here too and sample nothing
-            rows = [i for i, _ in sampling]
-            if rows == list(range(len(rows))):
-                picked = logits[: len(rows)]
-            else:
-                picked = logits[to_device(rows, torch.int64, dev)]
-            if loaded is not None:
-                picked = torch.cat([picked, self.model.compute_logits(loaded)])
-            step = self._sample(reqs, picked)
-            self._context_logits(computed, qsl, step.out, logits=logits)
-            return step
-        ids = to_device(input_ids, torch.int64, dev)
-        if fill is not None:
-            ids[fill[0]] = fill[1]
+            return self._finish(batch, *self._run_decode_graph(batch, cross), loads, loaded)
+        return self._finish(batch, None, self._run_forward(batch, lora, graphs_ok), loads, loaded)
+
+    def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
+        each, views of the graph's buffers valid until its next replay."""
+        return self.graphs.run(batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
+                               batch.fill, cross)
+
+    def _run_forward(self, batch: FlatBatch, lora: list, graphs_ok: bool) -> torch.Tensor:
+        """The model over every token of `batch` (prefill graphs, piecewise graphs or eager): final hidden states."""
+        dev, computed, qsl, slots = self.device, batch.seqs, batch.qsl, batch.slots
+        ids = to_device(batch.input_ids, torch.int64, dev)
+        if batch.fill is not None:
+            ids[batch.fill[0]] = batch.fill[1]
         embeds = self.model.embed_input_ids(ids)
         if not self.uses_cross_attention:
             self._merge_mm_embeddings(computed, qsl, embeds)
-        if graphs_ok and self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), len(input_ids)):
-            hidden = self.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, [s.block_ids for s in computed])
-        elif graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(len(input_ids)):
+        n = len(batch.input_ids)
+        if graphs_ok and self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), n):
+            return self.prefill_graphs.run(embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables)
+        if graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(n):
             # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
-            meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev,
+            meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev,
                                       self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
-            hidden = self.piecewise_graphs.run(embeds, positions, slots, meta)
-        else:
-            meta = attention_metadata(computed, slots, qsl, seq_lens, self.block_size, dev)
-            if self.uses_cross_attention:
-                meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
-                                                   self.attn_layers[0].backend, self.cross_encode_batch)
-            with self.lora.step(lora) if lora else contextlib.nullcontext():
-                hidden = self.model(embeds, to_device(positions, torch.int64, dev), meta)
-        self._store_prompt_ends(computed, hidden, qsl)
-        rows = [hidden[to_device([qsl[i + 1] - 1 for i, _ in sampling], torch.int64, dev)]] if sampling else []
-        rows += [loaded] if loaded is not None else []
-        logits = self.model.compute_logits(torch.cat(rows) if len(rows) > 1 else rows[0]) if rows else None
-        step = self._sample(reqs, logits)
-        self._context_logits(computed, qsl, step.out, hidden=hidden)
+            return self.piecewise_graphs.run(embeds, batch.positions, slots, meta)
+        meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev)
+        if self.uses_cross_attention:
+            meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
+                                               self.attn_layers[0].backend, self.cross_encode_batch)
+        with self.lora.step(lora) if lora else contextlib.nullcontext():
+            return self.model(embeds, to_device(batch.positions, torch.int64, dev), meta)
+
+    def _finish(self, batch: FlatBatch, logits: torch.Tensor | None, hidden: torch.Tensor, loads: list,
+                loaded: torch.Tensor | None) -> LaunchedStep:
+        """Sample the step from its logits (a row per token; None: from the hidden state of each sampling
+        sequence's last token); prompt-end loads sample last, from `loaded`."""
+        self._store_prompt_ends(batch.seqs, hidden, batch.qsl)
+        reqs = [batch.seqs[i].request for i in batch.sampling] + [s.request for s in loads]
+        chunks = []
+        if batch.sampling and logits is None:
+            rows = to_device([batch.qsl[i + 1] - 1 for i in batch.sampling], torch.int64, self.device)
+            chunks.append(self.model.compute_logits(hidden[rows]))
+        elif batch.sampling:
+            contiguous = batch.sampling == list(range(len(batch.sampling)))
+            chunks.append(logits[: len(batch.sampling)] if contiguous
+                          else logits[to_device(batch.sampling, torch.int64, self.device)])
+        if loaded is not None:
+            chunks.append(self.model.compute_logits(loaded))
+        step = self._sample(reqs, torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else None)
+        self._context_logits(batch.seqs, batch.qsl, step.out, hidden=hidden, logits=logits)
         return step
 
     def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int]) -> None:

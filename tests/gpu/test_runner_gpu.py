@@ -35,6 +35,16 @@ def test_graphs_and_triton_match_eager_torch(tiny_llava_dir):
     assert graphs == reference
 
 
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_larger_kv_blocks_match_eager_torch(tiny_llava_dir, block_size):
+    """KV blocks of 32 / 64 tokens (a decode key tile inside one block, prompt chunks ending mid-block) through the
+    Triton kernels and graphs give the tokens of eager torch with the default 16-token blocks."""
+    reference, _ = _run(tiny_llava_dir, attention_backend="torch", enforce_eager=True)
+    graphs, llm = _run(tiny_llava_dir, attention_backend="triton", block_size=block_size)
+    assert llm.engine.kv.block_size == block_size
+    assert graphs == reference
+
+
 def test_half_precision_cuda_graphs_run(tiny_llava_dir):
     llm = LLM(tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4, enable_prefix_caching=False)
     outs = llm.generate(_prompts(6), SamplingParams(max_tokens=16, temperature=0.8, seed=3), use_tqdm=False)
