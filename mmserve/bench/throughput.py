@@ -160,13 +160,6 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: lis
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None
-        if cfg.profile_dir:
-            from mmserve.bench.kernel_profile import profiled
-            images = make_images(cfg.num_requests, rounds[0][0].width, seed=cfg.seed + 777_777)
-            with profiled(cfg.profile_dir):
-                llm.generate([{"prompt": text, "images": [im]} for text, im in zip(texts, images)], params,
-                             use_tqdm=False)
-            best["profile"] = os.path.join(cfg.profile_dir, "kernels.md")
         return best
     finally:
         hf.close()

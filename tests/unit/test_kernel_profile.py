@@ -1,5 +1,6 @@
 """bench/kernel_profile.py: the busy union, idle gaps and kinds of a trace's device events, and the
-`--profile-dir` round of `mmserve bench throughput` writing its files (on CPU: no kernels, the wall time)."""
+`--profile-dir` round of `mmserve bench throughput` writing its files (on CPU: no kernels, the wall time), beside
+the transformers baseline."""
 from __future__ import annotations
 
 import gzip
@@ -44,12 +45,13 @@ def test_kernels_fall_into_the_kinds_of_work_they_do():
 def test_throughput_bench_profiles_one_more_round(tiny_llava_dir, tmp_path):
     prof = tmp_path / "prof"
     rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "2", "--input-len", "8",
-               "--output-len", "3", "--warmup", "0", "--baseline", "none", "--out", str(tmp_path / "r.json"),
+               "--output-len", "3", "--warmup", "0", "--hf-batch-size", "2", "--out", str(tmp_path / "r.json"),
                "--profile-dir", str(prof)])
     assert rc == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["errors"] == [] and result["config"]["profile_dir"] == str(prof)
     assert result["results"]["mmserve"]["profile"] == str(prof / "kernels.md")
+    assert "profile" not in result["results"]["hf"]   # the baseline runs as always
     assert (prof / "kernels.md").read_text().startswith("wall ")
     with gzip.open(prof / "trace.json.gz", "rt") as f:
         assert "traceEvents" in json.load(f)
