@@ -4,8 +4,12 @@
 only; on exit it writes the Chrome trace (`trace.json.gz`) and `kernels.md`: wall time, the time some kernel
 or copy was running (the union of their intervals), the idle time between them (and how much of it came in
 gaps of over 100 µs, which is host-bound time), the time per kind of work and the top kernels. Kernels inside
-CUDA graphs are traced one by one. With programmatic dependent launch (on by default on Hopper) a kernel
-starts while the one before it finishes, so per-kernel sums overlap; the busy union does not.
+CUDA graphs are traced one by one.
+
+With programmatic dependent launch (on by default on Hopper) a kernel starts while the one before it finishes and
+waits for it, so kernels' own durations overlap and inflate the small ones. Each row therefore also gets its
+*exclusive* time: every instant of busy time goes to the earliest-started kernel still running then (the one doing
+the work; the later one is waiting), so exclusive times add up to the busy time.
 """
 from __future__ import annotations
 
@@ -47,20 +51,22 @@ class KernelSummary:
     idle_us: float = 0.0
     idle_long_us: float = 0.0        # idle time in gaps longer than IDLE_GAP_US
     long_gaps: int = 0
-    kinds: dict[str, list[float]] = field(default_factory=dict)    # kind -> [calls, total µs]
-    kernels: dict[str, list[float]] = field(default_factory=dict)  # name -> [calls, total µs]
+    # kind / kernel name -> [calls, total µs of their durations, exclusive µs]
+    kinds: dict[str, list[float]] = field(default_factory=dict)
+    kernels: dict[str, list[float]] = field(default_factory=dict)
 
     def markdown(self, top: int = 30) -> str:
         busy_s, idle_s = self.busy_us / 1e6, self.idle_us / 1e6
         lines = [f"wall {self.wall_s:.3f} s; a kernel or copy running {busy_s:.3f} s; idle between them "
                  f"{idle_s:.3f} s, of which {self.idle_long_us / 1e6:.3f} s in {self.long_gaps} gaps over "
                  f"{IDLE_GAP_US:.0f} µs", "",
-                 "| kind of work | calls | total s | share of busy |", "|---|---|---|---|"]
-        for kind, (calls, us) in sorted(self.kinds.items(), key=lambda kv: -kv[1][1]):
-            lines.append(f"| {kind} | {int(calls):,} | {us / 1e6:.3f} | {100 * us / max(self.busy_us, 1):.1f} % |")
-        lines += ["", "| kernel | calls | total ms | mean µs |", "|---|---|---|---|"]
-        for name, (calls, us) in sorted(self.kernels.items(), key=lambda kv: -kv[1][1])[:top]:
-            lines.append(f"| `{name[:90]}` | {int(calls):,} | {us / 1e3:.1f} | {us / calls:.1f} |")
+                 "| kind of work | calls | exclusive s | share of busy | durations s |", "|---|---|---|---|---|"]
+        for kind, (calls, us, excl) in sorted(self.kinds.items(), key=lambda kv: -kv[1][2]):
+            lines.append(f"| {kind} | {int(calls):,} | {excl / 1e6:.3f} | {100 * excl / max(self.busy_us, 1):.1f} % "
+                         f"| {us / 1e6:.3f} |")
+        lines += ["", "| kernel | calls | exclusive ms | mean exclusive µs | mean duration µs |", "|---|---|---|---|---|"]
+        for name, (calls, us, excl) in sorted(self.kernels.items(), key=lambda kv: -kv[1][2])[:top]:
+            lines.append(f"| `{name[:90]}` | {int(calls):,} | {excl / 1e3:.1f} | {excl / calls:.1f} | {us / calls:.1f} |")
         return "\n".join(lines) + "\n"
 
 
@@ -75,32 +81,23 @@ def summarize(events: list[dict], wall_s: float) -> KernelSummary:
     """Sum Chrome-trace device events ('kernel', 'gpu_memcpy', 'gpu_memset' with ts/dur in µs)."""
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]) for e in events)
     s = KernelSummary(wall_s=wall_s)
-    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    end = None
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    end = None   # the latest end of the spans so far: time before it belongs to an earlier-started span
     for start, stop, name in spans:
-        dur = stop - start
-        k = kinds[kind_of(name)]
-        k[0] += 1
-        k[1] += dur
-        n = kernels[name]
-        n[0] += 1
-        n[1] += dur
-        if end is None:
-            s.busy_us += dur
-            end = stop
-            continue
-        if start > end:
+        if end is not None and start > end:
             gap = start - end
             s.idle_us += gap
             if gap > IDLE_GAP_US:
                 s.idle_long_us += gap
                 s.long_gaps += 1
-            s.busy_us += dur
-            end = stop
-        elif stop > end:
-            s.busy_us += stop - end
-            end = stop
+        exclusive = max(0.0, stop - max(start, end if end is not None else start))
+        s.busy_us += exclusive
+        end = stop if end is None else max(end, stop)
+        for row in (kinds[kind_of(name)], kernels[name]):
+            row[0] += 1
+            row[1] += stop - start
+            row[2] += exclusive
     s.kinds, s.kernels = dict(kinds), dict(kernels)
     return s
 

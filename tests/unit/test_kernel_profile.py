@@ -26,11 +26,14 @@ def test_busy_time_is_the_union_of_overlapping_kernels_and_gaps_are_idle():
     assert s.busy_us == 15 + 5 + 4
     assert s.idle_us == 5 + IDLE_GAP_US + 1
     assert (s.long_gaps, s.idle_long_us) == (1, IDLE_GAP_US + 1)
-    assert s.kinds["decode attention"] == [1, 10]
-    assert s.kinds["GEMM (cuBLAS / CUTLASS)"] == [1, 10]
-    assert s.kernels["_rms_norm_kernel"] == [2, 6]
+    # [calls, durations, exclusive]: the overlap 5..10 is the earlier kernel's, the later one waited in it
+    assert s.kinds["decode attention"] == [1, 10, 10]
+    assert s.kinds["GEMM (cuBLAS / CUTLASS)"] == [1, 10, 5]
+    assert s.kernels["_rms_norm_kernel"] == [2, 6, 5]     # the second one ran inside the copy
+    assert s.kinds["copies / fills"] == [1, 4, 4]
+    assert sum(row[2] for row in s.kinds.values()) == s.busy_us
     md = s.markdown()
-    assert "| RMSNorm (+residual) | 2 | 0.000 |" in md and "wall 0.500 s" in md
+    assert "| RMSNorm (+residual) | 2 | 0.000 | 20.8 % | 0.000 |" in md and "wall 0.500 s" in md
 
 
 def test_kernels_fall_into_the_kinds_of_work_they_do():
