@@ -42,3 +42,14 @@ def tiny_llava_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llava_mha_dir(tmp_path_factory) -> str:
     return str(make_llava_checkpoint(tmp_path_factory.mktemp("tiny_llava_mha"), preset="tiny-mha", seed=1))
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llava_dir, tmp_path_factory) -> dict[str, str]:
+    """Two PEFT adapters of the tiny LLaVA: alpha (rank 4 on every decoder linear), beta (rank 8, rsLoRA, three)."""
+    from mmserve.testing.lora import make_lora_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    return {"alpha": str(make_lora_adapter(root / "alpha", tiny_llava_dir, seed=1)),
+            "beta": str(make_lora_adapter(root / "beta", tiny_llava_dir, seed=2, rank=8, alpha=4.0,
+                                          targets=("q_proj", "v_proj", "down_proj"), use_rslora=True))}

@@ -1,6 +1,7 @@
 """AsyncEngine: runs the Engine's step loop on a background thread and streams outputs to asyncio.
 
-Frontends call `generate()` (an async iterator of cumulative RequestOutputs) and `abort()`.
+Frontends call `generate()` (an async iterator of cumulative RequestOutputs), `abort()` and
+`add_lora_tensors()` (an adapter sent with a request, loaded on the engine thread between steps).
 Input preprocessing (image decoding, HF processor) runs in a worker thread, never on the event
 loop and never on the engine thread, so a slow image does not stall decoding for everyone else.
 A consumer that stops iterating (client disconnect, cancellation) aborts its request.
@@ -69,6 +70,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    async def add_lora_tensors(self, name: str, weights, config) -> None:
+        """Engine.add_lora_tensors, run on the engine thread between steps; raises its ValueError."""
+        if self.dead_error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("lora", name, weights, config, loop, done))
+        await done
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Safe from any thread."""
         self._commands.put(("abort", request_id))
@@ -102,9 +112,9 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             for cmd in pending:
-                if cmd[0] == "add":
-                    loop, added = cmd[4], cmd[6]
-                    loop.call_soon_threadsafe(_set_exception, added, RuntimeError(f"the engine loop died: {e}"))
+                if cmd[0] in ("add", "lora"):
+                    loop, waiter = (cmd[4], cmd[6]) if cmd[0] == "add" else (cmd[4], cmd[5])
+                    loop.call_soon_threadsafe(_set_exception, waiter, RuntimeError(f"the engine loop died: {e}"))
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -142,6 +152,14 @@ class AsyncEngine:
                 return
             self._streams[rid] = (loop, stream)
             loop.call_soon_threadsafe(_set_result, added, None)
+        elif kind == "lora":
+            _, name, weights, config, loop, done = cmd
+            try:
+                self.engine.add_lora_tensors(name, weights, config)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, done, e)
+                return
+            loop.call_soon_threadsafe(_set_result, done, None)
         elif kind == "abort":
             out = self.engine.abort(cmd[1])
             if out is not None:

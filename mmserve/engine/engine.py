@@ -17,6 +17,7 @@ from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
 from mmserve.lora import LoRAManager
+from mmserve.lora.trtllm_format import adapter_from_trtllm
 from mmserve.models.loader import build_model, load_hf_config, text_config_of
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
@@ -119,6 +120,13 @@ class Engine:
         self.lora.add(name, path)
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, path, self.lora.get(name).rank,
                     len(self.lora.get(name).targets))
+
+    def add_lora_tensors(self, name: str, weights, config) -> None:
+        """Serve the adapter sent as TensorRT-LLM tensors (Triton `lora_weights` [rows, width], `lora_config`
+        [rows, 3]; lora/trtllm_format.py) as `name`, as TensorRT-LLM caches a task's adapter (LoRAManager.put)."""
+        adapter = adapter_from_trtllm(name, weights, config, self.model, self.device, self.dtype)
+        if self.lora.put(adapter, held={r.lora for r in self.requests.values()}):
+            logger.info("LoRA adapter %r loaded from request tensors (%d modules)", name, len(adapter.targets))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:

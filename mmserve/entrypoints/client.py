@@ -12,6 +12,7 @@ import argparse
 import base64
 import io
 import json
+import os
 import queue
 import sys
 import time
@@ -60,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt_table_extra_id", type=int, default=None,
                    help="image identity for KV reuse, uint64 in [1, 2^64-1]")
     p.add_argument("--lora-task-id", type=int, default=None,
-                   help="lora_task_id UINT64: a LoRA adapter the server loaded as --lora-modules ID=PATH (with --use_bls)")
+                   help="lora_task_id UINT64: the LoRA adapter cached under this id (with --use_bls): loaded at "
+                        "startup (--lora-modules ID=PATH) or sent once with --lora-path")
+    p.add_argument("--lora-path", default=None,
+                   help="directory with model.lora_weights.npy and model.lora_config.npy (TensorRT-LLM's "
+                        "hf_lora_convert.py output): sent as lora_weights / lora_config, cached under --lora-task-id")
     p.add_argument("--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding")
     p.add_argument("--hf_model_dir", default=None, help="HF processor directory (blip2/llava/vila: "
                    "preprocess to FP16 image_input; without it, raw image_bytes_input is sent)")
@@ -226,8 +231,24 @@ def build_request(args: argparse.Namespace) -> Request:
         if not 0 <= args.lora_task_id < 2**64:
             raise ClientError("--lora-task-id must be in [0, 2^64-1]")
         tensors.append(("lora_task_id", scalar(args.lora_task_id, np.uint64)))
+    if args.lora_path is not None:
+        if args.lora_task_id is None:
+            raise ClientError("--lora-path needs --lora-task-id (the id the adapter is cached under)")
+        tensors += _lora_tensors(args.lora_path)
     model = args.model_name or ("tensorrt_llm_bls" if args.use_bls else "ensemble")
     return Request(model, tensors, images, video is not None)
+
+
+def _lora_tensors(path: str) -> list[tuple[str, np.ndarray]]:
+    """lora_weights (FP16) and lora_config (INT32) from hf_lora_convert.py's files, with their batch dimension."""
+    out = []
+    for name, dtype in (("lora_weights", np.float16), ("lora_config", np.int32)):
+        file = os.path.join(path, f"model.{name}.npy")
+        if not os.path.isfile(file):
+            raise ClientError(f"--lora-path: {file} not found")
+        arr = np.load(file).astype(dtype)
+        out.append((name, arr if arr.ndim == 3 else arr[None]))
+    return out
 
 
 # ---- transports: each returns one list of beam texts per response ---------------------------

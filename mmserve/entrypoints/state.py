@@ -45,7 +45,7 @@ class ServerState:
 
     @property
     def lora_names(self) -> list[str]:
-        return sorted(self.engine.engine.lora.adapters)
+        return list(self.engine.engine.lora.names)
 
     def has_model(self, name: str) -> bool:
         return name in self.model_names

@@ -25,10 +25,10 @@ from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
 UNSUPPORTED_INPUTS = ("decoder_text_input", "embedding_bias_words", "embedding_bias_weights",
-                      "prompt_embedding_table", "prompt_vocab_size", "lora_weights", "lora_config",
+                      "prompt_embedding_table", "prompt_vocab_size",
                       "num_draft_tokens", "guided_decoding_guide_type", "guided_decoding_guide")
-LORA_AT_STARTUP = ("LoRA adapters load when the server starts, as PEFT directories (--lora-modules TASK_ID=PATH); "
-                   "requests then name one with lora_task_id alone")
+LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
+            "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone")
 
 
 class ModelNotFound(LookupError):
@@ -155,8 +155,6 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
         raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
     for name in UNSUPPORTED_INPUTS:
         if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
-            if name in ("lora_weights", "lora_config"):
-                raise ValueError(f"{name}: {LORA_AT_STARTUP}")
             raise ValueError(f"{name}: this input is not supported yet by mmserve")
     kw: dict[str, Any] = {"include_stop_str_in_output": True}   # TensorRT-LLM keeps the stop word
     for name in ("return_context_logits", "return_generation_logits"):
@@ -221,10 +219,11 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     if extra_id is not None and num_images:
         prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
     task = g.scalar("lora_task_id")
+    await _load_lora(state, g, task)
     if task is not None:
         if str(int(task)) not in state.lora_names:
             raise ValueError(f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
-                             f"{', '.join(state.lora_names) or 'none'}); {LORA_AT_STARTUP}")
+                             f"{', '.join(state.lora_names) or 'none'}); {LORA_HOW}")
         prompt["lora"] = str(int(task))
     inputs = getattr(state.engine.engine, "inputs", None)
     prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
@@ -233,6 +232,23 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     return TritonRequest(model, prompt, params, stream=bool(g.scalar("stream", False)),
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field)
+
+
+async def _load_lora(state: ServerState, g: _Item, task: Any) -> None:
+    """An adapter sent with the request (lora_weights + lora_config, TensorRT-LLM's format) is cached as its
+    lora_task_id, on the engine thread."""
+    weights, config = g.tensors.get("lora_weights"), g.tensors.get("lora_config")
+    if weights is None and config is None:
+        return
+    if weights is None or config is None:
+        missing = "lora_weights" if weights is None else "lora_config"
+        raise ValueError(f"{missing}: missing; lora_weights and lora_config are sent together")
+    if task is None:
+        raise ValueError("lora_weights: needs lora_task_id, the id the adapter is cached under")
+    w, c = weights[g.b], config[g.b].reshape(-1, 3) if config[g.b].size % 3 == 0 else config[g.b]
+    if w.ndim == 2 and w.shape[0] == 1 and len(c) > 1 and w.size % len(c) == 0:
+        w = w.reshape(len(c), -1)   # the generate extension sends a JSON array as one row
+    await state.engine.add_lora_tensors(str(int(task)), w, c)
 
 
 # ---- generation ------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """LoRAManager: the engine's loaded LoRA adapters and their application to a step's rows.
 
-Adapters load by name (`add`); a request names one in its prompt (`{"lora": name}`). Every linear layer an adapter
+Adapters load by name: from a PEFT directory (`add`, pinned for the engine's life) or already built (`install`,
+e.g. from TensorRT-LLM tensors sent with a request: evictable, least recently used first); a request names one in
+its prompt (`{"lora": name}`). Every linear layer an adapter
 targets gets a forward hook; during a step (`step(groups)`), the hook adds each adapter's delta to the output
 rows of that adapter's sequences, so requests with different adapters and without one share a batch. Outside a
 step the hooks do nothing (CUDA graph captures, encoders). Steps with LoRA rows run eagerly (no CUDA graphs).
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +22,8 @@ from torch import nn
 from mmserve.layers.linear import LinearBase
 from mmserve.lora.adapter import LoRAAdapter
 
+logger = logging.getLogger(__name__)
+
 # rows of one adapter in a step: (adapter, row indices [R] on the device)
 RowGroup = tuple[LoRAAdapter, torch.Tensor]
 
@@ -26,11 +32,23 @@ class LoRAManager:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, max_loras: int = 8) -> None:
         self.model, self.device, self.dtype, self.max_loras = model, device, dtype, max_loras
         self.adapters: dict[str, LoRAAdapter] = {}
+        self.evictable: OrderedDict[str, None] = OrderedDict()   # installed adapters, least recently used first
+        # the loaded names, replaced whole on every change: other threads (the server's) read it while the engine
+        # thread loads and evicts
+        self.names: tuple[str, ...] = ()
         self._groups: list[RowGroup] | None = None
         self._hooked: set[str] = set()
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load the PEFT adapter at `path` as `name` (replacing one of that name). ValueError if it does not fit."""
+        self.check_room(name)
+        adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
+        self.install(adapter)
+        self.evictable.pop(name, None)
+        return adapter
+
+    def check_room(self, name: str) -> None:
+        """ValueError unless `name` may be loaded: a valid name, a free slot (or its own), unquantized weights."""
         if not name or not isinstance(name, str):
             raise ValueError("a LoRA adapter needs a non-empty name")
         if name not in self.adapters and len(self.adapters) >= self.max_loras:
@@ -38,19 +56,51 @@ class LoRAManager:
         for _, module in self._linears():
             if module.is_fp8:
                 raise ValueError("LoRA adapters on FP8 weights are not supported")
-        adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
+
+    def install(self, adapter: LoRAAdapter) -> None:
+        """Serve a built adapter under its name, evictable (see check_room first)."""
         for module_name in adapter.targets:
             if module_name not in self._hooked:
                 self.model.get_submodule(module_name).register_forward_hook(self._hook(module_name))
                 self._hooked.add(module_name)
-        self.adapters[name] = adapter
-        return adapter
+        self.adapters[adapter.name] = adapter
+        self.evictable[adapter.name] = None
+        self.names = tuple(sorted(self.adapters))
+
+    def put(self, adapter: LoRAAdapter, held: set[str]) -> bool:
+        """Install an adapter sent with a request unless its name is loaded already with the same weights (False);
+        the same name with other weights is a ValueError. With every slot taken, the least recently used
+        evictable adapter that no request holds (`held`) makes room."""
+        current = self.adapters.get(adapter.name)
+        if current is not None:
+            if current.digest != adapter.digest:
+                raise ValueError(f"lora_weights: LoRA task {adapter.name} is loaded with other weights")
+            self.get(adapter.name)   # most recently used
+            return False
+        if len(self.adapters) >= self.max_loras:
+            victim = next((n for n in self.evictable if n not in held), None)
+            if victim is None:
+                raise ValueError(f"lora_task_id: all {self.max_loras} LoRA adapter slots (max_loras) hold adapters "
+                                 "loaded at startup or in use")
+            self.remove(victim)
+            logger.info("LoRA adapter %r evicted for %r", victim, adapter.name)
+        self.check_room(adapter.name)
+        self.install(adapter)
+        return True
+
+    def remove(self, name: str) -> None:
+        """Unload an adapter (its hooks stay: they apply only the adapters of a step's rows)."""
+        del self.adapters[name]
+        self.evictable.pop(name, None)
+        self.names = tuple(sorted(self.adapters))
 
     def get(self, name: str) -> LoRAAdapter:
         adapter = self.adapters.get(name)
         if adapter is None:
             loaded = ", ".join(sorted(self.adapters)) or "none"
             raise ValueError(f"lora: unknown LoRA adapter {name!r} (loaded: {loaded})")
+        if name in self.evictable:
+            self.evictable.move_to_end(name)
         return adapter
 
     def hash_salt(self, name: str | None) -> bytes | None:

@@ -62,3 +62,31 @@ def merge_lora_into(model: torch.nn.Module, adapter_dir: str | Path) -> None:
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
             linear = modules[key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")]
             linear.weight += (scaling * (b.double() @ a.double())).to(linear.weight.dtype)
+
+
+# TensorRT-LLM's module ids of the Llama-style decoder linears (its docs/source/advanced/lora.md, hf_lora_convert.py)
+TRTLLM_MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+
+
+def trtllm_lora_tensors(adapter_dir: str | Path, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PEFT adapter as the `lora_weights` [rows, width] and `lora_config` [rows, 3] (module id, layer, rank) that
+    TensorRT-LLM's converter writes: a row is A [r, in] then scaling * B [out, r], flattened, padded to the widest."""
+    import re
+
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    rank = config["r"]
+    scaling = config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
+    tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    rows, ids = [], []
+    for key in sorted(tensors):
+        m = re.match(r".*\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_A\.weight$", key)
+        if not m:
+            continue
+        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
+        rows.append(torch.cat([a.flatten(), (b.double() * scaling).float().flatten()]))
+        ids.append([TRTLLM_MODULE_IDS[m.group(2)], int(m.group(1)), a.shape[0]])
+    width = max(len(r) for r in rows)
+    weights = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows]).to(dtype)
+    return weights, torch.tensor(ids, dtype=torch.int32)

@@ -30,14 +30,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_llava_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    return {"alpha": str(make_lora_adapter(root / "alpha", tiny_llava_dir, seed=1)),
-            "beta": str(make_lora_adapter(root / "beta", tiny_llava_dir, seed=2, rank=8, alpha=4.0,
-                                          targets=("q_proj", "v_proj", "down_proj"), use_rslora=True))}
-
-
 @functools.lru_cache(maxsize=4)
 def _hf(model_dir: str, adapter_dir: str | None):
     model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -65,27 +57,27 @@ def _prompt(i: int, lora: str | None) -> dict:
     return {**p, "lora": lora} if lora else p
 
 
-def test_adapter_request_matches_transformers_with_the_adapter_merged(tiny_llava_dir, adapters):
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters)
+def test_adapter_request_matches_transformers_with_the_adapter_merged(tiny_llava_dir, lora_adapters):
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=lora_adapters)
     prompt = _prompt(0, "alpha")
     out = llm.generate([prompt], GREEDY)[0]
-    assert_matches_oracle(out, _oracle(tiny_llava_dir, adapters["alpha"], prompt))
+    assert_matches_oracle(out, _oracle(tiny_llava_dir, lora_adapters["alpha"], prompt))
     base = llm.generate([_prompt(0, None)], GREEDY)[0]
     assert base.outputs[0].token_ids != out.outputs[0].token_ids   # the adapter changes the answer
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_staggered_batch_mixes_two_adapters_and_the_base_model(tiny_llava_dir, adapters, device):
-    llm = LLM(tiny_llava_dir, device=device, dtype="float32", lora_modules=adapters, enable_prefix_caching=False)
+def test_staggered_batch_mixes_two_adapters_and_the_base_model(tiny_llava_dir, lora_adapters, device):
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", lora_modules=lora_adapters, enable_prefix_caching=False)
     names = ["alpha", None, "beta", "alpha", None, "beta"]
     prompts = [_prompt(i, name) for i, name in enumerate(names)]
     for prompt, name, out in zip(prompts, names, run_staggered(llm.engine, prompts, GREEDY)):
-        assert_matches_oracle(out, _oracle(tiny_llava_dir, adapters.get(name), prompt, device), TOL[device])
+        assert_matches_oracle(out, _oracle(tiny_llava_dir, lora_adapters.get(name), prompt, device), TOL[device])
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
 
 
-def test_prefix_cache_keeps_adapters_apart(tiny_llava_dir, adapters):
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters, block_size=4)
+def test_prefix_cache_keeps_adapters_apart(tiny_llava_dir, lora_adapters):
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=lora_adapters, block_size=4)
     base = llm.generate([_prompt(0, None)], GREEDY)[0]
     assert base.metrics.num_cached_tokens == 0
     first = llm.generate([_prompt(0, "alpha")], GREEDY)[0]   # same text and picture, other weights: no hit
@@ -93,11 +85,11 @@ def test_prefix_cache_keeps_adapters_apart(tiny_llava_dir, adapters):
     again = llm.generate([_prompt(0, "alpha")], GREEDY)[0]   # the same adapter again: hits
     assert again.metrics.num_cached_tokens > 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert_matches_oracle(again, _oracle(tiny_llava_dir, adapters["alpha"], _prompt(0, "alpha")))
+    assert_matches_oracle(again, _oracle(tiny_llava_dir, lora_adapters["alpha"], _prompt(0, "alpha")))
 
 
-def test_bad_adapters_and_names_are_refused(tiny_llava_dir, adapters, tmp_path):
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters)
+def test_bad_adapters_and_names_are_refused(tiny_llava_dir, lora_adapters, tmp_path):
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=lora_adapters)
     with pytest.raises(ValueError, match="lora: unknown LoRA adapter 'gamma'"):
         llm.generate([_prompt(1, "gamma")], GREEDY)
     with pytest.raises(ValueError, match="lora: must be an adapter name"):
@@ -123,9 +115,9 @@ def test_bad_adapters_and_names_are_refused(tiny_llava_dir, adapters, tmp_path):
     assert sorted(llm.engine.lora.adapters) == ["alpha", "beta"]
 
 
-def test_openai_model_and_triton_lora_task_id_name_an_adapter(tiny_llava_dir, adapters, tmp_path):
+def test_openai_model_and_triton_lora_task_id_name_an_adapter(tiny_llava_dir, lora_adapters, tmp_path):
     # the seeds' Triton LoRA flow sends lora_task_id alone once the adapter is loaded: here it loads at startup
-    flags = ["--lora-modules", *(f"{k}={v}" for k, v in adapters.items()), f"7={adapters['alpha']}"]
+    flags = ["--lora-modules", *(f"{k}={v}" for k, v in lora_adapters.items()), f"7={lora_adapters['alpha']}"]
     text = "USER: tell me a story ASSISTANT:"
     with start_server(tiny_llava_dir, tmp_path, *flags) as server:
         client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
@@ -145,14 +137,14 @@ def test_openai_model_and_triton_lora_task_id_name_an_adapter(tiny_llava_dir, ad
                             {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [8]},
                             {"name": "lora_config", "datatype": "INT32", "shape": [1, 1, 3], "data": [0, 0, 4]}]}
         weights = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/infer", json=infer, timeout=60)
-        assert weights.status_code == 400 and "lora_config: LoRA adapters load when the server starts" in weights.text
+        assert weights.status_code == 400 and "lora_weights: missing" in weights.text
         # the seeds' client flow: --lora-task-id on tensorrt_llm_bls (gRPC), against the same request over HTTP
         image_path = tmp_path / "page.png"
         make_test_image(5).save(image_path)
         printed = {task: _client_text(server, str(image_path), text, task) for task in (None, "7")}
         http = httpx.post(bls, json={"text_input": text, "max_tokens": 8, "top_k": 1, "lora_task_id": 7,
                                      "image_url_input": image_to_data_uri(make_test_image(5))}, timeout=60)
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=adapters)
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", lora_modules=lora_adapters)
     for name in ("alpha", "beta"):
         want = llm.generate([{"prompt": text, "lora": name}], SamplingParams(max_tokens=8, temperature=0))[0]
         assert got[name] == want.outputs[0].text
