@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded. All validation of user-given values lives here."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,8 @@ class SamplingParams:
     eos_token_id: int | None = None          # overrides the tokenizer's EOS (Triton `end_id`)
     ignore_eos: bool = False
     bad_words: list[str] = field(default_factory=list)     # token sequences never generated
+    # token id -> value added to its logit before everything else (OpenAI `logit_bias`, Triton `embedding_bias_*`)
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
     include_stop_str_in_output: bool = False
     return_context_logits: bool = False      # fp32 logits of every prompt position, on the final output
@@ -41,6 +44,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._check()
 
     def _check(self) -> None:
@@ -77,6 +81,11 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
             fail("eos_token_id", "must be a non-negative integer")
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                fail("logit_bias", "must map non-negative integer token ids to biases")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+                fail("logit_bias", "must map token ids to finite numbers")
 
     @property
     def greedy(self) -> bool:

@@ -166,6 +166,8 @@ class Engine:
                 outside.discard(self.inputs.image_token_id)
             if outside:
                 raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary (size {vocab})")
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]

@@ -25,6 +25,7 @@ from mmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _END = object()   # what _next returns for an exhausted stream
+_ENGINE_CHECKED_PARAMS = ("logit_bias",)
 
 
 @dataclass
@@ -86,8 +87,10 @@ def engine_error(e: Exception, media_param: str) -> OpenAIError:
     if isinstance(e, (ServerBusy, EngineOverloaded)):
         return OpenAIError(503, f"the server is overloaded: {e}", "server_error", code="server_overloaded")
     if isinstance(e, (ValueError, TypeError)):
-        # prompt / media problems; the message names the field (e.g. "images[0]: ...")
-        return OpenAIError(400, str(e), param=media_param)
+        # prompt / media problems; the message names the field (e.g. "images[0]: ..."), or a request parameter
+        # the engine checks against the model (e.g. "logit_bias: token id ... is outside the vocabulary")
+        head = str(e).split(":", 1)[0]
+        return OpenAIError(400, str(e), param=head if head in _ENGINE_CHECKED_PARAMS else media_param)
     logger.error("request failed: %s: %s", type(e).__name__, e)
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 

@@ -86,15 +86,29 @@ def num_choices(req: ChatCompletionRequest | CompletionRequest) -> int:
     return n
 
 
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON keys, so strings) to biases in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (given or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise OpenAIError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise OpenAIError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100], "
+                                   f"got {value!r}", param="logit_bias")
+        out[tok] = float(value)
+    return out
+
+
 def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    _unsupported(req.logit_bias, "logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     kw: dict[str, Any] = dict(   # n stays 1: each choice is its own engine request
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         stop=req.stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, logit_bias=_logit_bias(req.logit_bias))
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:

@@ -5,10 +5,11 @@ built by `triton_outputs.py`. Every bad input raises ValueError naming the tenso
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,7 @@ from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
-UNSUPPORTED_INPUTS = ("decoder_text_input", "embedding_bias_words", "embedding_bias_weights",
-                      "prompt_embedding_table", "prompt_vocab_size",
+UNSUPPORTED_INPUTS = ("decoder_text_input", "prompt_embedding_table", "prompt_vocab_size",
                       "num_draft_tokens", "guided_decoding_guide_type", "guided_decoding_guide")
 LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
             "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone")
@@ -53,7 +53,7 @@ def http_status(exc: BaseException) -> int:
     return 500
 
 
-@dataclass
+@dataclasses.dataclass
 class TritonRequest:
     """One batch item of a Triton request, ready for state.generate."""
 
@@ -185,6 +185,9 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     if len(text) != 1:
         raise ValueError(f"text_input: expected a single string per batch item, got {len(text)}")
     params = _sampling_params(model, g)
+    bias = _embedding_bias(state, g)
+    if bias:
+        params = dataclasses.replace(params, logit_bias=bias)
     given = [name for name in IMAGE_INPUTS if name in g.tensors]
     if len(given) > 1:
         raise ValueError(f"only one of {', '.join(IMAGE_INPUTS)} may be given, got {', '.join(given)}")
@@ -232,6 +235,22 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     return TritonRequest(model, prompt, params, stream=bool(g.scalar("stream", False)),
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field)
+
+
+def _embedding_bias(state: ServerState, g: _Item) -> dict[int, float]:
+    """TensorRT-LLM's embedding bias: each of embedding_bias_words adds its embedding_bias_weights value to the
+    logits of every id its tokenization gives (special tokens included, as TensorRT-LLM's preprocessing does)."""
+    words, weights = g.strings("embedding_bias_words"), g.values("embedding_bias_weights")
+    weights = [] if weights is None else [float(w) for w in weights]
+    if len(words) != len(weights):
+        raise ValueError(f"embedding_bias_weights: {len(weights)} values for {len(words)} embedding_bias_words")
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError("embedding_bias_weights: values must be finite")
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights):
+        for tok in state.engine.tokenizer.encode(word):
+            bias[tok] = bias.get(tok, 0.0) + weight
+    return bias
 
 
 async def _load_lora(state: ServerState, g: _Item, task: Any) -> None:

@@ -1,12 +1,13 @@
 """Batched token sampling: SamplingBatch (per-step tensors built from SamplingParams) and Sampler.
 
-Order of processing, per step, on fp32 copies of the logits [B, V] (steps 1-4 only for rows that need them):
+Order of processing, per step, on fp32 copies of the logits [B, V] (steps 0-4 only for rows that need them):
+  0. logit bias: the row's per-id values are added (OpenAI `logit_bias`, Triton `embedding_bias_*`);
   1. bad words: a bad word's last id gets -inf when its prefix (all ids but the last) equals the tail of
      the row's output ids (a one-token bad word always applies);
   2. min_tokens: while len(output) < min_tokens, the row's EOS (unless ignore_eos) and stop_token_ids get -inf;
   3. penalties: repetition (HF: over prompt+output ids, logit>0 -> logit/p else logit*p), then presence and
      frequency (OpenAI: output ids only, logit -= presence*[count>0] + frequency*count);
-  4. logprobs: log_softmax of the logits as they stand after 1-3, i.e. BEFORE temperature, top-k, top-p and
+  4. logprobs: log_softmax of the logits as they stand after 0-3, i.e. BEFORE temperature, top-k, top-p and
      min-p. Reported logprobs therefore describe the model's distribution under the request's hard
      constraints and penalties, and do not depend on the sampling knobs (the same choice as OpenAI's API);
   5. greedy rows (temperature == 0, or < 1e-5 to avoid overflow, or top_k == 1): argmax;
@@ -140,6 +141,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None               # [B] fp32
     mask_rows: torch.Tensor | None           # [M] int64: (row, id) pairs set to -inf (bad words, min_tokens)
     mask_ids: torch.Tensor | None            # [M] int64
+    bias_flat: torch.Tensor | None           # [N] int64 row * V + id of each logit bias (V: the logits' width)
+    bias_values: torch.Tensor | None         # [N] fp32
     prompt_ids: torch.Tensor | None          # [B, Lp] int64 padded with -1 (only rows with repetition penalty)
     output_ids: torch.Tensor | None          # [B, Lo] int64 padded with -1 (only rows with a penalty)
     repetition_penalty: torch.Tensor | None  # [B] fp32
@@ -167,7 +170,7 @@ class SamplingBatch:
         if all(_plain_greedy(p, out, bad) for p, out, bad in zip(params, output_token_ids, bad_words_ids)):
             return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=True, greedy=None,
                        temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None, mask_rows=None,
-                       mask_ids=None, prompt_ids=None, output_ids=None, repetition_penalty=None,
+                       mask_ids=None, bias_flat=None, bias_values=None, prompt_ids=None, output_ids=None, repetition_penalty=None,
                        presence_penalty=None, frequency_penalty=None)
         greedy = [_is_greedy(p) for p in params]
         all_greedy = all(greedy)
@@ -197,6 +200,9 @@ class SamplingBatch:
                 if 0 <= tok < vocab_size:
                     mask_rows.append(i)
                     mask_ids.append(tok)
+
+        bias = [(i * vocab_size + tok, float(v)) for i, p in enumerate(params)
+                for tok, v in sorted(p.logit_bias.items()) if 0 <= tok < vocab_size]
 
         rep = [float(p.repetition_penalty) for p in params]
         pres = [float(p.presence_penalty) for p in params]
@@ -233,6 +239,8 @@ class SamplingBatch:
             min_p=to_device(min_p, torch.float32, device) if any(x > 0.0 for x in min_p) else None,
             mask_rows=to_device(mask_rows, torch.int64, device) if mask_rows else None,
             mask_ids=to_device(mask_ids, torch.int64, device) if mask_ids else None,
+            bias_flat=to_device([f for f, _ in bias], torch.int64, device) if bias else None,
+            bias_values=to_device([v for _, v in bias], torch.float32, device) if bias else None,
             prompt_ids=_pad([list(prompt_token_ids[i]) if rep[i] != 1.0 else [] for i in range(num_rows)],
                             device) if any_rep else None,
             output_ids=_pad([list(output_token_ids[i]) if penalised[i] else [] for i in range(num_rows)],
@@ -254,7 +262,7 @@ def _is_greedy(p: SamplingParams) -> bool:
 def _plain_greedy(p: SamplingParams, output_token_ids: list[int], bad_words: list[list[int]]) -> bool:
     """A row that takes the argmax of its logits as they are: greedy, no penalty, no id to mask, no logprobs (the
     common batch, which SamplingBatch.build then makes without its per-row lists)."""
-    return (_is_greedy(p) and not bad_words and len(output_token_ids) >= p.min_tokens
+    return (_is_greedy(p) and not bad_words and not p.logit_bias and len(output_token_ids) >= p.min_tokens
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and p.logprobs is None)
 
@@ -277,7 +285,8 @@ class Sampler:
         self.fused = fused
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        as_is = batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None
+        as_is = (batch.mask_rows is None and batch.bias_flat is None and not batch.has_penalties
+                 and batch.max_num_logprobs is None)
         if batch.all_greedy and as_is:
             # widening to fp32 is exact, so the argmax of the logits as they are is the same id, without a copy
             return SamplerOutput(token_ids=logits[:, :batch.vocab_size].argmax(dim=-1))
@@ -287,6 +296,11 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         if logits.shape[1] > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
+        if batch.bias_flat is not None:
+            flat = batch.bias_flat
+            if logits.shape[1] != batch.vocab_size:   # a padded lm_head: rows are wider than the vocabulary
+                flat = flat // batch.vocab_size * logits.shape[1] + flat % batch.vocab_size
+            logits.view(-1).index_add_(0, flat, batch.bias_values)
         if batch.mask_rows is not None:
             # not logits[rows, ids] = -inf: on CUDA that copies a CPU scalar to the device, and the pageable
             # copy waits for every queued kernel (a host sync per step for any request with min_tokens)

@@ -239,3 +239,19 @@ def test_client_gone_before_a_non_streaming_answer_aborts_the_request(slow_serve
     while engine.has_unfinished() or engine.kv.usage > 0:
         assert time.monotonic() - gone < 3, "the request kept running after the client went away"
         time.sleep(0.02)
+
+
+def test_logit_bias_steers_completions_and_bad_maps_are_400(client, offline, server):
+    base = offline.generate("Once upon a time", _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    target = next(t for t in range(5, 100) if t not in base)
+    resp = client.completions.create(model="ensemble", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                     logit_bias={str(target): 100})
+    want = offline.generate("Once upon a time", _greedy(6, logit_bias={target: 100.0}), use_tqdm=False)[0]
+    assert want.outputs[0].token_ids == [target] * 6 and resp.choices[0].text == want.outputs[0].text
+    vocab = offline.engine.text_config.vocab_size
+    for bias, fragment in (({"x": 1}, "keys must be token ids"), ({"3": 101}, "must be a number in [-100, 100]"),
+                           ({str(vocab): 5}, "outside the vocabulary")):
+        r = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=30, json={
+            "model": "ensemble", "messages": [{"role": "user", "content": "x"}], "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        assert fragment in r.json()["error"]["message"]

@@ -187,3 +187,25 @@ def test_context_and_generation_logits_over_http_infer(server, offline, image_ur
     assert generation.shape == (1, 1, 4, out.generation_logits.shape[1])
     np.testing.assert_allclose(context[0], out.context_logits.numpy(), atol=1e-3, rtol=1e-3)
     np.testing.assert_allclose(generation[0, 0], out.generation_logits.numpy(), atol=1e-3, rtol=1e-3)
+
+
+def test_embedding_bias_words_add_their_weights_to_their_tokens_logits(server, offline):
+    """TensorRT-LLM's embedding bias: every id of each word's tokenization (special tokens included) gets its
+    weight added; the answer equals an offline request with that logit_bias, and differs from the plain one."""
+    text, words, weights = "USER: tell me a story ASSISTANT:", ["castle", "dragon"], [30.0, -5.0]
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights):
+        for tok in offline.tokenizer.encode(word):
+            bias[tok] = bias.get(tok, 0.0) + weight
+    params = SamplingParams(max_tokens=8, temperature=0, include_stop_str_in_output=True)
+    want = offline.generate([{"prompt": text}], SamplingParams(**{**vars(params), "logit_bias": bias}),
+                            use_tqdm=False)[0].outputs[0].text
+    plain = offline.generate([{"prompt": text}], params, use_tqdm=False)[0].outputs[0].text
+    assert want != plain
+    url = f"{server.http_url}/v2/models/tensorrt_llm_bls/generate"
+    body = {"text_input": text, "max_tokens": 8, "temperature": 0, "exclude_input_in_output": True,
+            "embedding_bias_words": words, "embedding_bias_weights": weights}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["text_output"] == want, r.text
+    r = httpx.post(url, json={**body, "embedding_bias_weights": [1.0]}, timeout=60)
+    assert r.status_code == 400 and "embedding_bias_weights: 1 values for 2 embedding_bias_words" in r.text

@@ -331,3 +331,30 @@ def test_cpu_batches_leave_the_fused_samplers_seeds_out_and_keep_the_global_rng(
     assert torch.equal(torch.rand(1), expected), "building a CPU batch drew from the global RNG"
     with pytest.raises(AssertionError, match="SamplingBatch.seeds"):
         Sampler(fused=True)(torch.zeros(2, 4), batch)
+
+
+def test_logit_bias_is_added_first_masks_still_win_and_logprobs_see_it():
+    vocab = 6
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 9.0, 9.0]] * 4)   # a padded head: 8 columns
+    params = [SamplingParams(temperature=0, logit_bias={4: 3.0}),                  # 4 overtakes 1
+              SamplingParams(temperature=0),                                        # untouched
+              SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[4], logit_bias={4: 50.0}, logprobs=2),
+              SamplingParams(temperature=0.7, seed=3, logit_bias={5: 100.0})]       # sampled: 5 all but surely
+    batch = make_batch(params, vocab)
+    assert batch.bias_flat.tolist() == [4, 2 * vocab + 4, 3 * vocab + 5]
+    out = Sampler(fused=False)(logits, batch)
+    assert out.token_ids.tolist() == [4, 1, 1, 5]
+    # row 2: the bias reached id 4, min_tokens masked it: -inf; the rest is log_softmax of the unbiased row
+    want = torch.log_softmax(torch.tensor([0.0, 2.0, 1.0, 0.0, NEG_INF, 0.0]), 0)
+    assert out.top_token_ids[2].tolist() == [1, 2]
+    torch.testing.assert_close(out.top_logprobs[2], want[[1, 2]])
+    biased = Sampler(fused=False)(logits[:1], make_batch([SamplingParams(temperature=0, logprobs=1,
+                                                                           logit_bias={2: 1.5})], vocab))
+    torch.testing.assert_close(biased.logprobs, torch.log_softmax(torch.tensor([0.0, 2, 2.5, 0, 0, 0]), 0)[[2]])
+
+
+def test_logit_bias_is_checked_by_sampling_params():
+    for bad in ({-1: 1.0}, {"3": 1.0}, {3: float("nan")}, {3: "up"}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={3: -2}).logit_bias == {3: -2}
