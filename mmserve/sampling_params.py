@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mmserve.engine.guided import GUIDE_TYPES
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,9 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)     # token sequences never generated
     # token id -> value added to its logit before everything else (OpenAI `logit_bias`, Triton `embedding_bias_*`)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # the output follows this guide (engine/guided.py): json | json_schema | regex | ebnf_grammar, None = free
+    guided_decoding_type: str | None = None
+    guided_decoding_guide: str | None = None     # the schema / regex / grammar (none for "json")
     logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
     include_stop_str_in_output: bool = False
     return_context_logits: bool = False      # fp32 logits of every prompt position, on the final output
@@ -81,6 +86,10 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
             fail("eos_token_id", "must be a non-negative integer")
+        if self.guided_decoding_type is not None and self.guided_decoding_type not in GUIDE_TYPES:
+            fail("guided_decoding_type", f"must be one of {', '.join(GUIDE_TYPES)}")
+        if self.guided_decoding_type not in (None, "json") and not self.guided_decoding_guide:
+            fail("guided_decoding_guide", f"must be given for guided_decoding_type {self.guided_decoding_type!r}")
         for tok, bias in self.logit_bias.items():
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 fail("logit_bias", "must map non-negative integer token ids to biases")

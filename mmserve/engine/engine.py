@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 from mmserve.config import EngineConfig, resolve_device, resolve_dtype
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.guided import GrammarCache
 from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes
 from mmserve.engine.prompt_end_cache import PromptEndCache
@@ -89,6 +90,7 @@ class Engine:
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, tokens not read yet
         self.step_stats = StepStats()
         self.default_eos = self._eos_ids()
+        self.grammars = GrammarCache(self.tokenizer, self.text_config.vocab_size, list(self.default_eos))
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
 
@@ -168,6 +170,9 @@ class Engine:
                 raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary (size {vocab})")
+        guide = None   # compiled here, on the engine thread; the cache makes a repeated guide free
+        if params.guided_decoding_type is not None:
+            guide = self.grammars.guide(params.guided_decoding_type, params.guided_decoding_guide)
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
@@ -182,6 +187,7 @@ class Engine:
         req = Request(request_id, inputs.prompt, inputs.prompt_token_ids, params, inputs.mm_items,
                       eos_token_ids=eos, bad_words_ids=[b for b in bad if b])
         req.cross_blocks_needed = cross_blocks
+        req.grammar = guide
         req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
         req.lora, req.hash_salt = inputs.lora, self.lora.hash_salt(inputs.lora)   # ValueError: unknown adapter
         if inputs.block_hashes is not None and inputs.block_hashes[0] == self.kv.block_size:
@@ -191,7 +197,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | set(eos)
         self._stop_ids[request_id] = stop_ids
         req.max_output_tokens = min(params.max_tokens, capacity - n)
-        if _needs_history(params, req.bad_words_ids):
+        if _needs_history(params, req.bad_words_ids) or guide is not None:
             self._needs_history.add(request_id)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         self.requests[request_id] = req
@@ -319,6 +325,8 @@ class Engine:
             req.num_context_logits += len(chunk) - skip
 
     def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            logger.warning("%s: token %d is outside its guided-decoding grammar", req.request_id, token)
         if req.request_id in result.generation_logits:
             req.generation_logits.append(result.generation_logits[req.request_id])
         if _decodes_per_token(req):

@@ -74,6 +74,7 @@ class Request:
         self.cross_kv_order = None            # pool position -> encoder column (None: identity), set when written
         self.cross_decode_len = 0             # how many of them (from the first) its generated tokens attend
         self.lora: str | None = None             # the LoRA adapter its steps apply (LoRAManager), if any
+        self.grammar = None                      # guided decoding: its xgrammar matcher (engine/guided.py), if any
         self.hash_salt: bytes | None = None      # parent digest of its first KV block (the adapter's), if any
         self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)
         self.bad_words_ids = bad_words_ids or []

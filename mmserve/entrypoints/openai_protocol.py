@@ -102,6 +102,9 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided_json: str | dict[str, Any] | None = None     # a JSON schema the output follows
+    guided_regex: str | None = None
+    guided_grammar: str | None = None                   # an EBNF (GBNF) grammar
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -101,6 +101,42 @@ def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) -> dict[str, Any]:
+    """The guided-decoding kwargs of vLLM's extras guided_json / guided_regex / guided_grammar, and of a chat
+    request's response_format (json_object: any JSON object; json_schema: its `schema`); the guide is compiled
+    here (the engine reuses it), so a bad one is a 400 naming the field it came in."""
+    given = [(name, value) for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+                                               ("guided_grammar", req.guided_grammar)) if value is not None]
+    fmt = getattr(req, "response_format", None) or {}
+    if fmt.get("type") not in (None, "text"):
+        given.append(("response_format", fmt))
+    if len(given) > 1:
+        raise OpenAIError(400, f"{given[1][0]}: only one of guided_json, guided_regex, guided_grammar and "
+                               "response_format may constrain the output", param=given[1][0])
+    if not given:
+        return {}
+    name, value = given[0]
+    if name == "guided_regex":
+        kind, guide = "regex", value
+    elif name == "guided_grammar":
+        kind, guide = "ebnf_grammar", value
+    elif name == "guided_json":
+        kind, guide = "json_schema", value if isinstance(value, str) else json.dumps(value)
+    elif value["type"] == "json_object":
+        kind, guide = "json_schema", '{"type": "object"}'
+    else:
+        schema = (value.get("json_schema") or {}).get("schema") if value["type"] == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "response_format: expected {'type': 'text' | 'json_object'} or {'type': "
+                                   "'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
+        kind, guide = "json_schema", json.dumps(schema)
+    try:
+        state.engine.engine.grammars.guide(kind, guide)
+    except ValueError as e:
+        raise OpenAIError(400, f"{name}: {str(e).split(': ', 1)[-1]}", param=name) from None
+    return {"guided_decoding_type": kind, "guided_decoding_guide": guide}
+
+
 def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
@@ -131,11 +167,9 @@ def _default_max_tokens(state: ServerState) -> int:
 
 def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
     _unsupported(req.tools, "tools", "tool calling")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    kw = _common_kwargs(req)
+    kw = {**_common_kwargs(req), **_guided(req, state)}
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw["max_tokens"] = given if given is not None else _default_max_tokens(state)
     if req.logprobs:
@@ -151,7 +185,7 @@ def completion_params(req: CompletionRequest, state: ServerState) -> SamplingPar
         raise OpenAIError(400, f"best_of must be 1, got {req.best_of}", param="best_of")
     if req.echo and req.logprobs is not None:
         raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    kw = _common_kwargs(req)
+    kw = {**_common_kwargs(req), **_guided(req, state)}
     kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
     kw["logprobs"] = req.logprobs
     return _sampling_params(kw, {})

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.engine import EngineOverloaded
+from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION
 from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
@@ -25,8 +26,7 @@ from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
-UNSUPPORTED_INPUTS = ("decoder_text_input", "prompt_embedding_table", "prompt_vocab_size",
-                      "num_draft_tokens", "guided_decoding_guide_type", "guided_decoding_guide")
+UNSUPPORTED_INPUTS = ("decoder_text_input", "prompt_embedding_table", "prompt_vocab_size", "num_draft_tokens")
 LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
             "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone")
 
@@ -167,6 +167,14 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
     for name in ("top_k", "min_tokens", "seed"):
         if (v := g.scalar(name)) is not None:
             kw[name] = int(v)
+    kind = g.strings("guided_decoding_guide_type")
+    if kind:   # TensorRT-LLM's guided decoding: the guide is compiled when the engine takes the request
+        if kind[0] not in GUIDE_TYPES:
+            raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind[0]!r}")
+        guide = [x for x in g.strings("guided_decoding_guide") if x]
+        if kind[0] != "json" and not guide:
+            raise ValueError(f"guided_decoding_guide: needed for guided_decoding_guide_type {kind[0]!r}")
+        kw["guided_decoding_type"], kw["guided_decoding_guide"] = kind[0], guide[0] if guide else None
     top_p = g.scalar("top_p")
     if top_p is not None:
         kw["top_p"] = 1.0 if top_p == 0 else float(top_p)    # TensorRT-LLM: top_p 0 means off

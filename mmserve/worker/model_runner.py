@@ -312,7 +312,7 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
             [r.generator for r in reqs], [r.eos_token_ids for r in reqs], [r.bad_words_ids for r in reqs],
-            logits.shape[-1], self.device)
+            logits.shape[-1], self.device, grammars=[r.grammar for r in reqs])
         out = RunnerOutput()
         for i, r in enumerate(reqs):
             if r.params.return_generation_logits:

@@ -1,7 +1,8 @@
 """Batched token sampling: SamplingBatch (per-step tensors built from SamplingParams) and Sampler.
 
 Order of processing, per step, on fp32 copies of the logits [B, V] (steps 0-4 only for rows that need them):
-  0. logit bias: the row's per-id values are added (OpenAI `logit_bias`, Triton `embedding_bias_*`);
+  0. logit bias: the row's per-id values are added (OpenAI `logit_bias`, Triton `embedding_bias_*`); then guided
+     decoding: ids the row's grammar matcher does not allow next get -inf (engine/guided.py);
   1. bad words: a bad word's last id gets -inf when its prefix (all ids but the last) equals the tail of
      the row's output ids (a one-token bad word always applies);
   2. min_tokens: while len(output) < min_tokens, the row's EOS (unless ignore_eos) and stop_token_ids get -inf;
@@ -143,6 +144,8 @@ class SamplingBatch:
     mask_ids: torch.Tensor | None            # [M] int64
     bias_flat: torch.Tensor | None           # [N] int64 row * V + id of each logit bias (V: the logits' width)
     bias_values: torch.Tensor | None         # [N] fp32
+    guided_rows: torch.Tensor | None         # [G] int64 rows under a grammar
+    guided_bitmask: torch.Tensor | None      # [G, ceil(V' / 32)] int32, bit j of word w allows id 32 w + j
     prompt_ids: torch.Tensor | None          # [B, Lp] int64 padded with -1 (only rows with repetition penalty)
     output_ids: torch.Tensor | None          # [B, Lo] int64 padded with -1 (only rows with a penalty)
     repetition_penalty: torch.Tensor | None  # [B] fp32
@@ -161,16 +164,19 @@ class SamplingBatch:
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
               eos_token_ids: list[tuple[int, ...] | int | None], bad_words_ids: list[list[list[int]]], vocab_size: int,
-              device: torch.device) -> "SamplingBatch":
+              device: torch.device, grammars: list | None = None) -> "SamplingBatch":
         """eos_token_ids[i]: the row's EOS ids (an int: one; empty or None fall back to params.eos_token_id);
         bad_words_ids[i]: the row's bad words, each already tokenized; generators[i] is used only when
-        params[i].seed is set."""
+        params[i].seed is set; grammars[i]: the row's guided-decoding Guide (engine/guided.py) or None."""
         device = torch.device(device)
         num_rows = len(params)
-        if all(_plain_greedy(p, out, bad) for p, out, bad in zip(params, output_token_ids, bad_words_ids)):
+        guided = [(i, g) for i, g in enumerate(grammars or []) if g is not None]
+        plain = all(_plain_greedy(p, out, bad) for p, out, bad in zip(params, output_token_ids, bad_words_ids))
+        if plain and not guided:
             return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=True, greedy=None,
                        temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None, mask_rows=None,
-                       mask_ids=None, bias_flat=None, bias_values=None, prompt_ids=None, output_ids=None, repetition_penalty=None,
+                       mask_ids=None, bias_flat=None, bias_values=None, guided_rows=None, guided_bitmask=None,
+                       prompt_ids=None, output_ids=None, repetition_penalty=None,
                        presence_penalty=None, frequency_penalty=None)
         greedy = [_is_greedy(p) for p in params]
         all_greedy = all(greedy)
@@ -203,6 +209,12 @@ class SamplingBatch:
 
         bias = [(i * vocab_size + tok, float(v)) for i, p in enumerate(params)
                 for tok, v in sorted(p.logit_bias.items()) if 0 <= tok < vocab_size]
+
+        bitmask = None
+        if guided:   # the matchers write their allowed ids as bits, on the host
+            bitmask = torch.zeros(len(guided), guided[0][1].bitmask_words, dtype=torch.int32)
+            for j, (_, matcher) in enumerate(guided):
+                matcher.fill_next_token_bitmask(bitmask, j)
 
         rep = [float(p.repetition_penalty) for p in params]
         pres = [float(p.presence_penalty) for p in params]
@@ -241,6 +253,8 @@ class SamplingBatch:
             mask_ids=to_device(mask_ids, torch.int64, device) if mask_ids else None,
             bias_flat=to_device([f for f, _ in bias], torch.int64, device) if bias else None,
             bias_values=to_device([v for _, v in bias], torch.float32, device) if bias else None,
+            guided_rows=to_device([i for i, _ in guided], torch.int64, device) if guided else None,
+            guided_bitmask=bitmask.to(device, non_blocking=True) if bitmask is not None else None,
             prompt_ids=_pad([list(prompt_token_ids[i]) if rep[i] != 1.0 else [] for i in range(num_rows)],
                             device) if any_rep else None,
             output_ids=_pad([list(output_token_ids[i]) if penalised[i] else [] for i in range(num_rows)],
@@ -253,6 +267,15 @@ class SamplingBatch:
             seeds=seeds,
             max_num_logprobs=max(requested) if requested else None,
         )
+
+
+def _allowed(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """[G, W] int32 bits -> [G, width] bool (ids past the bitmask's vocabulary are not allowed)."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1).bool()
+    if allowed.shape[1] >= width:
+        return allowed[:, :width]
+    return torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
 
 
 def _is_greedy(p: SamplingParams) -> bool:
@@ -285,8 +308,8 @@ class Sampler:
         self.fused = fused
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        as_is = (batch.mask_rows is None and batch.bias_flat is None and not batch.has_penalties
-                 and batch.max_num_logprobs is None)
+        as_is = (batch.mask_rows is None and batch.bias_flat is None and batch.guided_rows is None
+                 and not batch.has_penalties and batch.max_num_logprobs is None)
         if batch.all_greedy and as_is:
             # widening to fp32 is exact, so the argmax of the logits as they are is the same id, without a copy
             return SamplerOutput(token_ids=logits[:, :batch.vocab_size].argmax(dim=-1))
@@ -301,6 +324,10 @@ class Sampler:
             if logits.shape[1] != batch.vocab_size:   # a padded lm_head: rows are wider than the vocabulary
                 flat = flat // batch.vocab_size * logits.shape[1] + flat % batch.vocab_size
             logits.view(-1).index_add_(0, flat, batch.bias_values)
+        if batch.guided_rows is not None:
+            rows = logits.index_select(0, batch.guided_rows)
+            rows.masked_fill_(~_allowed(batch.guided_bitmask, logits.shape[1]), float("-inf"))
+            logits.index_copy_(0, batch.guided_rows, rows)
         if batch.mask_rows is not None:
             # not logits[rows, ids] = -inf: on CUDA that copies a CPU scalar to the device, and the pageable
             # copy waits for every queued kernel (a host sync per step for any request with min_tokens)

@@ -255,3 +255,22 @@ def test_logit_bias_steers_completions_and_bad_maps_are_400(client, offline, ser
             "model": "ensemble", "messages": [{"role": "user", "content": "x"}], "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
         assert fragment in r.json()["error"]["message"]
+
+
+def test_response_format_and_guided_extras_constrain_the_output(client, offline, server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    resp = client.chat.completions.create(model="ensemble", messages=messages, max_tokens=20, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "answer", "schema": schema}})
+    assert isinstance(json.loads(resp.choices[0].message.content)["ok"], bool)
+    regex = client.completions.create(model="ensemble", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                      extra_body={"guided_regex": "(yes|no)"})
+    assert regex.choices[0].text in ("yes", "no")
+    for extra, param in (({"guided_regex": "(yes"}, "guided_regex"),
+                         ({"guided_regex": "a", "guided_grammar": 'root ::= "b"'}, "guided_grammar"),
+                         ({"response_format": {"type": "json_schema"}}, "response_format")):
+        r = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=30,
+                       json={"model": "ensemble", "messages": messages, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -209,3 +209,23 @@ def test_embedding_bias_words_add_their_weights_to_their_tokens_logits(server, o
     assert r.status_code == 200 and r.json()["text_output"] == want, r.text
     r = httpx.post(url, json={**body, "embedding_bias_weights": [1.0]}, timeout=60)
     assert r.status_code == 400 and "embedding_bias_weights: 1 values for 2 embedding_bias_words" in r.text
+
+
+def test_guided_decoding_follows_the_guide_and_bad_guides_are_400(server, offline):
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide on tensorrt_llm_bls: the answer follows the
+    regex and equals the offline request with that guide; an unknown type or a broken guide is a 400 naming it."""
+    text = "USER: pick a color ASSISTANT:"
+    url = f"{server.http_url}/v2/models/tensorrt_llm_bls/generate"
+    body = {"text_input": text, "max_tokens": 16, "temperature": 0, "exclude_input_in_output": True,
+            "guided_decoding_guide_type": "regex", "guided_decoding_guide": "(red|green|blue)!"}
+    r = httpx.post(url, json=body, timeout=60)
+    guided = SamplingParams(max_tokens=16, temperature=0, guided_decoding_type="regex",
+                            guided_decoding_guide="(red|green|blue)!")
+    want = offline.generate([{"prompt": text}], guided, use_tqdm=False)[0].outputs[0].text
+    assert r.status_code == 200 and r.json()["text_output"] == want, r.text
+    assert want in ("red!", "green!", "blue!")
+    for change, fragment in (({"guided_decoding_guide_type": "xml"}, "guided_decoding_guide_type must be one of"),
+                             ({"guided_decoding_guide": "(red"}, "guided_decoding_guide: not a valid regex guide"),
+                             ({"guided_decoding_guide": ""}, "guided_decoding_guide: needed")):
+        r = httpx.post(url, json={**body, **change}, timeout=60)
+        assert r.status_code == 400 and fragment in r.json()["error"], r.text
