@@ -52,6 +52,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         inputs = await loop.run_in_executor(self._preprocess, self.engine.preprocess, prompt)
+        if params.guided_decoding_type is not None:   # compiled here, so the engine thread only finds it cached
+            await loop.run_in_executor(self._preprocess, self.engine.grammars.guide, params.guided_decoding_type,
+                                       params.guided_decoding_guide)
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._commands.put(("add", rid, inputs, params, loop, stream, added))

@@ -170,7 +170,7 @@ class Engine:
                 raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary (size {vocab})")
-        guide = None   # compiled here, on the engine thread; the cache makes a repeated guide free
+        guide = None   # AsyncEngine compiles it beforehand on a preprocessing thread; here it is in the cache
         if params.guided_decoding_type is not None:
             guide = self.grammars.guide(params.guided_decoding_type, params.guided_decoding_guide)
         eos = () if params.ignore_eos else (

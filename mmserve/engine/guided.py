@@ -45,8 +45,12 @@ class GrammarCache:
         import xgrammar as xgr
 
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
+            try:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+            except Exception as e:   # noqa: BLE001 - xgrammar's own types
+                raise ValueError(f"guided_decoding_guide_type: guided decoding is not available for this model's "
+                                 f"tokenizer ({e})") from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         if guide_type not in GUIDE_TYPES:
             raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {guide_type!r}")
