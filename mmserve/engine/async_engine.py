@@ -49,9 +49,21 @@ class AsyncEngine:
         """
         if self.dead_error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+        inputs = await self.preprocess(prompt)
+        async for out in self.generate_processed(inputs, params, request_id):
+            yield out
+
+    async def preprocess(self, prompt: str | dict[str, Any]):
+        """Engine.preprocess on a preprocessing thread: the prompt's ProcessedInputs."""
+        return await asyncio.get_running_loop().run_in_executor(self._preprocess, self.engine.preprocess, prompt)
+
+    async def generate_processed(self, inputs, params: SamplingParams,
+                                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """generate() for a prompt already preprocessed (ProcessedInputs)."""
+        if self.dead_error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        inputs = await loop.run_in_executor(self._preprocess, self.engine.preprocess, prompt)
         if params.guided_decoding_type is not None:   # compiled here, so the engine thread only finds it cached
             await loop.run_in_executor(self._preprocess, self.engine.grammars.guide, params.guided_decoding_type,
                                        params.guided_decoding_guide)

@@ -20,11 +20,12 @@ class Chunk:
     out: RequestOutput
     first_token: int = 0        # output_log_probs covers out's token_ids[first_token:]
     logprobs: bool = False
+    beams: list[str] | None = None   # beam search: each completion's text, best first (`text` is the first)
 
 
-def full_text(tokenizer, out: RequestOutput, exclude_input: bool) -> str:
-    """text_output of a non-streaming response: the decoded prompt, then the completion (PROTOCOL §6)."""
-    completion = out.outputs[0]
+def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
+    """text_output of a non-streaming response: the decoded prompt, then completion `index` (PROTOCOL §6)."""
+    completion = out.outputs[index]
     if exclude_input:
         return completion.text
     prompt_ids, ids = list(out.prompt_token_ids), list(completion.token_ids)
@@ -63,27 +64,33 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
 
 
 def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[str, np.ndarray]:
-    """Output tensors of one response. Shapes follow the seeds: text_output [batch] (one string per item),
-    cum_log_probs [batch, 1], output_log_probs [batch, 1, tokens]; context_logits [batch, prompt, vocab] and
-    generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the response that
-    finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1]."""
+    """Output tensors of one response. Shapes follow the seeds: text_output [batch * beams] (one string per item
+    and beam), cum_log_probs [batch, beams], output_log_probs [batch, beams, tokens]; context_logits [batch,
+    prompt, vocab] and generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the
+    response that finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1]."""
     n = len(chunks)
-    text = np.empty(n, dtype=np.object_)
-    text[:] = [c.text.encode("utf-8") for c in chunks]
-    per_token = []
-    for c in chunks:
-        comp = c.out.outputs[0]
-        ids = comp.token_ids[c.first_token:]
-        lps = (comp.logprobs or [])[c.first_token:] if c.logprobs else []
-        per_token.append([entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids))
-    width = max(len(p) for p in per_token)
-    out_lp = np.zeros((n, 1, width), dtype=np.float32)
-    for i, p in enumerate(per_token):
-        out_lp[i, 0, :len(p)] = p
-    cum = [(c.out.outputs[0].cumulative_logprob or 0.0) if c.logprobs else 0.0 for c in chunks]
+    texts = [t for c in chunks for t in (c.beams or [c.text])]
+    text = np.empty(len(texts), dtype=np.object_)
+    text[:] = [t.encode("utf-8") for t in texts]
+    beams = max(len(c.beams or [c.text]) for c in chunks)
+    per_token: list[list[list[float]]] = []
+    cum = np.zeros((n, beams), dtype=np.float32)
+    for i, c in enumerate(chunks):
+        rows = []
+        for k, comp in enumerate(c.out.outputs[:len(c.beams or [c.text])]):
+            ids = comp.token_ids[c.first_token:]
+            lps = (comp.logprobs or [])[c.first_token:] if c.logprobs else []
+            rows.append([entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids))
+            cum[i, k] = (comp.cumulative_logprob or 0.0) if c.logprobs else 0.0
+        per_token.append(rows)
+    width = max(len(r) for rows in per_token for r in rows)
+    out_lp = np.zeros((n, beams, width), dtype=np.float32)
+    for i, rows in enumerate(per_token):
+        for k, r in enumerate(rows):
+            out_lp[i, k, :len(r)] = r
     tensors = {
         "text_output": text,
-        "cum_log_probs": np.array(cum, dtype=np.float32).reshape(n, 1),
+        "cum_log_probs": cum,
         "output_log_probs": out_lp,
         "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
         "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[:, None],

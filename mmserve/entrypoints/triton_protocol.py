@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import math
 import re
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.engine import EngineOverloaded
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH, beam_search
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION
@@ -64,6 +66,8 @@ class TritonRequest:
     exclude_input: bool = False
     return_log_probs: bool = False
     image_field: str | None = None     # the input the images came from, for error messages
+    beam_width: int = 1                # > 1: beam search (engine/beam_search.py), W completions
+    length_penalty: float = 1.0
 
 
 # ---- input tensors -> requests ------------------------------------------------------------------
@@ -148,9 +152,6 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
         raise ValueError("max_tokens is required")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be a single value > 0, got {max_tokens}")
-    if g.scalar("beam_width", 1) != 1:
-        raise ValueError(f"beam_width: only 1 is supported (beam search is not implemented), "
-                         f"got {g.scalar('beam_width')}")
     if g.scalar("num_return_sequences", 1) != 1:
         raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
     for name in UNSUPPORTED_INPUTS:
@@ -240,9 +241,32 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
                                     wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
                                     video_token=getattr(inputs, "video_token", None))
-    return TritonRequest(model, prompt, params, stream=bool(g.scalar("stream", False)),
+    stream = bool(g.scalar("stream", False))
+    width = _beam_width(state, g, params, stream)
+    return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
-                         return_log_probs=params.logprobs is not None, image_field=field)
+                         return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
+                         length_penalty=float(g.scalar("length_penalty", 1.0)))
+
+
+def _beam_width(state: ServerState, g: _Item, params: SamplingParams, stream: bool) -> int:
+    """The request's beam_width, checked against what beam search here supports."""
+    width = int(g.scalar("beam_width", 1))
+    if width == 1:
+        return 1
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
+    runner = state.engine.engine.runner
+    if runner.uses_mrope or runner.uses_cross_attention or getattr(state.engine.engine.model, "is_encoder_decoder",
+                                                                     False):
+        raise ValueError("beam_width: beam search is not supported for this model family yet")
+    if stream:
+        raise ValueError("beam_width: beam search with stream true is not supported yet")
+    for name, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),
+                     ("stop_words", params.stop), ("guided_decoding_guide_type", params.guided_decoding_type)):
+        if on:
+            raise ValueError(f"{name}: not supported with beam_width > 1 yet")
+    return width
 
 
 def _embedding_bias(state: ServerState, g: _Item) -> dict[int, float]:
@@ -290,8 +314,14 @@ def _rename_fields(message: str, req: TritonRequest) -> str:
 
 
 async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[RequestOutput]:
-    """state.generate for one request; closing this generator aborts the request in the engine."""
+    """state.generate for one request (beam search's one final output for beam_width > 1); closing this generator
+    aborts the request in the engine."""
     try:
+        if req.beam_width > 1:
+            inputs = await state.engine.preprocess(req.prompt)
+            yield await beam_search(state.engine, inputs, req.params, req.beam_width, req.length_penalty,
+                                    uuid.uuid4().hex)
+            return
         async with aclosing(state.generate(req.prompt, req.params)) as outputs:
             async for out in outputs:
                 yield out
@@ -310,7 +340,8 @@ async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.n
         async with aclosing(generate(state, req)) as outputs:
             async for out in outputs:
                 last = out
-        return Chunk(full_text(state.engine.tokenizer, last, req.exclude_input), last, 0, req.return_log_probs)
+        texts = [full_text(state.engine.tokenizer, last, req.exclude_input, k) for k in range(len(last.outputs))]
+        return Chunk(texts[0], last, 0, req.return_log_probs, texts if req.beam_width > 1 else None)
 
     if len(reqs) == 1:
         chunks = [await one(reqs[0])]

@@ -229,3 +229,45 @@ def test_guided_decoding_follows_the_guide_and_bad_guides_are_400(server, offlin
                              ({"guided_decoding_guide": ""}, "guided_decoding_guide: needed")):
         r = httpx.post(url, json={**body, **change}, timeout=60)
         assert r.status_code == 400 and fragment in r.json()["error"], r.text
+
+
+def test_beam_width_returns_every_beam_best_first(server, offline):
+    """beam_width 3 over tritonclient: text_output holds the three beams (prompt included, as the seeds' ensemble
+    answers), cum_log_probs [1, 3] and output_log_probs [1, 3, tokens] their log-probs; they are what
+    engine/beam_search.py gives offline (tests/parity/test_beam_search_parity.py checks it against transformers).
+    The seeds' client with -b 3 prints the three."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.beam_search import beam_search
+    from mmserve.entrypoints.triton_outputs import full_text
+
+    text = "USER: tell me a story ASSISTANT:"
+    engine = AsyncEngine(offline.engine)
+    try:
+        async def run():
+            inputs = await engine.preprocess({"prompt": text})
+            return await beam_search(engine, inputs, SamplingParams(max_tokens=8), 3, 1.0, "offline-beams")
+        want = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    arrays = {"text_input": np.array([[text.encode()]], dtype=np.object_),
+              "max_tokens": np.array([[8]], dtype=np.int32), "beam_width": np.array([[3]], dtype=np.int32),
+              "return_log_probs": np.array([[True]])}
+    inputs = [infer_input(name, arr, True) for name, arr in arrays.items()]
+    result = client.infer("ensemble", inputs)
+    texts = [t.decode() for t in result.as_numpy("text_output")]
+    assert texts == [full_text(offline.tokenizer, want, False, k) for k in range(3)]
+    cum = result.as_numpy("cum_log_probs")
+    assert cum.shape == (1, 3) and cum[0].tolist() == pytest.approx([c.cumulative_logprob for c in want.outputs])
+    per_token = result.as_numpy("output_log_probs")
+    assert per_token.shape[:2] == (1, 3) and per_token[0].sum(-1).tolist() == pytest.approx(cum[0].tolist(), abs=1e-4)
+    assert cum[0, 0] / len(want.outputs[0].token_ids) >= cum[0, 2] / len(want.outputs[2].token_ids) - 1e-6
+    proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
+                           "--model_type", "llava", "--text", text, "--request-output-len", "8", "-b", "3",
+                           "--image", ""], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [f"[beam {k} ]:" in proc.stdout for k in range(3)] == [True] * 3

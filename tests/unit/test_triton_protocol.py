@@ -154,7 +154,7 @@ def test_sampling_inputs_map_to_sampling_params_with_trtllm_conventions():
 
 
 @pytest.mark.parametrize("tensors,field", [
-    ({"beam_width": _scalar(2, np.int32)}, "beam_width"),
+    ({"beam_width": _scalar(11, np.int32)}, "beam_width"),
     ({"max_tokens": _scalar(0, np.int32)}, "max_tokens"),
     ({"max_tokens": None}, "max_tokens"),
     ({"text_input": None}, "text_input"),

@@ -1,0 +1,118 @@
+"""Beam search (Triton `beam_width` > 1, `length_penalty`), as transformers' `generate(num_beams=W,
+early_stopping=True)` and TensorRT-LLM's default early stopping choose beams.
+
+`BeamSearch` is the bookkeeping: each step every running beam offers its 2W most likely next tokens; the 2W best
+(beam score + log-prob) candidates are taken in order, an end-of-sequence candidate among the first W finishing a
+hypothesis scored `sum of log-probs / length ** length_penalty`, the others running on until W run. It is done
+when W hypotheses finished (early stopping) or the beams reached max_tokens (then the running ones count too).
+
+`beam_search` drives it on an AsyncEngine without touching the scheduler or the KV cache: each step, each running
+beam is an engine request of prompt + the beam's tokens that computes one token with its top-2W log-probs; the
+prompt and every full KV block of the beam come from the prefix cache, so a step computes at most a block's worth
+of tokens per beam (the same request again, or a sibling's fork of it).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+
+from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+MAX_BEAM_WIDTH = 10   # 2W log-probs per step, and the sampler reports at most 20
+
+
+@dataclass
+class Beam:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    score: float = 0.0   # sum of the log-probs
+
+    def normalized(self, length_penalty: float) -> float:
+        return self.score / (len(self.tokens) ** length_penalty) if self.tokens else self.score
+
+
+class BeamSearch:
+    def __init__(self, width: int, max_tokens: int, eos_ids: set[int], length_penalty: float = 1.0) -> None:
+        if not 1 <= width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
+        self.width, self.max_tokens, self.eos_ids, self.length_penalty = width, max_tokens, eos_ids, length_penalty
+        self.running = [Beam()]
+        self.finished: list[tuple[float, Beam]] = []   # (normalized score, hypothesis), best first
+
+    @property
+    def done(self) -> bool:
+        return (len(self.finished) >= self.width or not self.running
+                or len(self.running[0].tokens) >= self.max_tokens)
+
+    def step(self, candidates: list[list[tuple[int, float]]]) -> None:
+        """candidates[i]: the 2W most likely (token, log-prob) after running beam i."""
+        ranked = sorted(((beam.score + lp, -i, tok, lp) for i, beam in enumerate(self.running)
+                         for tok, lp in candidates[i]), reverse=True)[:2 * self.width]
+        running = []
+        for rank, (score, neg_i, tok, lp) in enumerate(ranked):
+            parent = self.running[-neg_i]
+            beam = Beam(parent.tokens + [tok], parent.logprobs + [lp], score)
+            if tok in self.eos_ids:
+                if rank < self.width:
+                    self._finish(beam)
+                continue
+            running.append(beam)
+            if len(running) == self.width:
+                break
+        self.running = running
+
+    def _finish(self, beam: Beam) -> None:
+        self.finished.append((beam.normalized(self.length_penalty), beam))
+        self.finished.sort(key=lambda h: -h[0])
+        del self.finished[self.width:]
+
+    def results(self) -> list[Beam]:
+        """The W best hypotheses, best first; beams cut by max_tokens count when fewer than W finished."""
+        if len(self.finished) < self.width:
+            for beam in self.running:
+                self._finish(beam)
+        return [beam for _, beam in self.finished]
+
+
+def step_params(params: SamplingParams, width: int, generated: int) -> SamplingParams:
+    """The one-token request of a beam that has `generated` tokens: its top-2W log-probs; min_tokens as the beam's."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=1 if generated < params.min_tokens else 0,
+                               temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=2 * width,
+                               stop=[], return_context_logits=False, return_generation_logits=False)
+
+
+async def beam_search(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
+                      request_id: str) -> RequestOutput:
+    """Run beam search for one preprocessed prompt on an AsyncEngine; the final output carries W completions."""
+    inner = engine.engine
+    eos = set() if params.ignore_eos else (
+        {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
+    search = BeamSearch(width, params.max_tokens, eos, length_penalty)
+
+    async def offers(i: int, beam: Beam) -> list[tuple[int, float]]:
+        beam_inputs = dataclasses.replace(inputs, prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
+                                          block_hashes=None)
+        last = None
+        async for out in engine.generate_processed(beam_inputs, step_params(params, width, len(beam.tokens)),
+                                                   f"{request_id}-beam{len(beam.tokens)}-{i}"):
+            last = out
+        entry = last.outputs[0].logprobs[0]
+        ranked = sorted(((lp.logprob, tok) for tok, lp in entry.items() if lp.logprob > float("-inf")),
+                        reverse=True)
+        return [(tok, lp) for lp, tok in ranked[:2 * width]]
+
+    while not search.done:
+        search.step(await asyncio.gather(*(offers(i, b) for i, b in enumerate(search.running))))
+    tokenizer = inner.tokenizer
+    completions = []
+    for k, beam in enumerate(search.results()):
+        ended = bool(beam.tokens) and beam.tokens[-1] in eos
+        text_ids = beam.tokens[:-1] if ended else beam.tokens
+        completions.append(CompletionOutput(
+            k, tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
+            cumulative_logprob=beam.score,
+            logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
+            finish_reason="stop" if ended else "length"))
+    return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, True)

@@ -1,0 +1,82 @@
+"""Beam search (engine/beam_search.py) against transformers' `generate(num_beams=W, early_stopping=True,
+length_penalty=...)`: the same W hypotheses, best first, with and without a picture, with hypotheses that end on
+the end-of-sequence id (an `end_id` the model emits early) and ones cut by max_tokens."""
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+import transformers
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.beam_search import BeamSearch, beam_search
+from mmserve.testing import make_test_image
+
+N = 10
+PROMPTS = [("USER: tell me a story ASSISTANT:", None), ("USER: <image>\nWhat is this? ASSISTANT:", 3)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava_dir) -> LLM:
+    return LLM(tiny_llava_dir, device="cpu", dtype="float32")
+
+
+@functools.lru_cache(maxsize=1)
+def _hf(model_dir: str):
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(model_dir)
+
+
+def _hf_beams(model_dir: str, text: str, image, width: int, length_penalty: float, eos: int) -> list[list[int]]:
+    model, processor = _hf(model_dir)
+    enc = processor(text=text, images=[image] if image is not None else None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, num_beams=width, do_sample=False, early_stopping=True,
+                             length_penalty=length_penalty, max_new_tokens=N, num_return_sequences=width,
+                             eos_token_id=eos, pad_token_id=eos)
+    beams = []
+    for seq in out[:, enc["input_ids"].shape[1]:].tolist():
+        beams.append(seq[:seq.index(eos) + 1] if eos in seq else seq)
+    return beams
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["text", "image"])
+@pytest.mark.parametrize("width,length_penalty,eos_at", [(2, 1.0, 0), (3, 0.7, 1), (3, 1.0, None), (4, 2.0, 4)])
+def test_beams_match_transformers(tiny_llava_dir, llm, prompt, width, length_penalty, eos_at):
+    text, image_seed = prompt
+    image = make_test_image(image_seed) if image_seed is not None else None
+    request = {"prompt": text, "images": [image] if image is not None else []}
+    greedy = llm.generate([request], SamplingParams(max_tokens=N, temperature=0), use_tqdm=False)[0]
+    # an end id the greedy answer reaches early, so that hypotheses finish (None: the tokenizer's, rarely reached)
+    eos = greedy.outputs[0].token_ids[eos_at] if eos_at is not None else llm.engine.default_eos[0]
+    engine = AsyncEngine(llm.engine)
+    try:
+        async def run():
+            inputs = await engine.preprocess(request)
+            return await beam_search(engine, inputs, SamplingParams(max_tokens=N, eos_token_id=eos), width,
+                                     length_penalty, "beams")
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    want = _hf_beams(tiny_llava_dir, text, image, width, length_penalty, eos)
+    assert [c.token_ids for c in out.outputs] == want
+    assert [c.finish_reason for c in out.outputs] == ["stop" if b[-1] == eos else "length" for b in want]
+    if (width, eos_at) == (3, 1):   # here a hypothesis that ended on the end id is among the best (both prompts)
+        assert any(c.finish_reason == "stop" for c in out.outputs)
+    for c in out.outputs:
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids)))
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0
+
+
+def test_bookkeeping_takes_eos_only_among_the_first_width_candidates():
+    search = BeamSearch(2, max_tokens=5, eos_ids={9}, length_penalty=1.0)
+    search.step([[(1, -0.1), (2, -0.5), (9, -0.6), (3, -0.7)]])          # 9 is third: not a hypothesis
+    assert [b.tokens for b in search.running] == [[1], [2]] and not search.finished
+    search.step([[(9, -0.05), (4, -1.0)], [(5, -0.1), (9, -2.0)]])       # 9 after [1] is first: finishes
+    assert [b.tokens for _, b in search.finished] == [[1, 9]]
+    assert [b.tokens for b in search.running] == [[2, 5], [1, 4]]
+    with pytest.raises(ValueError, match="beam_width must be in"):
+        BeamSearch(11, max_tokens=5, eos_ids=set())
