@@ -17,6 +17,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -93,7 +95,7 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
 
     async def offers(i: int, beam: Beam) -> list[tuple[int, float]]:
         beam_inputs = dataclasses.replace(inputs, prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
-                                          block_hashes=None)
+                                          block_hashes=None, mrope_positions=_mrope_positions(inputs, len(beam.tokens)))
         last = None
         async for out in engine.generate_processed(beam_inputs, step_params(params, width, len(beam.tokens)),
                                                    f"{request_id}-beam{len(beam.tokens)}-{i}"):
@@ -116,3 +118,12 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
             logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
             finish_reason="stop" if ended else "length"))
     return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, True)
+
+
+def _mrope_positions(inputs, generated: int):
+    """M-RoPE families: the prompt's [3, P] positions extended over the beam's tokens (text: p + delta on each axis)."""
+    if inputs.mrope_positions is None or not generated:
+        return inputs.mrope_positions
+    p = inputs.mrope_positions.shape[1]
+    tail = torch.arange(p, p + generated, dtype=inputs.mrope_positions.dtype) + inputs.mrope_delta
+    return torch.cat([inputs.mrope_positions, tail.expand(3, -1)], dim=1)

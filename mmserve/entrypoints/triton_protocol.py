@@ -67,6 +67,7 @@ class TritonRequest:
     return_log_probs: bool = False
     image_field: str | None = None     # the input the images came from, for error messages
     beam_width: int = 1                # > 1: beam search (engine/beam_search.py), W completions
+    num_return: int = 1                # beams returned, best first (num_return_sequences; beam_width by default)
     length_penalty: float = 1.0
 
 
@@ -152,8 +153,6 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
         raise ValueError("max_tokens is required")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be a single value > 0, got {max_tokens}")
-    if g.scalar("num_return_sequences", 1) != 1:
-        raise ValueError(f"num_return_sequences: only 1 is supported, got {g.scalar('num_return_sequences')}")
     for name in UNSUPPORTED_INPUTS:
         if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
             raise ValueError(f"{name}: this input is not supported yet by mmserve")
@@ -243,10 +242,14 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
                                     video_token=getattr(inputs, "video_token", None))
     stream = bool(g.scalar("stream", False))
     width = _beam_width(state, g, params, stream)
+    num_return = int(g.scalar("num_return_sequences", width))
+    if not 1 <= num_return <= width:
+        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}] (sampled sequences beyond one "
+                         f"are not supported yet), got {num_return}")
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
-                         length_penalty=float(g.scalar("length_penalty", 1.0)))
+                         length_penalty=float(g.scalar("length_penalty", 1.0)), num_return=num_return)
 
 
 def _beam_width(state: ServerState, g: _Item, params: SamplingParams, stream: bool) -> int:
@@ -257,8 +260,7 @@ def _beam_width(state: ServerState, g: _Item, params: SamplingParams, stream: bo
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
     runner = state.engine.engine.runner
-    if runner.uses_mrope or runner.uses_cross_attention or getattr(state.engine.engine.model, "is_encoder_decoder",
-                                                                     False):
+    if runner.uses_cross_attention or getattr(state.engine.engine.model, "is_encoder_decoder", False):
         raise ValueError("beam_width: beam search is not supported for this model family yet")
     if stream:
         raise ValueError("beam_width: beam search with stream true is not supported yet")
@@ -319,8 +321,10 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
     try:
         if req.beam_width > 1:
             inputs = await state.engine.preprocess(req.prompt)
-            yield await beam_search(state.engine, inputs, req.params, req.beam_width, req.length_penalty,
+            out = await beam_search(state.engine, inputs, req.params, req.beam_width, req.length_penalty,
                                     uuid.uuid4().hex)
+            del out.outputs[req.num_return:]
+            yield out
             return
         async with aclosing(state.generate(req.prompt, req.params)) as outputs:
             async for out in outputs:

@@ -80,3 +80,29 @@ def test_bookkeeping_takes_eos_only_among_the_first_width_candidates():
     assert [b.tokens for b in search.running] == [[2, 5], [1, 4]]
     with pytest.raises(ValueError, match="beam_width must be in"):
         BeamSearch(11, max_tokens=5, eos_ids=set())
+
+
+def test_qwen2_vl_beams_extend_their_m_rope_positions(tmp_path_factory):
+    """An M-RoPE family: each beam's prompt + tokens get the prompt's positions, then p + delta per token."""
+    from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
+
+    model_dir = str(make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("beam_qwen2_vl"), preset="tiny", seed=0))
+    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=4)
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    image = make_test_image(0, (84, 56))
+    engine = AsyncEngine(llm.engine)
+    try:
+        async def run():
+            inputs = await engine.preprocess({"prompt": text, "images": [image]})
+            assert inputs.mrope_delta != 0   # the picture's positions run ahead of the token count
+            return await beam_search(engine, inputs, SamplingParams(max_tokens=N), 3, 0.5, "qwen-beams")
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = transformers.AutoProcessor.from_pretrained(model_dir)(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        want = model.generate(**enc, num_beams=3, do_sample=False, early_stopping=True, length_penalty=0.5,
+                              max_new_tokens=N, num_return_sequences=3)
+    assert [c.token_ids for c in out.outputs] == want[:, enc["input_ids"].shape[1]:].tolist()

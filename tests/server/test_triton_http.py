@@ -266,6 +266,13 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
     per_token = result.as_numpy("output_log_probs")
     assert per_token.shape[:2] == (1, 3) and per_token[0].sum(-1).tolist() == pytest.approx(cum[0].tolist(), abs=1e-4)
     assert cum[0, 0] / len(want.outputs[0].token_ids) >= cum[0, 2] / len(want.outputs[2].token_ids) - 1e-6
+    body = {"text_input": text, "max_tokens": 8, "beam_width": 3, "num_return_sequences": 2,
+            "exclude_input_in_output": True}
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["text_output"] == [c.text for c in want.outputs[:2]], r.text
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=60,
+                   json={**body, "beam_width": 1})
+    assert r.status_code == 400 and "num_return_sequences must be in [1, beam_width = 1]" in r.text
     proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
                            "--model_type", "llava", "--text", text, "--request-output-len", "8", "-b", "3",
                            "--image", ""], capture_output=True, text=True, timeout=120)
