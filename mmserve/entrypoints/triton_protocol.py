@@ -259,9 +259,6 @@ def _beam_width(state: ServerState, g: _Item, params: SamplingParams, stream: bo
         return 1
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
-    runner = state.engine.engine.runner
-    if runner.uses_cross_attention or getattr(state.engine.engine.model, "is_encoder_decoder", False):
-        raise ValueError("beam_width: beam search is not supported for this model family yet")
     if stream:
         raise ValueError("beam_width: beam search with stream true is not supported yet")
     for name, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),

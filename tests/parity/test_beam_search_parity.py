@@ -106,3 +106,38 @@ def test_qwen2_vl_beams_extend_their_m_rope_positions(tmp_path_factory):
         want = model.generate(**enc, num_beams=3, do_sample=False, early_stopping=True, length_penalty=0.5,
                               max_new_tokens=N, num_return_sequences=3)
     assert [c.token_ids for c in out.outputs] == want[:, enc["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", ["mllama", "blip2_t5"])
+def test_cross_attention_and_encoder_decoder_beams_match_transformers(tmp_path_factory, family):
+    """Each beam request attends the picture's encoder keys/values in its own pool blocks (Mllama), or is the
+    decoder prompt of an encoder-decoder (BLIP-2 Flan-T5, whose transformers output starts with the decoder's
+    start id)."""
+    if family == "mllama":
+        from mmserve.testing.mllama import make_mllama_checkpoint as make
+        preset, cls = "tiny", transformers.MllamaForConditionalGeneration
+        text = "<|begin_of_text|><|image|>If I had to write a haiku for this one"
+    else:
+        from mmserve.testing.blip2 import make_blip2_checkpoint as make
+        preset, cls = "tiny-t5", transformers.Blip2ForConditionalGeneration
+        text = "Question: what is shown here? Answer:"
+    model_dir = str(make(tmp_path_factory.mktemp(f"beam_{family}"), preset=preset, seed=0))
+    llm = LLM(model_dir, device="cpu", dtype="float32")
+    image = make_test_image(1)
+    engine = AsyncEngine(llm.engine)
+    try:
+        async def run():
+            inputs = await engine.preprocess({"prompt": text, "images": [image]})
+            return await beam_search(engine, inputs, SamplingParams(max_tokens=8), 3, 0.5, f"{family}-beams")
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = transformers.AutoProcessor.from_pretrained(model_dir)(images=[image], text=text, return_tensors="pt")
+    with torch.no_grad():
+        want = model.generate(**enc, num_beams=3, do_sample=False, early_stopping=True, length_penalty=0.5,
+                              max_new_tokens=8, num_return_sequences=3)
+    skip = 1 if family == "blip2_t5" else enc["input_ids"].shape[1]
+    assert [c.token_ids for c in out.outputs] == want[:, skip:].tolist()
+    cross = llm.engine.scheduler.cross_blocks
+    assert llm.engine.kv.usage == 0 and (cross is None or cross.usage == 0)
