@@ -86,6 +86,34 @@ class LLM:
                 self.engine.abort(rid)
             raise
 
+    def beam_search(self, prompts: str | dict | list, beam_width: int, params: SamplingParams | None = None,
+                    length_penalty: float = 1.0) -> list[RequestOutput]:
+        """Beam search (engine/beam_search.py) for each prompt, all at once in continuous batches; each output has
+        `beam_width` completions, best first (max_tokens, min_tokens, end id, repetition penalty, logit bias and
+        one-token bad words of `params` apply; the sampling knobs do not)."""
+        import asyncio
+
+        from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.engine.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if self.engine.has_unfinished():
+            raise RuntimeError("beam_search needs the engine to itself (requests are still running)")
+        engine = AsyncEngine(self.engine)   # the engine's step loop on its thread while this one waits
+
+        async def one(prompt) -> RequestOutput:
+            inputs = await engine.preprocess(prompt)
+            return await beam_search(engine, inputs, params, beam_width, length_penalty, f"beams-{next(self._ids)}")
+
+        async def run() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        try:
+            return asyncio.run(run())
+        finally:
+            engine.shutdown()
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to OpenAI-style messages (content parts text, image_url, video_url)."""

@@ -141,3 +141,16 @@ def test_cross_attention_and_encoder_decoder_beams_match_transformers(tmp_path_f
     assert [c.token_ids for c in out.outputs] == want[:, skip:].tolist()
     cross = llm.engine.scheduler.cross_blocks
     assert llm.engine.kv.usage == 0 and (cross is None or cross.usage == 0)
+
+
+def test_llm_beam_search_runs_prompts_together_as_the_engine_driver(tiny_llava_dir, llm):
+    """LLM.beam_search: several prompts at once (their beam requests share steps), each the same beams as one
+    alone through the driver."""
+    prompts = [{"prompt": text, "images": [make_test_image(seed)] if seed is not None else []}
+               for text, seed in PROMPTS]
+    outs = llm.beam_search(prompts, 3, SamplingParams(max_tokens=N), length_penalty=0.7)
+    for prompt, out in zip(prompts, outs):
+        [alone] = llm.beam_search(prompt, 3, SamplingParams(max_tokens=N), length_penalty=0.7)
+        assert len(out.outputs) == 3 and [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+        assert [c.text for c in out.outputs] == [c.text for c in alone.outputs]
+    assert llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
