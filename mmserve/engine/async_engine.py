@@ -65,7 +65,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         if params.guided_decoding_type is not None:   # compiled here, so the engine thread only finds it cached
-            await loop.run_in_executor(self._preprocess, self.engine.grammars.guide, params.guided_decoding_type,
+            await loop.run_in_executor(self._preprocess, self.engine.grammars.compile, params.guided_decoding_type,
                                        params.guided_decoding_guide)
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
@@ -127,8 +127,8 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             for cmd in pending:
-                if cmd[0] in ("add", "lora"):
-                    loop, waiter = (cmd[4], cmd[6]) if cmd[0] == "add" else (cmd[4], cmd[5])
+                if cmd[0] in ("add", "lora"):   # both carry the caller's loop fifth and its future last
+                    loop, waiter = cmd[4], cmd[-1]
                     loop.call_soon_threadsafe(_set_exception, waiter, RuntimeError(f"the engine loop died: {e}"))
 
     def _loop(self) -> None:

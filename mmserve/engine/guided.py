@@ -29,6 +29,10 @@ class GrammarCache:
         """A fresh Guide (matcher) for a request; ValueError naming the field when the guide does not compile."""
         import xgrammar as xgr
 
+        return Guide(xgr.GrammarMatcher(self.compile(guide_type, guide)), self.vocab_size)
+
+    def compile(self, guide_type: str, guide: str | None):
+        """The guide's compiled grammar (cached); guide_type is one of GUIDE_TYPES (SamplingParams checks it)."""
         key = (guide_type, guide or "")
         with self._lock:
             compiled = self._compiled.get(key)
@@ -39,7 +43,7 @@ class GrammarCache:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
-        return Guide(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return compiled
 
     def _compile(self, guide_type: str, guide: str | None):
         import xgrammar as xgr
@@ -52,8 +56,6 @@ class GrammarCache:
                 raise ValueError(f"guided_decoding_guide_type: guided decoding is not available for this model's "
                                  f"tokenizer ({e})") from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        if guide_type not in GUIDE_TYPES:
-            raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {guide_type!r}")
         try:
             if guide_type == "json":
                 return self._compiler.compile_builtin_json_grammar()

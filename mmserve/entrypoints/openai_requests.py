@@ -131,7 +131,7 @@ def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) 
                                    "'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
         kind, guide = "json_schema", json.dumps(schema)
     try:
-        state.engine.engine.grammars.guide(kind, guide)
+        state.engine.engine.grammars.compile(kind, guide)
     except ValueError as e:
         raise OpenAIError(400, f"{name}: {str(e).split(': ', 1)[-1]}", param=name) from None
     return {"guided_decoding_type": kind, "guided_decoding_guide": guide}

@@ -1,6 +1,6 @@
 """LoRAManager: the engine's loaded LoRA adapters and their application to a step's rows.
 
-Adapters load by name: from a PEFT directory (`add`, pinned for the engine's life) or already built (`install`,
+Adapters load by name: from a PEFT directory (`add`, pinned for the engine's life) or already built (`put`,
 e.g. from TensorRT-LLM tensors sent with a request: evictable, least recently used first); a request names one in
 its prompt (`{"lora": name}`). Every linear layer an adapter
 targets gets a forward hook; during a step (`step(groups)`), the hook adds each adapter's delta to the output
@@ -41,30 +41,32 @@ class LoRAManager:
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load the PEFT adapter at `path` as `name` (replacing one of that name). ValueError if it does not fit."""
-        self.check_room(name)
-        adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
-        self.install(adapter)
-        self.evictable.pop(name, None)
-        return adapter
-
-    def check_room(self, name: str) -> None:
-        """ValueError unless `name` may be loaded: a valid name, a free slot (or its own), unquantized weights."""
-        if not name or not isinstance(name, str):
-            raise ValueError("a LoRA adapter needs a non-empty name")
+        self._check_loadable(name)
         if name not in self.adapters and len(self.adapters) >= self.max_loras:
             raise ValueError(f"{len(self.adapters)} LoRA adapters are loaded already (max_loras {self.max_loras})")
+        adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
+        self._install(adapter, evictable=False)
+        return adapter
+
+    def _check_loadable(self, name: str) -> None:
+        """ValueError unless an adapter may be served as `name`: a valid name and unquantized weights."""
+        if not name or not isinstance(name, str):
+            raise ValueError("a LoRA adapter needs a non-empty name")
         for _, module in self._linears():
             if module.is_fp8:
                 raise ValueError("LoRA adapters on FP8 weights are not supported")
 
-    def install(self, adapter: LoRAAdapter) -> None:
-        """Serve a built adapter under its name, evictable (see check_room first)."""
+    def _install(self, adapter: LoRAAdapter, evictable: bool) -> None:
+        """Serve a built adapter under its name; `evictable`: `put` may unload it to make room."""
         for module_name in adapter.targets:
             if module_name not in self._hooked:
                 self.model.get_submodule(module_name).register_forward_hook(self._hook(module_name))
                 self._hooked.add(module_name)
         self.adapters[adapter.name] = adapter
-        self.evictable[adapter.name] = None
+        if evictable:
+            self.evictable[adapter.name] = None
+        else:
+            self.evictable.pop(adapter.name, None)
         self.names = tuple(sorted(self.adapters))
 
     def put(self, adapter: LoRAAdapter, held: set[str]) -> bool:
@@ -77,6 +79,7 @@ class LoRAManager:
                 raise ValueError(f"lora_weights: LoRA task {adapter.name} is loaded with other weights")
             self.get(adapter.name)   # most recently used
             return False
+        self._check_loadable(adapter.name)   # before anything is evicted for it
         if len(self.adapters) >= self.max_loras:
             victim = next((n for n in self.evictable if n not in held), None)
             if victim is None:
@@ -84,8 +87,7 @@ class LoRAManager:
                                  "loaded at startup or in use")
             self.remove(victim)
             logger.info("LoRA adapter %r evicted for %r", victim, adapter.name)
-        self.check_room(adapter.name)
-        self.install(adapter)
+        self._install(adapter, evictable=True)
         return True
 
     def remove(self, name: str) -> None:

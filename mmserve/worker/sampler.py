@@ -142,7 +142,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None               # [B] fp32
     mask_rows: torch.Tensor | None           # [M] int64: (row, id) pairs set to -inf (bad words, min_tokens)
     mask_ids: torch.Tensor | None            # [M] int64
-    bias_flat: torch.Tensor | None           # [N] int64 row * V + id of each logit bias (V: the logits' width)
+    bias_rows: torch.Tensor | None           # [N] int64: (row, id, value) of each logit bias
+    bias_ids: torch.Tensor | None            # [N] int64
     bias_values: torch.Tensor | None         # [N] fp32
     guided_rows: torch.Tensor | None         # [G] int64 rows under a grammar
     guided_bitmask: torch.Tensor | None      # [G, ceil(V' / 32)] int32, bit j of word w allows id 32 w + j
@@ -175,7 +176,7 @@ class SamplingBatch:
         if plain and not guided:
             return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=True, greedy=None,
                        temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None, mask_rows=None,
-                       mask_ids=None, bias_flat=None, bias_values=None, guided_rows=None, guided_bitmask=None,
+                       mask_ids=None, bias_rows=None, bias_ids=None, bias_values=None, guided_rows=None, guided_bitmask=None,
                        prompt_ids=None, output_ids=None, repetition_penalty=None,
                        presence_penalty=None, frequency_penalty=None)
         greedy = [_is_greedy(p) for p in params]
@@ -207,7 +208,7 @@ class SamplingBatch:
                     mask_rows.append(i)
                     mask_ids.append(tok)
 
-        bias = [(i * vocab_size + tok, float(v)) for i, p in enumerate(params)
+        bias = [(i, tok, float(v)) for i, p in enumerate(params)
                 for tok, v in sorted(p.logit_bias.items()) if 0 <= tok < vocab_size]
 
         bitmask = None
@@ -251,10 +252,11 @@ class SamplingBatch:
             min_p=to_device(min_p, torch.float32, device) if any(x > 0.0 for x in min_p) else None,
             mask_rows=to_device(mask_rows, torch.int64, device) if mask_rows else None,
             mask_ids=to_device(mask_ids, torch.int64, device) if mask_ids else None,
-            bias_flat=to_device([f for f, _ in bias], torch.int64, device) if bias else None,
-            bias_values=to_device([v for _, v in bias], torch.float32, device) if bias else None,
+            bias_rows=to_device([b[0] for b in bias], torch.int64, device) if bias else None,
+            bias_ids=to_device([b[1] for b in bias], torch.int64, device) if bias else None,
+            bias_values=to_device([b[2] for b in bias], torch.float32, device) if bias else None,
             guided_rows=to_device([i for i, _ in guided], torch.int64, device) if guided else None,
-            guided_bitmask=bitmask.to(device, non_blocking=True) if bitmask is not None else None,
+            guided_bitmask=to_device(bitmask, torch.int32, device) if bitmask is not None else None,
             prompt_ids=_pad([list(prompt_token_ids[i]) if rep[i] != 1.0 else [] for i in range(num_rows)],
                             device) if any_rep else None,
             output_ids=_pad([list(output_token_ids[i]) if penalised[i] else [] for i in range(num_rows)],
@@ -308,7 +310,7 @@ class Sampler:
         self.fused = fused
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        as_is = (batch.mask_rows is None and batch.bias_flat is None and batch.guided_rows is None
+        as_is = (batch.mask_rows is None and batch.bias_rows is None and batch.guided_rows is None
                  and not batch.has_penalties and batch.max_num_logprobs is None)
         if batch.all_greedy and as_is:
             # widening to fp32 is exact, so the argmax of the logits as they are is the same id, without a copy
@@ -319,11 +321,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         if logits.shape[1] > batch.vocab_size:
             logits[:, batch.vocab_size:] = float("-inf")
-        if batch.bias_flat is not None:
-            flat = batch.bias_flat
-            if logits.shape[1] != batch.vocab_size:   # a padded lm_head: rows are wider than the vocabulary
-                flat = flat // batch.vocab_size * logits.shape[1] + flat % batch.vocab_size
-            logits.view(-1).index_add_(0, flat, batch.bias_values)
+        if batch.bias_rows is not None:
+            logits.view(-1).index_add_(0, batch.bias_rows * logits.shape[1] + batch.bias_ids, batch.bias_values)
         if batch.guided_rows is not None:
             rows = logits.index_select(0, batch.guided_rows)
             rows.masked_fill_(~_allowed(batch.guided_bitmask, logits.shape[1]), float("-inf"))

@@ -341,7 +341,7 @@ def test_logit_bias_is_added_first_masks_still_win_and_logprobs_see_it():
               SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[4], logit_bias={4: 50.0}, logprobs=2),
               SamplingParams(temperature=0.7, seed=3, logit_bias={5: 100.0})]       # sampled: 5 all but surely
     batch = make_batch(params, vocab)
-    assert batch.bias_flat.tolist() == [4, 2 * vocab + 4, 3 * vocab + 5]
+    assert (batch.bias_rows.tolist(), batch.bias_ids.tolist()) == ([0, 2, 3], [4, 4, 5])
     out = Sampler(fused=False)(logits, batch)
     assert out.token_ids.tolist() == [4, 1, 1, 5]
     # row 2: the bias reached id 4, min_tokens masked it: -inf; the rest is log_softmax of the unbiased row
