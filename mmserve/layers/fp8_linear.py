@@ -8,7 +8,8 @@ default) or one calibrated scale from the checkpoint ("static", `input_scale`). 
     y[m, n] = s_x[m] * s_w[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n]),
 
 accumulated in fp32. `fp8_linear` runs it with FP8 tensor cores on GPUs that have them (compute capability
->= 8.9: kernels/fp8_gemm.py) and with this module's reference arithmetic everywhere else (CPU, older GPUs).
+>= 8.9: kernels/fp8_gemm.py, whose large GEMMs accumulate in the tensor cores' narrower accumulator for fp16 /
+bf16 outputs) and with this module's reference arithmetic everywhere else (CPU, older GPUs).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """FP8 W8A8 kernels vs the torch reference (layers/fp8_linear.py) at LLaVA-7B shapes on a GPU with FP8
-tensor cores: row quantization bit for bit, every GEMM path (one-row GEMV, small-M Triton, cuBLASLt) within
-fp16 rounding, and a CUDA-graph replay equal to an eager call."""
+tensor cores: row quantization bit for bit, the one-row GEMV and small-M Triton GEMM within fp16 rounding,
+cuBLASLt's fast accumulation within a small fraction of the quantization's own error (fp32 outputs: full
+accumulation), and a CUDA-graph replay equal to an eager call."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_quant_rows_is_bit_exact(k: int) -> None:
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 64, 65, 700])
 def test_fp8_matmul_matches_reference(m: int, n: int, k: int) -> None:
-    from mmserve.kernels.fp8_gemm import fp8_gemm_small_m, fp8_gemv, fp8_matmul, quant_rows
+    from mmserve.kernels.fp8_gemm import SMALL_M, fp8_gemm_small_m, fp8_gemv, fp8_matmul, quant_rows
 
     _needs_fp8()
     g = torch.Generator(device=CUDA).manual_seed(m * 7 + n)
@@ -48,7 +49,14 @@ def test_fp8_matmul_matches_reference(m: int, n: int, k: int) -> None:
         want = fp8_linear_reference(x, w, ws, static, bias).float()
         scale = want.abs().max().item()
         got = fp8_matmul(x, w, ws, static, bias).float()
-        assert (got - want).abs().max().item() <= 4e-3 * scale, f"fp8_matmul M={m} static={static is not None}"
+        # past SMALL_M rows cuBLASLt accumulates fast (kernels/fp8_gemm.py): its error stays under a tenth of
+        # what quantizing to e4m3 costs against the unquantized product
+        tol = 4e-3 if m <= SMALL_M else 1.5e-2
+        assert (got - want).abs().max().item() <= tol * scale, f"fp8_matmul M={m} static={static is not None}"
+        if m > SMALL_M:
+            unquantized = x.double() @ (w.double() * ws.double()[:, None]).t() + bias.double()
+            quant_err = (want.double() - unquantized).norm().item()
+            assert (got.double() - want.double()).norm().item() <= 0.1 * quant_err, f"fast accumulation M={m}"
         if m == 1:   # both one-row candidates, whichever the timing picked
             xq, xs = quant_rows(x, static)
             for path in (fp8_gemv, fp8_gemm_small_m):
