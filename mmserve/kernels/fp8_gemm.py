@@ -31,9 +31,15 @@ from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
-def _to_fp8(x, scale, QMAX: tl.constexpr):
-    """x / scale saturated to the e4m3 range (IEEE division, as torch), still fp32."""
-    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+def _to_fp8(x, inv_scale, QMAX: tl.constexpr):
+    """x * inv_scale saturated to the e4m3 range, still fp32 (inv_scale from _reciprocal: torch's bits)."""
+    return tl.minimum(tl.maximum(x * inv_scale, -QMAX), QMAX)
+
+
+@triton.jit
+def _reciprocal(scale):
+    """1 / scale with IEEE rounding, as torch's `1.0 / scale` (layers/fp8_linear.py quantize_rows)."""
+    return tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
 
 
 @triton.jit
@@ -56,10 +62,11 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, S
                 x = tl.load(x_row + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
             scale = tl.maximum(tl.max(amax, axis=0), FLOOR) / QMAX
+        inv_scale = _reciprocal(scale)
         for k in range(0, K, BLOCK_K):
             mask = (k + rk) < K
             x = tl.load(x_row + k + rk, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + k + rk, _to_fp8(x, scale, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_row + k + rk, _to_fp8(x, inv_scale, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
 
@@ -67,12 +74,12 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, S
 def store_quantized_row(q_row, s_ptr, row, y, cols, mask, static_ptr, STATIC: tl.constexpr, QMAX: tl.constexpr,
                         FLOOR: tl.constexpr):
     """Store one row y (fp32, whole row in registers; masked lanes 0) in e4m3 at q_row and its scale at
-    s_ptr[row], as quant_rows does: scale = max|y| / 448 (or the static one), q = clamp(y / scale)."""
+    s_ptr[row], as quant_rows does: scale = max|y| / 448 (or the static one), q = clamp(y * (1 / scale))."""
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
     else:
         scale = tl.maximum(tl.max(tl.abs(y), axis=0), FLOOR) / QMAX
-    tl.store(q_row + cols, _to_fp8(y, scale, QMAX).to(q_row.dtype.element_ty), mask=mask)
+    tl.store(q_row + cols, _to_fp8(y, _reciprocal(scale), QMAX).to(q_row.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
 

@@ -20,7 +20,9 @@ _PROJ = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)")
 
 
 class _Fp8Projection(nn.Module):
-    """y = round_e4m3(x / s_x) * s_x @ W^T: s_x per row (max|x| / 448) or static; W already dequantized."""
+    """y = round_e4m3(x * (1 / s_x)) * s_x @ W^T: s_x per row (max|x| / 448) or static; W already dequantized.
+    (Scaled by the fp32 reciprocal, as layers/fp8_linear.py defines it; x / s_x rounds ~1e-5 of elements to the
+    neighbouring e4m3 value.)"""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None) -> None:
         super().__init__()
@@ -32,7 +34,7 @@ class _Fp8Projection(nn.Module):
             s = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
         else:
             s = torch.full((len(rows), 1), self.input_scale, device=x.device)
-        xq = (rows / s).clamp(-448.0, 448.0).to(FP8).float() * s
+        xq = (rows * (1.0 / s)).clamp(-448.0, 448.0).to(FP8).float() * s
         y = xq @ self.weight.float().t() + (self.bias.float() if self.bias is not None else 0.0)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
@@ -84,8 +86,12 @@ def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:
     return dict(decoder_linears(llm.engine.model))
 
 
-def _check(out, want: tuple[torch.Tensor, torch.Tensor], plain: torch.Tensor, device: str) -> None:
-    if device == "cpu":
+def _check(out, want: tuple[torch.Tensor, torch.Tensor], plain: torch.Tensor, device: str,
+           exact_on_cpu: bool = True) -> None:
+    """exact_on_cpu False: static activation scales, whose coarse e4m3 steps an fp32 difference between the two
+    attention implementations can cross (one such flip at one position moved logits by 0.17 on the CPU), so
+    they are held to the statistical criterion below on the CPU too."""
+    if device == "cpu" and exact_on_cpu:
         tol = 2e-3
         torch.testing.assert_close(out.context_logits, want[0], atol=tol, rtol=tol)
         torch.testing.assert_close(out.generation_logits, want[1], atol=tol, rtol=tol)
@@ -146,7 +152,7 @@ def test_fp8_checkpoint_loads_without_a_flag_and_matches_transformers(tiny_llava
     assert bool(decoder[0].mlp.act._fp8_consumer) != unquantized_mlp
     out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
     _check(out, _hf_logits(tiny_llava_dir, device, _from_checkpoint(fp8_dir)), _hf_logits(tiny_llava_dir, device)[0],
-           device)
+           device, exact_on_cpu=style != "modelopt")
 
 
 def test_fp8_weights_take_one_byte_per_element(tiny_llava_dir):
