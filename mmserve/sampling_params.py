@@ -30,6 +30,10 @@ class SamplingParams:
     eos_token_id: int | None = None          # overrides the tokenizer's EOS (Triton `end_id`)
     ignore_eos: bool = False
     bad_words: list[str] = field(default_factory=list)     # token sequences never generated
+    # already tokenized (Triton's token-level `tensorrt_llm` model): the output stops once it ends with one of
+    # stop_token_sequences (the tokens stay in it), and never contains one of bad_token_sequences
+    stop_token_sequences: list[list[int]] = field(default_factory=list)
+    bad_token_sequences: list[list[int]] = field(default_factory=list)
     # token id -> value added to its logit before everything else (OpenAI `logit_bias`, Triton `embedding_bias_*`)
     logit_bias: dict[int, float] = field(default_factory=dict)
     # the output follows this guide (engine/guided.py): json | json_schema | regex | ebnf_grammar, None = free
@@ -49,6 +53,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        self.stop_token_sequences = [list(t) for t in self.stop_token_sequences or []]
+        self.bad_token_sequences = [list(t) for t in self.bad_token_sequences or []]
         self.logit_bias = dict(self.logit_bias or {})
         self._check()
 
@@ -84,6 +90,9 @@ class SamplingParams:
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        for name in ("stop_token_sequences", "bad_token_sequences"):
+            if any(not seq or any(not isinstance(t, int) or t < 0 for t in seq) for seq in getattr(self, name)):
+                fail(name, "must be non-empty lists of non-negative token ids")
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
             fail("eos_token_id", "must be a non-negative integer")
         if self.guided_decoding_type is not None and self.guided_decoding_type not in GUIDE_TYPES:

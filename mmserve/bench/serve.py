@@ -303,7 +303,8 @@ async def _resolve_model_name(cfg: ServeConfig) -> str:
         resp = await client.get(f"{cfg.url}/v1/models")
         resp.raise_for_status()
         ids = [m["id"] for m in resp.json()["data"]]
-        own = [i for i in ids if i not in ("ensemble", "tensorrt_llm_bls")]  # prefer the checkpoint's own name
+        from mmserve.entrypoints.state import TRITON_MODEL_NAMES
+        own = [i for i in ids if i not in TRITON_MODEL_NAMES]  # prefer the checkpoint's own name
         return (own or ids)[0]
 
 

@@ -176,6 +176,7 @@ class Engine:
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]
+        bad += params.bad_token_sequences
         pool = self.runner.cross_kv
         cross_tokens = sum(self.model.cross_kv_tokens(it) for it in inputs.mm_items) if pool is not None else 0
         cross_blocks = pool.num_blocks_of(cross_tokens) if pool is not None else 0
@@ -351,6 +352,12 @@ class Engine:
             if matched is not None:
                 req.stop_reason = matched
                 return RequestStatus.FINISHED_STOPPED
+        if req.params.stop_token_sequences and num_out >= req.params.min_tokens:
+            out = req.output_token_ids[:num_out]
+            for seq in req.params.stop_token_sequences:
+                if len(seq) <= num_out and out[num_out - len(seq):] == seq:
+                    req.stop_reason = token
+                    return RequestStatus.FINISHED_STOPPED
         if num_out >= req.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

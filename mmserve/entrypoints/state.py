@@ -14,7 +14,7 @@ from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
-TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
+TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")
 
 
 class ServerBusy(RuntimeError):

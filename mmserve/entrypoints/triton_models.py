@@ -1,5 +1,6 @@
-"""The Triton models mmserve answers for (`ensemble`, `tensorrt_llm_bls`, the checkpoint's own name):
-their input/output tensor specs (PROTOCOL §1.1, §1.2), metadata and config answers, shared by REST and gRPC."""
+"""The Triton models mmserve answers for (`ensemble`, `tensorrt_llm_bls`, the token-level `tensorrt_llm`, the
+checkpoint's own name): their input/output tensor specs (PROTOCOL §1.1, §1.2, §1.5), metadata and config answers,
+shared by REST and gRPC."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
-ENSEMBLE, BLS = "ensemble", "tensorrt_llm_bls"
+ENSEMBLE, BLS, TRTLLM = "ensemble", "tensorrt_llm_bls", "tensorrt_llm"
 MAX_BATCH_SIZE = 8          # the seeds' triton_max_batch_size
 MODEL_VERSION = "1"
 ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}   # old input names (PROTOCOL §0)
@@ -77,6 +78,31 @@ guided_decoding_guide_type BYTES 1
 guided_decoding_guide BYTES 1
 """)
 
+# the token-level model the ensembles call (PROTOCOL §1.5): token ids in, token ids out, no tokenizer; the inputs
+# it shares with the text models keep their specs
+def _named(specs: tuple[TensorSpec, ...], names: str) -> tuple[TensorSpec, ...]:
+    by_name = {s.name: s for s in specs}
+    return tuple(by_name[n] for n in names.split())
+
+
+TRTLLM_INPUTS = (*_specs("""
+input_ids INT32 -1 required
+input_lengths INT32 1 required
+request_output_len INT32 1 required
+stop_words_list INT32 2,-1
+bad_words_list INT32 2,-1
+embedding_bias FP32 -1
+runtime_top_k INT32 1
+runtime_top_p FP32 1
+len_penalty FP32 1
+streaming BOOL 1
+stop BOOL 1
+"""), *_named(_COMMON_INPUTS, "end_id pad_id beam_width temperature repetition_penalty min_tokens presence_penalty "
+                              "frequency_penalty seed return_log_probs return_context_logits return_generation_logits"),
+    *_named(_BLS_EXTRA_INPUTS, "exclude_input_in_output num_return_sequences lora_task_id lora_weights lora_config "
+                               "guided_decoding_guide_type guided_decoding_guide prompt_embedding_table "
+                               "prompt_vocab_size"))
+
 OUTPUTS = _specs("""
 text_output BYTES -1
 cum_log_probs FP32 -1
@@ -86,6 +112,11 @@ generation_logits FP32 -1,-1,-1
 batch_index INT32 1
 sequence_index INT32 1
 """)
+
+TRTLLM_OUTPUTS = (*_specs("""
+output_ids INT32 -1,-1
+sequence_length INT32 -1
+"""), *OUTPUTS[1:])   # token ids instead of text_output
 
 BLS_EXTRA_OUTPUTS = _specs("""
 kv_cache_alloc_new_blocks INT32 1
@@ -117,21 +148,24 @@ def _own_inputs() -> tuple[TensorSpec, ...]:
 
 def inputs_of(model: str) -> tuple[TensorSpec, ...]:
     """Input specs of a served model (`model` must be one of state.model_names)."""
-    return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs}.get(model, _own_inputs)()
+    return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs, TRTLLM: lambda: TRTLLM_INPUTS}.get(model, _own_inputs)()
 
 
 def outputs_of(model: str) -> tuple[TensorSpec, ...]:
+    if model == TRTLLM:
+        return TRTLLM_OUTPUTS
     return (*OUTPUTS, *BLS_EXTRA_OUTPUTS) if model == BLS else OUTPUTS
 
 
-# Every model accepts every input name any of them declares (a superset of Triton), plus the old aliases.
+# Every text model accepts every input name any of them declares (a superset of Triton), plus the old aliases;
+# the token-level model takes its own (triton_tokens.py).
 ACCEPTED_INPUTS: dict[str, TensorSpec] = {s.name: s for s in (*_COMMON_INPUTS, *_BLS_EXTRA_INPUTS)}
 for _old, _new in ALIASES.items():
     ACCEPTED_INPUTS[_old] = TensorSpec(_old, ACCEPTED_INPUTS[_new].datatype, ACCEPTED_INPUTS[_new].dims)
 
 
 def platform_of(model: str) -> str:
-    return {ENSEMBLE: "ensemble", BLS: "python"}.get(model, "mmserve")
+    return {ENSEMBLE: "ensemble", BLS: "python", TRTLLM: "tensorrtllm"}.get(model, "mmserve")
 
 
 def has_sequence_parameters(model: str) -> bool:
@@ -157,7 +191,7 @@ def model_config(model: str, decoupled: bool, accumulate_tokens: bool) -> model_
     if model == ENSEMBLE:
         cfg.platform = "ensemble"
     else:
-        cfg.backend = "python" if model == BLS else "mmserve"
+        cfg.backend = {BLS: "python", TRTLLM: "tensorrtllm"}.get(model, "mmserve")
         cfg.model_transaction_policy.decoupled = decoupled
     if model == BLS:
         cfg.parameters["accumulate_tokens"].string_value = str(accumulate_tokens)

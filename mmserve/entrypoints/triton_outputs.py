@@ -1,6 +1,6 @@
-"""Output tensors of the Triton models from mmserve's RequestOutputs: the text (with or without the prompt), log
-probs, context / generation logits, the BLS model's timing and KV-cache metrics, and the client's choice of
-outputs (PROTOCOL §1)."""
+"""Output tensors of the Triton models from mmserve's RequestOutputs: the text (with or without the prompt), or
+the `tensorrt_llm` model's token ids and sequence lengths; log probs, context / generation logits, the BLS
+model's timing and KV-cache metrics, and the client's choice of outputs (PROTOCOL §1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmserve.engine.kv_cache import cdiv
-from mmserve.entrypoints.triton_models import BLS, OUTPUTS, outputs_of
+from mmserve.entrypoints.triton_models import BLS, OUTPUTS, TRTLLM, TRTLLM_OUTPUTS, outputs_of
 from mmserve.outputs import RequestOutput
 
 
@@ -21,6 +21,8 @@ class Chunk:
     first_token: int = 0        # output_log_probs covers out's token_ids[first_token:]
     logprobs: bool = False
     beams: list[str] | None = None   # beam search: each completion's text, best first (`text` is the first)
+    with_prompt: bool = False        # tensorrt_llm: output_ids start with the prompt's ids
+    pad_id: int = 0                  # tensorrt_llm: fills output_ids past a shorter beam or batch item
 
 
 def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
@@ -67,11 +69,10 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
     """Output tensors of one response. Shapes follow the seeds: text_output [batch * beams] (one string per item
     and beam), cum_log_probs [batch, beams], output_log_probs [batch, beams, tokens]; context_logits [batch,
     prompt, vocab] and generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the
-    response that finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1]."""
+    response that finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1].
+    The tensorrt_llm model answers output_ids [batch, beams, tokens] and sequence_length [batch, beams] instead of
+    text_output."""
     n = len(chunks)
-    texts = [t for c in chunks for t in (c.beams or [c.text])]
-    text = np.empty(len(texts), dtype=np.object_)
-    text[:] = [t.encode("utf-8") for t in texts]
     beams = max(len(c.beams or [c.text]) for c in chunks)
     per_token: list[list[list[float]]] = []
     cum = np.zeros((n, beams), dtype=np.float32)
@@ -89,7 +90,7 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
         for k, r in enumerate(rows):
             out_lp[i, k, :len(r)] = r
     tensors = {
-        "text_output": text,
+        **(_token_ids(chunks, beams) if model == TRTLLM else {"text_output": _texts(chunks)}),
         "cum_log_probs": cum,
         "output_log_probs": out_lp,
         "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
@@ -100,6 +101,29 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
     if model == BLS:
         tensors.update(_bls_metrics(chunks, block_size))
     return tensors
+
+
+def _texts(chunks: list[Chunk]) -> np.ndarray:
+    texts = [t for c in chunks for t in (c.beams or [c.text])]
+    text = np.empty(len(texts), dtype=np.object_)
+    text[:] = [t.encode("utf-8") for t in texts]
+    return text
+
+
+def _token_ids(chunks: list[Chunk], beams: int) -> dict[str, np.ndarray]:
+    """output_ids [batch, beams, tokens] (the prompt's ids first when with_prompt; a stream's piece: its new ids)
+    and sequence_length [batch, beams], as the tensorrt_llm model returns them."""
+    rows = [[(list(c.out.prompt_token_ids) if c.with_prompt else []) + list(comp.token_ids[c.first_token:])
+             for comp in c.out.outputs[:len(c.beams or [c.text])]] for c in chunks]
+    width = max(len(r) for item in rows for r in item)
+    ids = np.empty((len(chunks), beams, width), dtype=np.int32)
+    lengths = np.zeros((len(chunks), beams), dtype=np.int32)
+    for i, (c, item) in enumerate(zip(chunks, rows)):
+        ids[i] = c.pad_id
+        for k, r in enumerate(item):
+            ids[i, k, :len(r)] = r
+            lengths[i, k] = len(r)
+    return {"output_ids": ids, "sequence_length": lengths}
 
 
 def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
@@ -115,9 +139,9 @@ def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
 
 
 def select_outputs(tensors: dict[str, np.ndarray], requested: list[str] | None, model: str) -> dict[str, np.ndarray]:
-    """The outputs a request asked for, in its order; all of the standard seven when it named none."""
+    """The outputs a request asked for, in its order; all of the model's standard ones when it named none."""
     if not requested:
-        return {s.name: tensors[s.name] for s in OUTPUTS}
+        return {s.name: tensors[s.name] for s in (TRTLLM_OUTPUTS if model == TRTLLM else OUTPUTS)}
     known = {s.name for s in outputs_of(model)}
     for name in requested:
         if name not in known:

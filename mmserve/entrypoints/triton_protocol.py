@@ -19,7 +19,8 @@ from mmserve.engine.engine import EngineOverloaded
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, beam_search
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
-from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION
+from mmserve.entrypoints.triton_models import (
+    ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION, TRTLLM)
 from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
@@ -69,6 +70,7 @@ class TritonRequest:
     beam_width: int = 1                # > 1: beam search (engine/beam_search.py), W completions
     num_return: int = 1                # beams returned, best first (num_return_sequences; beam_width by default)
     length_penalty: float = 1.0
+    pad_id: int = 0                    # tensorrt_llm: fills output_ids past a shorter sequence
 
 
 # ---- input tensors -> requests ------------------------------------------------------------------
@@ -128,6 +130,9 @@ class _Item:
 async def parse_request(state: ServerState, model: str, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
     """Input tensors (full shapes, batch first) -> one TritonRequest per batch item. Empty tensors count as
     absent (clients send them for unused optional inputs)."""
+    if model == TRTLLM:   # token ids in, token ids out; triton_tokens builds on this module's helpers
+        from mmserve.entrypoints.triton_tokens import parse_token_request
+        return await parse_token_request(state, tensors)
     for old, new in ALIASES.items():
         if old in tensors:
             if new in tensors:
@@ -167,14 +172,7 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
     for name in ("top_k", "min_tokens", "seed"):
         if (v := g.scalar(name)) is not None:
             kw[name] = int(v)
-    kind = g.strings("guided_decoding_guide_type")
-    if kind:   # TensorRT-LLM's guided decoding: the guide is compiled when the engine takes the request
-        if kind[0] not in GUIDE_TYPES:
-            raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind[0]!r}")
-        guide = [x for x in g.strings("guided_decoding_guide") if x]
-        if kind[0] != "json" and not guide:
-            raise ValueError(f"guided_decoding_guide: needed for guided_decoding_guide_type {kind[0]!r}")
-        kw["guided_decoding_type"], kw["guided_decoding_guide"] = kind[0], guide[0] if guide else None
+    kw.update(guided_params(g))
     top_p = g.scalar("top_p")
     if top_p is not None:
         kw["top_p"] = 1.0 if top_p == 0 else float(top_p)    # TensorRT-LLM: top_p 0 means off
@@ -186,6 +184,32 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
     if g.scalar("return_log_probs", False):
         kw["logprobs"] = 0
     return SamplingParams(**kw)
+
+
+def guided_params(g: _Item) -> dict[str, Any]:
+    """SamplingParams fields of TensorRT-LLM's guided decoding inputs (the guide is compiled when the engine takes
+    the request)."""
+    kind = g.strings("guided_decoding_guide_type")
+    if not kind:
+        return {}
+    if kind[0] not in GUIDE_TYPES:
+        raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind[0]!r}")
+    guide = [x for x in g.strings("guided_decoding_guide") if x]
+    if kind[0] != "json" and not guide:
+        raise ValueError(f"guided_decoding_guide: needed for guided_decoding_guide_type {kind[0]!r}")
+    return {"guided_decoding_type": kind[0], "guided_decoding_guide": guide[0] if guide else None}
+
+
+async def lora_name(state: ServerState, g: _Item) -> str | None:
+    """The adapter lora_task_id names (loading one sent with the request first), or None."""
+    task = g.scalar("lora_task_id")
+    await _load_lora(state, g, task)
+    if task is None:
+        return None
+    if str(int(task)) not in state.lora_names:
+        raise ValueError(f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
+                         f"{', '.join(state.lora_names) or 'none'}); {LORA_HOW}")
+    return str(int(task))
 
 
 async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest:
@@ -229,40 +253,42 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
         raise ValueError(f"prompt_table_extra_id must be >= 1, got {extra_id}")
     if extra_id is not None and num_images:
         prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
-    task = g.scalar("lora_task_id")
-    await _load_lora(state, g, task)
-    if task is not None:
-        if str(int(task)) not in state.lora_names:
-            raise ValueError(f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
-                             f"{', '.join(state.lora_names) or 'none'}); {LORA_HOW}")
-        prompt["lora"] = str(int(task))
+    if (lora := await lora_name(state, g)) is not None:
+        prompt["lora"] = lora
     inputs = getattr(state.engine.engine, "inputs", None)
     prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
                                     wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
                                     video_token=getattr(inputs, "video_token", None))
     stream = bool(g.scalar("stream", False))
-    width = _beam_width(state, g, params, stream)
-    num_return = int(g.scalar("num_return_sequences", width))
-    if not 1 <= num_return <= width:
-        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}] (sampled sequences beyond one "
-                         f"are not supported yet), got {num_return}")
+    width = beam_width(g, params, stream)
+    num_return = num_return_sequences(g, width)
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
                          length_penalty=float(g.scalar("length_penalty", 1.0)), num_return=num_return)
 
 
-def _beam_width(state: ServerState, g: _Item, params: SamplingParams, stream: bool) -> int:
-    """The request's beam_width, checked against what beam search here supports."""
+def num_return_sequences(g: _Item, width: int) -> int:
+    num_return = int(g.scalar("num_return_sequences", width))
+    if not 1 <= num_return <= width:
+        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}] (sampled sequences beyond one "
+                         f"are not supported yet), got {num_return}")
+    return num_return
+
+
+def beam_width(g: _Item, params: SamplingParams, stream: bool, stop_field: str = "stop_words") -> int:
+    """The request's beam_width, checked against what beam search here supports (stop_field: the input that
+    gave params' stop words)."""
     width = int(g.scalar("beam_width", 1))
     if width == 1:
         return 1
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
     if stream:
-        raise ValueError("beam_width: beam search with stream true is not supported yet")
+        raise ValueError("beam_width: beam search with streaming is not supported yet")
     for name, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),
-                     ("stop_words", params.stop), ("guided_decoding_guide_type", params.guided_decoding_type)):
+                     (stop_field, params.stop or params.stop_token_sequences),
+                     ("guided_decoding_guide_type", params.guided_decoding_type)):
         if on:
             raise ValueError(f"{name}: not supported with beam_width > 1 yet")
     return width
@@ -341,6 +367,10 @@ async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.n
         async with aclosing(generate(state, req)) as outputs:
             async for out in outputs:
                 last = out
+        if req.model == TRTLLM:   # token ids only: nothing to decode
+            beams = [""] * len(last.outputs) if req.beam_width > 1 else None
+            return Chunk("", last, 0, req.return_log_probs, beams, with_prompt=not req.exclude_input,
+                         pad_id=req.pad_id)
         texts = [full_text(state.engine.tokenizer, last, req.exclude_input, k) for k in range(len(last.outputs))]
         return Chunk(texts[0], last, 0, req.return_log_probs, texts if req.beam_width > 1 else None)
 
@@ -359,8 +389,8 @@ async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.n
 async def stream(state: ServerState, req: TritonRequest, accumulate: bool = False
                  ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
     """Responses of a decoupled model: (tensors, is_last). With `stream` true, one per new text piece
-    (only the new text, or all text so far when `accumulate`), the last one at finish; otherwise one
-    response with the full text."""
+    (only the new text, or all text so far when `accumulate`; the tensorrt_llm model: per new tokens, their
+    ids), the last one at finish; otherwise one response with the full text."""
     if not req.stream:
         yield await infer(state, [req]), True
         return
@@ -369,9 +399,14 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
     async with aclosing(generate(state, req)) as outputs:
         async for out in outputs:
             completion = out.outputs[0]
-            if len(completion.text) == sent_chars and not out.finished:
-                continue
-            piece = completion.text if accumulate else completion.text[sent_chars:]
-            chunk = Chunk(piece, out, sent_tokens, req.return_log_probs)
+            if req.model == TRTLLM:
+                if len(completion.token_ids) == sent_tokens and not out.finished:
+                    continue
+                chunk = Chunk("", out, sent_tokens, req.return_log_probs, pad_id=req.pad_id)
+            else:
+                if len(completion.text) == sent_chars and not out.finished:
+                    continue
+                piece = completion.text if accumulate else completion.text[sent_chars:]
+                chunk = Chunk(piece, out, sent_tokens, req.return_log_probs)
             sent_chars, sent_tokens = len(completion.text), len(completion.token_ids)
             yield make_outputs([chunk], req.model, block_size), out.finished

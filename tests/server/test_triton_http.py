@@ -167,7 +167,7 @@ def test_metadata_config_ready_and_repository_index(server):
     assert image["dims"] == [-1, 3, -1, -1] and image["data_type"] == "TYPE_FP16" and config["backend"] == "python"
     assert "kv_cache_reused_blocks" in {o["name"] for o in config["output"]}
     index = client.get_model_repository_index()
-    assert {m["name"] for m in index} == {"ensemble", "tensorrt_llm_bls", Path(server.model_dir).name}
+    assert {m["name"] for m in index} == {"ensemble", "tensorrt_llm_bls", "tensorrt_llm", Path(server.model_dir).name}
     assert all(m["state"] == "READY" and m["version"] == "1" for m in index)
     assert client.get_server_metadata()["extensions"]
     assert httpx.get(f"{server.http_url}/v2/models/ensemble/versions/2").status_code == 404

@@ -200,3 +200,24 @@ def test_offline_text_decoded_at_the_end_equals_the_streamed_text(tiny_llava_dir
         assert ids == streamed[f"s{i}"].outputs[0].token_ids
         assert out.outputs[0].text == streamed[f"s{i}"].outputs[0].text
         assert out.outputs[0].text == llm.engine.tokenizer.decode(ids, skip_special_tokens=params[i].skip_special_tokens)
+
+
+def test_stop_token_sequence_ends_the_output_with_it_after_min_tokens(tiny_llava_dir):
+    """A token-level stop sequence (Triton's stop_words_list) ends generation right after its last token, kept in
+    the output, the same with and without async scheduling; not before min_tokens."""
+    prompt = _prompts(4)[3]
+    free = _llm(tiny_llava_dir, False).generate(prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                      ignore_eos=True), use_tqdm=False)[0]
+    ids = free.outputs[0].token_ids
+    seq = ids[2:4]
+    end = next(i for i in range(2, 13) if ids[i - 2:i] == seq)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_sequences=[seq])
+    for async_scheduling in (False, True):
+        llm = _llm(tiny_llava_dir, async_scheduling)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[:end] and out.finish_reason == "stop"
+        late = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=end + 1,
+                                                   stop_token_sequences=[seq]), use_tqdm=False)[0].outputs[0]
+        later = next((i for i in range(end + 1, 13) if ids[i - 2:i] == seq), 12)
+        assert late.token_ids == ids[:later]   # the first occurrence came before min_tokens: it does not stop
+        assert llm.engine.kv.usage == 0

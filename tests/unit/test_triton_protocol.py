@@ -271,3 +271,24 @@ def test_logits_flags_reach_sampling_params_and_logits_fill_the_outputs():
     assert tensors["context_logits"].shape == (2, 3, 10) and tensors["generation_logits"].shape == (2, 1, 2, 10)
     assert tensors["context_logits"][0].min() == 1.0 and tensors["context_logits"][1].max() == 0.0
     assert tensors["generation_logits"][0, 0].min() == 2.0
+
+
+def test_word_lists_split_ids_at_their_end_offsets() -> None:
+    from mmserve.entrypoints.triton_tokens import word_lists
+
+    item = tp._Item({"stop_words_list": np.array([[[5, 6, 7, 0], [2, 3, -1, -1]]], np.int32)}, 0)
+    assert word_lists(item, "stop_words_list") == [[5, 6], [7]]
+    assert word_lists(tp._Item({}, 0), "stop_words_list") == []
+    for bad in ([[5, 6], [3, -1]], [[5, 6], [2, 1]], [[5, -6], [2, -1]]):   # past the ids, decreasing, negative
+        with pytest.raises(ValueError, match="bad_words_list"):
+            word_lists(tp._Item({"bad_words_list": np.array([bad], np.int32)}, 0), "bad_words_list")
+
+
+def test_token_sequences_are_validated_by_name() -> None:
+    from mmserve.sampling_params import SamplingParams
+
+    assert SamplingParams(stop_token_sequences=[(1, 2)]).stop_token_sequences == [[1, 2]]
+    for field in ("stop_token_sequences", "bad_token_sequences"):
+        for value in ([[]], [[1, -2]], [["a"]]):
+            with pytest.raises(ValueError, match=field):
+                SamplingParams(**{field: value})
