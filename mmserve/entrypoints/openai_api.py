@@ -60,7 +60,7 @@ async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         check_model(state, req.model)
         n = num_choices(req)
-        params = chat_params(req, state)
+        params = await chat_params(req, state)
         prompt = with_lora(chat_prompt(req, state), req.model, state)
         ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
         runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
@@ -76,7 +76,7 @@ async def completions(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         check_model(state, req.model)
         n = num_choices(req)
-        params = completion_params(req, state)
+        params = await completion_params(req, state)
         prompt = with_lora(completion_prompt(req), req.model, state)
         echo = ""
         if req.echo:

@@ -4,6 +4,7 @@ Every problem is raised as an OpenAIError 400 (404 for an unknown model) naming 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -101,10 +102,11 @@ def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) -> dict[str, Any]:
+async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) -> dict[str, Any]:
     """The guided-decoding kwargs of vLLM's extras guided_json / guided_regex / guided_grammar, and of a chat
     request's response_format (json_object: any JSON object; json_schema: its `schema`); the guide is compiled
-    here (the engine reuses it), so a bad one is a 400 naming the field it came in."""
+    here, on a worker thread (a large schema's first compile takes a while; the engine reuses it), so a bad one
+    is a 400 naming the field it came in."""
     given = [(name, value) for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
                                                ("guided_grammar", req.guided_grammar)) if value is not None]
     fmt = getattr(req, "response_format", None) or {}
@@ -131,7 +133,7 @@ def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) 
                                    "'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
         kind, guide = "json_schema", json.dumps(schema)
     try:
-        state.engine.engine.grammars.compile(kind, guide)
+        await asyncio.to_thread(state.engine.engine.grammars.compile, kind, guide)
     except ValueError as e:
         raise OpenAIError(400, f"{name}: {str(e).split(': ', 1)[-1]}", param=name) from None
     return {"guided_decoding_type": kind, "guided_decoding_guide": guide}
@@ -165,11 +167,11 @@ def _default_max_tokens(state: ServerState) -> int:
     return state.engine.engine.max_model_len  # the engine clamps it to what is left after the prompt
 
 
-def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
+async def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
     _unsupported(req.tools, "tools", "tool calling")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    kw = {**_common_kwargs(req), **_guided(req, state)}
+    kw = {**_common_kwargs(req), **await _guided(req, state)}
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw["max_tokens"] = given if given is not None else _default_max_tokens(state)
     if req.logprobs:
@@ -179,13 +181,13 @@ def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParam
     return _sampling_params(kw, names)
 
 
-def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
+async def completion_params(req: CompletionRequest, state: ServerState) -> SamplingParams:
     _unsupported(req.suffix, "suffix", "suffix")
     if req.best_of not in (None, 1):
         raise OpenAIError(400, f"best_of must be 1, got {req.best_of}", param="best_of")
     if req.echo and req.logprobs is not None:
         raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    kw = {**_common_kwargs(req), **_guided(req, state)}
+    kw = {**_common_kwargs(req), **await _guided(req, state)}
     kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
     kw["logprobs"] = req.logprobs
     return _sampling_params(kw, {})

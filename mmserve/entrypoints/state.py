@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.beam_search import beam_search
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.multimodal.inputs import MediaConfig
@@ -50,22 +52,38 @@ class ServerState:
     def has_model(self, name: str) -> bool:
         return name in self.model_names
 
-    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
-        `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones."""
+    @contextlib.contextmanager
+    def _slot(self):
+        """One of the server's max_concurrent_requests places, for the duration of a request."""
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ServerBusy(f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})")
         self.in_flight += 1
         try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
+        `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones."""
+        with self._slot():
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
             async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for out in stream:
                     if out.finished:
                         self.metrics.on_finished(out)
                     yield out
-        finally:
-            self.in_flight -= 1
+
+    async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int,
+                          length_penalty: float) -> RequestOutput:
+        """Beam search (engine/beam_search.py) under the same cap and metrics as generate: one request however
+        many beams; the metrics count the best beam's tokens."""
+        with self._slot():
+            inputs = await self.engine.preprocess(prompt)
+            out = await beam_search(self.engine, inputs, params, width, length_penalty, uuid.uuid4().hex)
+            self.metrics.on_finished(out)
+            return out
 
     async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams) -> RequestOutput:
         last = None

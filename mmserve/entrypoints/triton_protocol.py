@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import math
 import re
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.engine import EngineOverloaded
-from mmserve.engine.beam_search import MAX_BEAM_WIDTH, beam_search
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
@@ -343,9 +342,7 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
     aborts the request in the engine."""
     try:
         if req.beam_width > 1:
-            inputs = await state.engine.preprocess(req.prompt)
-            out = await beam_search(state.engine, inputs, req.params, req.beam_width, req.length_penalty,
-                                    uuid.uuid4().hex)
+            out = await state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty)
             del out.outputs[req.num_return:]
             yield out
             return

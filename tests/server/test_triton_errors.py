@@ -183,6 +183,27 @@ def test_overload_gives_503_and_a_disconnected_stream_frees_kv_and_its_slot(busy
         assert client.post(f"{url}/v2/models/ensemble/generate", json=GOOD).status_code == 200
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_beam_search_takes_a_slot_and_counts_in_the_metrics(busy_server):
+    url = busy_server.http_url
+    beams = {**GOOD, "beam_width": 2, "max_tokens": 4}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{url}/v2/models/ensemble/generate_stream", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            busy = client.post(f"{url}/v2/models/tensorrt_llm_bls/generate", json=beams)
+            assert busy.status_code == 503 and "in flight" in busy.json()["error"]
+        wait_kv(url, lambda usage: usage == 0, timeout=5)
+        before = _metric(url, "mmserve_prompt_tokens_total")
+        done = client.post(f"{url}/v2/models/tensorrt_llm_bls/generate", json=beams)
+        assert done.status_code == 200 and len(done.json()["text_output"]) == 2
+        assert _metric(url, "mmserve_prompt_tokens_total") > before
+
+
 def test_a_non_streaming_client_that_times_out_frees_kv_and_its_slot(busy_server):
     url = busy_server.http_url
     start = time.time()

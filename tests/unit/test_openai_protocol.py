@@ -114,3 +114,26 @@ def test_closing_a_merge_early_closes_every_stream():
         return log
 
     assert sorted(asyncio.run(asyncio.wait_for(run(), 5))) == ["a closed", "b closed"]
+
+
+def test_guides_compile_off_the_event_loop_and_bad_ones_name_their_field():
+    """A large JSON schema's first compile takes a while: it runs on a worker thread, not the server's loop."""
+    import threading
+    from types import SimpleNamespace
+
+    from mmserve.entrypoints.openai_requests import completion_params
+
+    threads = []
+
+    def compile_guide(kind, guide):
+        threads.append(threading.current_thread())
+        if "bad" in guide:
+            raise ValueError(f"guided_decoding_guide: cannot compile {guide!r}")
+
+    state = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(
+        grammars=SimpleNamespace(compile=compile_guide), max_model_len=64)))
+    params = asyncio.run(completion_params(CompletionRequest(model="m", prompt="x", guided_regex="[0-9]+"), state))
+    assert params.guided_decoding_type == "regex" and threads and threads[0] is not threading.main_thread()
+    with pytest.raises(OpenAIError) as err:
+        asyncio.run(completion_params(CompletionRequest(model="m", prompt="x", guided_regex="bad("), state))
+    assert err.value.status == 400 and err.value.param == "guided_regex"
