@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,17 @@ def step_params(params: SamplingParams, width: int, generated: int) -> SamplingP
 async def beam_search(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
                       request_id: str) -> RequestOutput:
     """Run beam search for one preprocessed prompt on an AsyncEngine; the final output carries W completions."""
+    last = None
+    async for last in beam_search_steps(engine, inputs, params, width, length_penalty, request_id):
+        pass
+    return last
+
+
+async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
+                            request_id: str, snapshots: bool = False) -> AsyncIterator[RequestOutput]:
+    """beam_search as a stream: with `snapshots`, after each step an unfinished output holding the running beams
+    so far, best first (they may change order or be replaced from one step to the next, so each carries whole
+    beams, as TensorRT-LLM streams beams); always the final output last."""
     inner = engine.engine
     eos = set() if params.ignore_eos else (
         {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
@@ -105,19 +117,23 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
                         reverse=True)
         return [(tok, lp) for lp, tok in ranked[:2 * width]]
 
+    def output(beams: list[Beam], finished: bool) -> RequestOutput:
+        completions = []
+        for k, beam in enumerate(beams):
+            ended = bool(beam.tokens) and beam.tokens[-1] in eos
+            text_ids = beam.tokens[:-1] if ended else beam.tokens
+            completions.append(CompletionOutput(
+                k, inner.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
+                cumulative_logprob=beam.score,
+                logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
+                finish_reason=("stop" if ended else "length") if finished else None))
+        return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, finished)
+
     while not search.done:
         search.step(await asyncio.gather(*(offers(i, b) for i, b in enumerate(search.running))))
-    tokenizer = inner.tokenizer
-    completions = []
-    for k, beam in enumerate(search.results()):
-        ended = bool(beam.tokens) and beam.tokens[-1] in eos
-        text_ids = beam.tokens[:-1] if ended else beam.tokens
-        completions.append(CompletionOutput(
-            k, tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
-            cumulative_logprob=beam.score,
-            logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
-            finish_reason="stop" if ended else "length"))
-    return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, True)
+        if snapshots and not search.done and search.running:
+            yield output(search.running, False)
+    yield output(search.results(), True)
 
 
 def _mrope_positions(inputs, generated: int):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.beam_search import beam_search
+from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.multimodal.inputs import MediaConfig
@@ -75,15 +75,18 @@ class ServerState:
                         self.metrics.on_finished(out)
                     yield out
 
-    async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int,
-                          length_penalty: float) -> RequestOutput:
+    async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int, length_penalty: float,
+                          stream: bool = False) -> AsyncIterator[RequestOutput]:
         """Beam search (engine/beam_search.py) under the same cap and metrics as generate: one request however
-        many beams; the metrics count the best beam's tokens."""
+        many beams; the metrics count the best beam's tokens. `stream`: the running beams after each step too."""
         with self._slot():
             inputs = await self.engine.preprocess(prompt)
-            out = await beam_search(self.engine, inputs, params, width, length_penalty, uuid.uuid4().hex)
-            self.metrics.on_finished(out)
-            return out
+            async with contextlib.aclosing(beam_search_steps(self.engine, inputs, params, width, length_penalty,
+                                                             uuid.uuid4().hex, snapshots=stream)) as steps:
+                async for out in steps:
+                    if out.finished:
+                        self.metrics.on_finished(out)
+                    yield out
 
     async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams) -> RequestOutput:
         last = None

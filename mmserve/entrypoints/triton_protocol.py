@@ -283,8 +283,6 @@ def beam_width(g: _Item, params: SamplingParams, stream: bool, stop_field: str =
         return 1
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
-    if stream:
-        raise ValueError("beam_width: beam search with streaming is not supported yet")
     for name, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),
                      (stop_field, params.stop or params.stop_token_sequences),
                      ("guided_decoding_guide_type", params.guided_decoding_type)):
@@ -338,13 +336,15 @@ def _rename_fields(message: str, req: TritonRequest) -> str:
 
 
 async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[RequestOutput]:
-    """state.generate for one request (beam search's one final output for beam_width > 1); closing this generator
-    aborts the request in the engine."""
+    """state.generate for one request (beam search's outputs for beam_width > 1: the final one, or with `stream`
+    the running beams after each step first); closing this generator aborts the request in the engine."""
     try:
         if req.beam_width > 1:
-            out = await state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty)
-            del out.outputs[req.num_return:]
-            yield out
+            async with aclosing(state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty,
+                                                  stream=req.stream)) as steps:
+                async for out in steps:
+                    del out.outputs[req.num_return:]
+                    yield out
             return
         async with aclosing(state.generate(req.prompt, req.params)) as outputs:
             async for out in outputs:
@@ -396,7 +396,10 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
     async with aclosing(generate(state, req)) as outputs:
         async for out in outputs:
             completion = out.outputs[0]
-            if req.model == TRTLLM:
+            if req.beam_width > 1:   # beams change from step to step: each response carries them whole
+                beams = [c.text for c in out.outputs]
+                chunk = Chunk(beams[0], out, 0, req.return_log_probs, beams, pad_id=req.pad_id)
+            elif req.model == TRTLLM:
                 if len(completion.token_ids) == sent_tokens and not out.finished:
                     continue
                 chunk = Chunk("", out, sent_tokens, req.return_log_probs, pad_id=req.pad_id)

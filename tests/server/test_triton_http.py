@@ -278,3 +278,30 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
                            "--image", ""], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [f"[beam {k} ]:" in proc.stdout for k in range(3)] == [True] * 3
+
+
+def test_streamed_beams_carry_every_beam_whole_then_the_final_ones(server, offline):
+    """stream true with beam_width 2: each event holds the running beams so far, whole (they change from step to
+    step, as TensorRT-LLM streams beams), best first; the last event holds what the same request answers without
+    streaming. The token-level model streams output_ids rows the same way."""
+    body = {"text_input": "USER: tell me a story ASSISTANT:", "max_tokens": 6, "beam_width": 2,
+            "exclude_input_in_output": True}
+    final = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{server.http_url}/v2/models/tensorrt_llm_bls/generate_stream",
+                      json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(events) >= 3 and all("error" not in e for e in events)
+    assert events[-1]["text_output"] == final["text_output"]
+    assert len(events[0]["text_output"]) == 2
+    ids = offline.tokenizer("USER: tell me a story ASSISTANT:").input_ids
+    tokens = {"input_ids": ids, "input_lengths": len(ids), "request_output_len": 6, "beam_width": 2,
+              "exclude_input_in_output": True}
+    done = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm/generate", json=tokens, timeout=60).json()
+    with httpx.stream("POST", f"{server.http_url}/v2/models/tensorrt_llm/generate_stream",
+                      json={**tokens, "streaming": True}, timeout=60) as r:
+        streamed = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert len(streamed) >= 3 and streamed[-1]["output_ids"] == done["output_ids"]
+    assert streamed[-1]["sequence_length"] == done["sequence_length"]
+    # before the end, step k's event holds both running beams whole: k + 1 tokens each, not the newest one alone
+    assert [e["sequence_length"] for e in streamed[:-1]] == [[k + 1, k + 1] for k in range(len(streamed) - 1)]
