@@ -19,7 +19,7 @@ from mmserve.engine.beam_search import MAX_BEAM_WIDTH
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
-    ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION, TRTLLM)
+    ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION, TRTLLM, TRTLLM_INPUTS)
 from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
@@ -327,6 +327,12 @@ async def _load_lora(state: ServerState, g: _Item, task: Any) -> None:
 # ---- generation ------------------------------------------------------------------------------------------
 def _rename_fields(message: str, req: TritonRequest) -> str:
     """Engine/processor messages name their own keys; say which Triton input they are about."""
+    if req.model == TRTLLM:
+        message = re.sub(r"\bprompt_table\b", "prompt_embedding_table", message)
+        message = re.sub(r"\bprompt_token_ids\b", "input_ids", message)
+        if not message.startswith(tuple(s.name for s in TRTLLM_INPUTS)) and "prompt" in message:
+            message = f"input_ids: {message}"
+        return message
     if req.image_field:
         message = re.sub(r"\bpixel_values\b", req.image_field, message)
         message = re.sub(r"^(?:images|videos)(\[\d+\])?", req.image_field + r"\1", message)

@@ -2,14 +2,16 @@
 tokenizer, and what its own clients (`inflight_batcher_llm_client.py`) call directly: input_ids / input_lengths /
 request_output_len and TensorRT-LLM's runtime names (runtime_top_k, len_penalty, streaming, stop_words_list as
 [2, L] token lists, embedding_bias over the vocabulary) -> TritonRequests of prompt token ids. Outputs are
-built by triton_outputs.py (output_ids, sequence_length). Text-only: the prompt table of visual features
-(prompt_embedding_table) is refused by name."""
+built by triton_outputs.py (output_ids, sequence_length). Pictures come as TensorRT-LLM passes them to this
+model: visual features in `prompt_embedding_table` [F, hidden], which prompt ids from the vocabulary size on
+stand for (multimodal/prompt_table.py)."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 import numpy as np
+import torch
 
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import ALIASES, MAX_BATCH_SIZE, TRTLLM, TRTLLM_INPUTS
@@ -19,12 +21,7 @@ from mmserve.sampling_params import SamplingParams
 
 SPECS = {s.name: s for s in TRTLLM_INPUTS}
 REQUIRED = [s.name for s in TRTLLM_INPUTS if not s.optional]
-UNSUPPORTED = {
-    "prompt_embedding_table": "visual features as a prompt table are not supported; send the picture to the "
-                              "ensemble or tensorrt_llm_bls model (image_input / image_bytes_input / image_url_input)",
-    "prompt_vocab_size": "goes with prompt_embedding_table, which is not supported",
-    "stop": "cancelling a request by id is not supported; closing the stream or connection aborts it",
-}
+UNSUPPORTED = {"stop": "cancelling a request by id is not supported; closing the stream or connection aborts it"}
 
 
 async def parse_token_request(state: ServerState, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
@@ -79,15 +76,32 @@ def word_lists(g: _Item, name: str) -> list[list[int]]:
     return words
 
 
-def _prompt_ids(g: _Item, vocab: int) -> list[int]:
+def _prompt_ids(g: _Item, vocab: int, table_rows: int) -> list[int]:
     ids = g.values("input_ids")
     length = g.scalar("input_lengths")
     if length is None or not 1 <= int(length) <= len(ids):
         raise ValueError(f"input_lengths must be in [1, {len(ids)}] (the input_ids given), got {length}")
     prompt = [int(t) for t in ids[:int(length)]]
-    if any(not 0 <= t < vocab for t in prompt):
-        raise ValueError(f"input_ids: token ids must be in [0, {vocab}) (the vocabulary)")
+    if any(not 0 <= t < vocab + table_rows for t in prompt):
+        rows = f", or [{vocab}, {vocab + table_rows}) for prompt_embedding_table rows" if table_rows else ""
+        raise ValueError(f"input_ids: token ids must be in [0, {vocab}) (the vocabulary){rows}")
     return prompt
+
+
+def _prompt_table(g: _Item) -> np.ndarray | None:
+    """This item's prompt_embedding_table [F, hidden], checked against prompt_vocab_size (F) when that is given."""
+    table = g.tensors.get("prompt_embedding_table")
+    if table is None:
+        if g.scalar("prompt_vocab_size") is not None:
+            raise ValueError("prompt_vocab_size: given without prompt_embedding_table")
+        return None
+    table = table[g.b]
+    if table.ndim != 2:
+        raise ValueError(f"prompt_embedding_table: expected [batch, rows, hidden], got {table.ndim + 1}-D")
+    size = g.scalar("prompt_vocab_size")
+    if size is not None and int(size) != len(table):
+        raise ValueError(f"prompt_vocab_size: {size}, but prompt_embedding_table has {len(table)} rows")
+    return table
 
 
 def _embedding_bias(g: _Item, vocab: int) -> dict[int, float]:
@@ -141,7 +155,10 @@ def _sampling_params(g: _Item, vocab: int) -> SamplingParams:
 async def _parse_item(state: ServerState, g: _Item) -> TritonRequest:
     vocab = state.engine.engine.text_config.vocab_size
     params = _sampling_params(g, vocab)
-    prompt: dict[str, Any] = {"prompt_token_ids": _prompt_ids(g, vocab)}
+    table = _prompt_table(g)
+    prompt: dict[str, Any] = {"prompt_token_ids": _prompt_ids(g, vocab, 0 if table is None else len(table))}
+    if table is not None:
+        prompt["prompt_table"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.float32))
     if (lora := await lora_name(state, g)) is not None:
         prompt["lora"] = lora
     stream = bool(g.scalar("streaming", False))

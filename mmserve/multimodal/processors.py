@@ -19,6 +19,7 @@ from mmserve.engine.request import MultiModalItem
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
 from mmserve.multimodal.inputs import MediaConfig, load_images, load_video_bytes
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
+from mmserve.multimodal.prompt_table import prompt_table_items
 from mmserve.multimodal.video import decode_video
 
 
@@ -66,14 +67,16 @@ def equal_runs(ids: list[int], token_id: int, num_items: int) -> list[tuple[int,
 class InputProcessor:
     """Prompt building for one checkpoint. `prompt` is a str or a dict with keys prompt | prompt_token_ids,
     images, videos, video_num_frames, image_ids (client-given identities, e.g. prompt_table_extra_id),
-    pixel_values (already-preprocessed images [N, 3, H, W]).
+    pixel_values (already-preprocessed images [N, 3, H, W]), prompt_table (with prompt_token_ids: visual
+    features [F, hidden] that ids from the vocabulary size on stand for, multimodal/prompt_table.py).
 
     The model class supplies the family-specific part: `build_mm_items(hf_config, enc, ids, image_keys,
     video_keys)` turns the HF processor's outputs into MultiModalItems, and, for M-RoPE families,
     `mrope_positions(hf_config, enc, ids)` gives the prompt's 3-axis positions.
     """
 
-    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora"}
+    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora",
+            "prompt_table"}
     RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
     RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
 
@@ -145,7 +148,13 @@ class InputProcessor:
                 raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
             if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
+            if prompt.get("prompt_table") is not None:
+                ids, items = prompt_table_items(list(token_ids), prompt["prompt_table"], self.hf_config,
+                                                self.model_cls, self.image_token_id)
+                return ProcessedInputs(text, ids, items, lora=lora)
             return self._with_mrope(ProcessedInputs(text, list(token_ids), lora=lora), None)
+        if prompt.get("prompt_table") is not None:
+            raise ValueError("prompt_table: goes with prompt_token_ids (ids from the vocabulary size on mark its rows)")
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))

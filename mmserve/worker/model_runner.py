@@ -28,6 +28,7 @@ from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
+from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
 from mmserve.worker.memory_profile import peak_activation_bytes
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
@@ -338,6 +339,9 @@ class ModelRunner:
         todo: dict[tuple, list[MultiModalItem]] = {}
         for item in items:
             if item.content_hash in out:
+                continue
+            if item.modality == TABLE_MODALITY:   # a client's prompt table: the embeddings themselves, no encoder
+                out[item.content_hash] = self._on_device(item).data["embeddings"]
                 continue
             emb = self.encoder_cache.get(item.content_hash)
             if emb is not None:

@@ -184,3 +184,31 @@ def test_metadata_and_config_describe_the_token_model(http):
     config = http.get_model_config(MODEL)
     assert config["backend"] == "tensorrtllm" and config["max_batch_size"] == 8
     assert MODEL in [m["name"] for m in http.get_model_repository_index()]
+
+
+def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
+    """Visual features sent as TensorRT-LLM sends them to this model: ids from the vocabulary size on stand for
+    prompt_embedding_table rows (FP16); the answer is the offline engine's for the same rows."""
+    from mmserve.testing import make_test_image
+
+    engine = offline.engine
+    processed = engine.inputs.process({"prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+                                       "images": [make_test_image(5)]})
+    [item] = processed.mm_items
+    table = engine.runner._encode([item])[item.content_hash].half()   # noqa: SLF001 - the encoder's own output
+    vocab = engine.text_config.vocab_size
+    ids = list(processed.prompt_token_ids)
+    ids[item.offset:item.end] = range(vocab, vocab + item.length)
+    want = offline.generate({"prompt_token_ids": ids, "prompt_table": table.float()},
+                            SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
+    got = http_infer(http, token_tensors([ids], 8, exclude_input_in_output=np.array([[True]]),
+                                         prompt_embedding_table=table.numpy()[None],
+                                         prompt_vocab_size=np.array([[len(table)]], np.int32)))
+    assert got["output_ids"][0, 0].tolist() == want
+    for change, field in (({"prompt_vocab_size": np.array([[3]], np.int32)}, "prompt_vocab_size"),
+                          ({"input_ids": np.array([ids[:-1] + [vocab + len(table)]], np.int32)}, "input_ids")):
+        tensors = token_tensors([ids], 2, prompt_embedding_table=table.numpy()[None])
+        tensors.update(change)
+        with pytest.raises(InferenceServerException) as err:
+            http_infer(http, tensors)
+        assert err.value.status() == "400" and field in err.value.message()
