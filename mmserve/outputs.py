@@ -53,4 +53,7 @@ class RequestOutput:
     # fp32 logits of each prompt position [P, V] / each generated token [G, V], when asked for
     context_logits: object | None = None
     generation_logits: object | None = None
+    # SamplingParams.prompt_logprobs: one {token id: Logprob} per prompt token (None for the first), once the
+    # prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -40,6 +40,8 @@ class SamplingParams:
     guided_decoding_type: str | None = None
     guided_decoding_guide: str | None = None     # the schema / regex / grammar (none for "json")
     logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
+    # None = off; k >= 0: each prompt token's logprob given the tokens before it, + the top k (the first has none)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     return_context_logits: bool = False      # fp32 logits of every prompt position, on the final output
     return_generation_logits: bool = False   # fp32 logits of every generated step, on the final output
@@ -82,8 +84,10 @@ class SamplingParams:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", "must be an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
+                fail(name, "must be an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -104,6 +108,11 @@ class SamplingParams:
                 fail("logit_bias", "must map non-negative integer token ids to biases")
             if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
                 fail("logit_bias", "must map token ids to finite numbers")
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether every prompt position's logits must be computed (no prefix-cache or prompt-end shortcut)."""
+        return self.return_context_logits or self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.model_runner import ModelRunner
+from mmserve.worker.prompt_logprobs import entries as prompt_logprob_entries
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.5   # host time of one step above which it is logged
@@ -314,9 +315,13 @@ class Engine:
                     outputs.append(self._make_output(req))
         return outputs
 
-    @staticmethod
-    def _store_context_logits(req: Request, result: RunnerOutput) -> None:
-        """Keep prompt-position logits once (a preempted request recomputes positions it already has)."""
+    def _store_context_logits(self, req: Request, result: RunnerOutput) -> None:
+        """Keep prompt-position logits and prompt logprobs once (a preempted request recomputes positions it
+        already has)."""
+        chunk = result.prompt_logprobs.get(req.request_id)
+        if chunk is not None and 0 <= len(req.prompt_logprobs) - chunk.start < len(chunk.chosen):
+            req.prompt_logprobs += prompt_logprob_entries(chunk, req.prompt_token_ids,
+                                                          len(req.prompt_logprobs) - chunk.start, self.tokenizer.decode)
         if req.request_id not in result.context_logits:
             return
         start, chunk = result.context_logits[req.request_id]
@@ -376,6 +381,8 @@ class Engine:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  time.time() if finished else None, req.num_cached_tokens)
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
+        if params.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids) - 1:
+            out.prompt_logprobs = [None, *req.prompt_logprobs]
         if finished and params.return_context_logits and req.context_logits:
             out.context_logits = torch.cat(req.context_logits)        # [P, V] fp32
         if finished and params.return_generation_logits and req.generation_logits:

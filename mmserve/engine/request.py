@@ -96,6 +96,7 @@ class Request:
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
         self.context_logits: list[torch.Tensor] = []      # [n, V] fp32 chunks of prompt-position logits
         self.num_context_logits = 0                        # prompt positions whose logits are stored
+        self.prompt_logprobs: list = []                    # prompt_logprobs: entries of prompt tokens 1 .. P - 1
         self.generation_logits: list[torch.Tensor] = []   # [V] fp32 per generated token
         self.mrope_positions: torch.Tensor | None = None  # [3, P] prompt positions of M-RoPE families
         self.mrope_delta = 0                               # generated token at p sits at p + delta

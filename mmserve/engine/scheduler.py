@@ -133,7 +133,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
-            fresh = req.num_computed_tokens == 0 and not req.params.return_context_logits
+            fresh = req.num_computed_tokens == 0 and not req.params.needs_prompt_logits
             if fresh and self.prompt_ends is not None and not req.num_output_tokens:
                 if computing is None:
                     computing = {self.kv.prompt_digest(r) for r in self.running

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from mmserve.entrypoints.openai_requests import (
     chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices, parse_body, with_lora)
 from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
-    completion_response, sse, usage_of)
+    completion_response, echo_logprobs, sse, usage_of)
 from mmserve.entrypoints.state import ServerState
 from mmserve.outputs import RequestOutput
 
@@ -83,6 +84,8 @@ async def completions(request: Request) -> Response:
             echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
         ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
         runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
+        if params.prompt_logprobs is not None:   # the first output comes once the prompt is computed
+            ctx = dataclasses.replace(ctx, echo_logprobs=echo_logprobs(runs[0].last, state.engine.tokenizer.decode))
     except OpenAIError as e:
         return e.response()
     return await _reply(request, req, runs, ctx, _COMPLETION)
@@ -210,7 +213,7 @@ async def _completion_choice_events(run: ChoiceRun, ctx: ResponseContext) -> Asy
     """One choice's completion chunks: the echo (if asked), then the text deltas, then its finish_reason."""
     offset = len(ctx.echo)
     if ctx.echo:
-        yield completion_chunk(ctx, ctx.echo, index=run.index)
+        yield completion_chunk(ctx, ctx.echo, ctx.echo_logprobs, index=run.index)
     async with contextlib.aclosing(_deltas(run)) as deltas:
         async for text, lps in deltas:
             if text or lps:

@@ -185,11 +185,11 @@ async def completion_params(req: CompletionRequest, state: ServerState) -> Sampl
     _unsupported(req.suffix, "suffix", "suffix")
     if req.best_of not in (None, 1):
         raise OpenAIError(400, f"best_of must be 1, got {req.best_of}", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     kw = {**_common_kwargs(req), **await _guided(req, state)}
     kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
     kw["logprobs"] = req.logprobs
+    if req.echo and req.logprobs is not None:   # the echoed prompt's tokens come with their logprobs too
+        kw["prompt_logprobs"] = req.logprobs
     return _sampling_params(kw, {})
 
 

@@ -45,6 +45,7 @@ class ResponseContext:
     model: str
     logprobs: bool
     echo: str = ""         # completions with echo: the prompt text, sent first
+    echo_logprobs: CompletionLogprobs | None = None   # echo with logprobs: the prompt tokens' (prompt_logprobs)
 
 
 # ---- whole (non-streamed) responses --------------------------------------------------------
@@ -67,6 +68,8 @@ def completion_response(ctx: ResponseContext, outs: list[RequestOutput]) -> Comp
     for i, out in enumerate(outs):
         comp = out.outputs[0]
         logprobs = completion_logprobs(comp.logprobs, len(ctx.echo)) if ctx.logprobs else None
+        if logprobs is not None and ctx.echo_logprobs is not None:
+            logprobs = joined(ctx.echo_logprobs, logprobs)
         choices.append(CompletionChoice(index=i, text=ctx.echo + comp.text, logprobs=logprobs,
                                         finish_reason=comp.finish_reason))
     return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, usage=usage_of(outs), choices=choices)
@@ -146,3 +149,18 @@ def completion_logprobs(entries: list[dict[int, Logprob]] | None, offset: int) -
         result.text_offset.append(offset)
         offset += len(token)
     return result
+
+
+def echo_logprobs(out: RequestOutput, decode) -> CompletionLogprobs:
+    """The echoed prompt's part of a completion's logprobs: each prompt token with its logprob and top
+    logprobs (None for the first token, which nothing predicts), offsets from the start of the text."""
+    first = decode([out.prompt_token_ids[0]])
+    rest = completion_logprobs(out.prompt_logprobs[1:], len(first))
+    return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                              top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
+
+
+def joined(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+                              top_logprobs=head.top_logprobs + tail.top_logprobs,
+                              text_offset=head.text_offset + tail.text_offset)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.worker.prompt_logprobs import PromptLogprobs
 from mmserve.worker.sampler import SamplerOutput
 
 
@@ -21,6 +22,7 @@ class RunnerOutput:
     # prompt positions [start, start + n) of requests that asked for context logits: (start, [n, V] fp32 cpu)
     context_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     generation_logits: dict[str, torch.Tensor] = field(default_factory=dict)   # [V] fp32 cpu
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)   # requests with prompt_logprobs
 
 
 class LaunchedStep:

@@ -26,6 +26,7 @@ from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
+from mmserve.worker.prompt_logprobs import chunk_logprobs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
@@ -295,16 +296,21 @@ class ModelRunner:
 
     def _context_logits(self, computed: list, qsl: list[int], out: RunnerOutput,
                         hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
-        """Logits of this step's prompt positions for requests with return_context_logits (from the
-        hidden states, or from the step's logits when every row already has them)."""
+        """Logits of this step's prompt positions for requests with return_context_logits, and the prompt tokens'
+        logprobs for those with prompt_logprobs (from the hidden states, or from the step's logits when every row
+        already has them)."""
         for i, s in enumerate(computed):
             req = s.request
             end = min(s.end, req.num_prompt_tokens)
-            if not req.params.return_context_logits or s.start >= end:
+            if not req.params.needs_prompt_logits or s.start >= end:
                 continue
             rows = slice(qsl[i], qsl[i] + end - s.start)
             chunk = logits[rows] if logits is not None else self.model.compute_logits(hidden[rows])
-            out.context_logits[req.request_id] = (s.start, chunk.float().cpu())
+            if req.params.return_context_logits:
+                out.context_logits[req.request_id] = (s.start, chunk.float().cpu())
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs[req.request_id] = chunk_logprobs(chunk, req.prompt_token_ids, s.start,
+                                                                     req.params.prompt_logprobs)
 
     def _sample(self, reqs: list, logits: torch.Tensor | None) -> LaunchedStep:
         """logits [B, V] of the requests that sample this step -> their new tokens (queued)."""

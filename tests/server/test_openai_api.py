@@ -203,6 +203,39 @@ def test_completions_logprobs_and_token_prompt(client, offline):
     assert resp.usage.prompt_tokens == len(ids)
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(client, offline, server):
+    """echo + logprobs (what evaluation harnesses send for log-likelihoods): the prompt's tokens come first with
+    their logprobs (the first has none) and top logprobs, as the offline engine's prompt_logprobs; streamed, the
+    echo chunk carries them; each of n choices repeats them."""
+    text = "Once upon a time there was"
+    want = offline.generate({"prompt": text}, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    resp = client.completions.create(model="ensemble", prompt=text, max_tokens=3, temperature=0, logprobs=2,
+                                     echo=True, n=2)
+    p = len(want.prompt_token_ids)
+    for choice in resp.choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(text) and len(lp.tokens) == p + 3
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        for pos in range(1, p):
+            ref = want.prompt_logprobs[pos][want.prompt_token_ids[pos]].logprob
+            assert lp.token_logprobs[pos] == pytest.approx(ref, abs=1e-4)
+            assert 2 <= len(lp.top_logprobs[pos]) <= 3   # the top 2, and the prompt token when not among them
+        assert lp.token_logprobs[p:] == pytest.approx([next(iter(e.values())).logprob for e in
+                                                       offline.generate({"prompt": text}, _greedy(3, logprobs=2),
+                                                                        use_tqdm=False)[0].outputs[0].logprobs],
+                                                      abs=1e-4)
+    body = {"model": "ensemble", "prompt": text, "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.http_url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    echo = chunks[0]["choices"][0]
+    assert echo["text"] == text and len(echo["logprobs"]["tokens"]) == p
+    assert echo["logprobs"]["token_logprobs"][0] is None
+    assert echo["logprobs"]["token_logprobs"][1] == pytest.approx(
+        want.prompt_logprobs[1][want.prompt_token_ids[1]].logprob, abs=1e-4)
+
+
 @pytest.fixture
 def slow_server_url(tiny_llava_dir):
     """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""
