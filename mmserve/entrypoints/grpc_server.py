@@ -134,7 +134,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         state, error = self.state, None
         try:
             tp.check_model(state, request.model_name, request.model_version)
-            reqs = await tp.parse_request(state, request.model_name, decode_inputs(request))
+            reqs = await tp.parse_request(state, request.model_name, decode_inputs(request), request.id)
             requested = [o.name for o in request.outputs]
             outputs = select_outputs(await tp.infer(state, reqs), requested, request.model_name)
         except Exception as exc:
@@ -187,7 +187,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         flag_only_final = model == BLS and state.config.decoupled
         try:
             tp.check_model(state, model, request.model_version)
-            reqs = await tp.parse_request(state, model, decode_inputs(request))
+            reqs = await tp.parse_request(state, model, decode_inputs(request), request.id)
             if len(reqs) != 1:
                 raise ValueError(f"text_input: ModelStreamInfer takes batch size 1, got {len(reqs)}")
             requested = [o.name for o in request.outputs]

@@ -32,6 +32,9 @@ class ServerState:
     model_type: str                     # HF config.model_type, e.g. "llava"
     metrics: Metrics = field(init=False)
     in_flight: int = 0
+    # a client's request id (Triton's `id`) -> the engine requests running for it, which a later request with
+    # that id and `stop` true cancels (TensorRT-LLM's tensorrt_llm model)
+    by_client_id: dict[str, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
@@ -64,16 +67,39 @@ class ServerState:
             self.in_flight -= 1
 
     async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, client_id: str = "") -> AsyncIterator[RequestOutput]:
         """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
-        `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones."""
-        with self._slot():
+        `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones.
+        `client_id` (the client's own id, may repeat) lets `cancel` find it."""
+        request_id = request_id or uuid.uuid4().hex
+        with self._slot(), self._registered(client_id, request_id):
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
             async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for out in stream:
                     if out.finished:
                         self.metrics.on_finished(out)
                     yield out
+
+    @contextlib.contextmanager
+    def _registered(self, client_id: str, request_id: str):
+        if not client_id:
+            yield
+            return
+        self.by_client_id.setdefault(client_id, set()).add(request_id)
+        try:
+            yield
+        finally:
+            running = self.by_client_id[client_id]
+            running.discard(request_id)
+            if not running:
+                del self.by_client_id[client_id]
+
+    def cancel(self, client_id: str) -> int:
+        """Abort every running request the client sent under `client_id`; how many there were."""
+        running = list(self.by_client_id.get(client_id, ()))
+        for request_id in running:
+            self.engine.abort(request_id)
+        return len(running)
 
     async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int, length_penalty: float,
                           stream: bool = False) -> AsyncIterator[RequestOutput]:

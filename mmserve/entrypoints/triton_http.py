@@ -239,7 +239,7 @@ async def model_infer(request: Request, model: str, version: str = "") -> Respon
         if not isinstance(request_id, str):
             raise ValueError(f"'id' must be a string, got {request_id!r}")
         requested, binary, default_binary = _requested_outputs(head)
-        reqs = await tp.parse_request(state, model, tensors)
+        reqs = await tp.parse_request(state, model, tensors, request_id)
         outputs = select_outputs(await _until_disconnect(request, tp.infer(state, reqs)), requested, model)
     except Exception as exc:
         return _error(exc)
@@ -265,7 +265,7 @@ async def _generate_request(request: Request, model: str, version: str) -> tuple
         spec = specs.get(key) or ACCEPTED_INPUTS.get(key)
         if spec is not None:
             tensors[key] = from_generate_value(key, spec.datatype, spec.dims, value)
-    return request_id, await tp.parse_request(state, model, tensors)
+    return request_id, await tp.parse_request(state, model, tensors, request_id)
 
 
 def _generate_json(model: str, request_id: str, tensors: dict[str, np.ndarray]) -> bytes:

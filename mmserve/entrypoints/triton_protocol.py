@@ -24,7 +24,7 @@ from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
 from mmserve.multimodal.inputs import aload_images
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
@@ -70,6 +70,8 @@ class TritonRequest:
     num_return: int = 1                # beams returned, best first (num_return_sequences; beam_width by default)
     length_penalty: float = 1.0
     pad_id: int = 0                    # tensorrt_llm: fills output_ids past a shorter sequence
+    client_id: str = ""                # the request's Triton `id` (a later `stop` request names it)
+    cancel: bool = False               # tensorrt_llm `stop`: abort the running requests of client_id instead
 
 
 # ---- input tensors -> requests ------------------------------------------------------------------
@@ -126,12 +128,19 @@ class _Item:
             raise ValueError(f"{name}: not valid UTF-8 ({exc})") from exc
 
 
-async def parse_request(state: ServerState, model: str, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
+async def parse_request(state: ServerState, model: str, tensors: dict[str, np.ndarray],
+                        client_id: str = "") -> list[TritonRequest]:
     """Input tensors (full shapes, batch first) -> one TritonRequest per batch item. Empty tensors count as
-    absent (clients send them for unused optional inputs)."""
+    absent (clients send them for unused optional inputs). `client_id`: the request's Triton `id`."""
     if model == TRTLLM:   # token ids in, token ids out; triton_tokens builds on this module's helpers
         from mmserve.entrypoints.triton_tokens import parse_token_request
-        return await parse_token_request(state, tensors)
+        reqs = await parse_token_request(state, tensors)
+    else:
+        reqs = await _parse_text_request(state, model, tensors)
+    return [dataclasses.replace(r, client_id=client_id) for r in reqs]
+
+
+async def _parse_text_request(state: ServerState, model: str, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
     for old, new in ALIASES.items():
         if old in tensors:
             if new in tensors:
@@ -345,6 +354,10 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
     """state.generate for one request (beam search's outputs for beam_width > 1: the final one, or with `stream`
     the running beams after each step first); closing this generator aborts the request in the engine."""
     try:
+        if req.cancel:   # tensorrt_llm `stop`: the requests sent under this id end (their streams send what they have)
+            state.cancel(req.client_id)
+            yield RequestOutput(req.client_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+            return
         if req.beam_width > 1:
             async with aclosing(state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty,
                                                   stream=req.stream)) as steps:
@@ -352,7 +365,7 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
                     del out.outputs[req.num_return:]
                     yield out
             return
-        async with aclosing(state.generate(req.prompt, req.params)) as outputs:
+        async with aclosing(state.generate(req.prompt, req.params, client_id=req.client_id)) as outputs:
             async for out in outputs:
                 yield out
     except ValueError as exc:

@@ -1,8 +1,9 @@
 """The token-level `tensorrt_llm` Triton model (PROTOCOL §1.5): what TensorRT-LLM's ensembles call after their
 tokenizer, and what its own clients (`inflight_batcher_llm_client.py`) call directly: input_ids / input_lengths /
 request_output_len and TensorRT-LLM's runtime names (runtime_top_k, len_penalty, streaming, stop_words_list as
-[2, L] token lists, embedding_bias over the vocabulary) -> TritonRequests of prompt token ids. Outputs are
-built by triton_outputs.py (output_ids, sequence_length). Pictures come as TensorRT-LLM passes them to this
+[2, L] token lists, embedding_bias over the vocabulary) -> TritonRequests of prompt token ids. `stop` true cancels
+the running requests sent under the same request id. Outputs are built by triton_outputs.py (output_ids,
+sequence_length). Pictures come as TensorRT-LLM passes them to this
 model: visual features in `prompt_embedding_table` [F, hidden], which prompt ids from the vocabulary size on
 stand for (multimodal/prompt_table.py)."""
 from __future__ import annotations
@@ -21,12 +22,15 @@ from mmserve.sampling_params import SamplingParams
 
 SPECS = {s.name: s for s in TRTLLM_INPUTS}
 REQUIRED = [s.name for s in TRTLLM_INPUTS if not s.optional]
-UNSUPPORTED = {"stop": "cancelling a request by id is not supported; closing the stream or connection aborts it"}
 
 
 async def parse_token_request(state: ServerState, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
-    """Input tensors (batch first; empty ones count as absent) -> one TritonRequest per batch item."""
+    """Input tensors (batch first; empty ones count as absent) -> one TritonRequest per batch item. `stop` true
+    makes it a cancel of the running requests sent under the same request id (the other inputs are ignored, as
+    TensorRT-LLM's client sends placeholders with it)."""
     tensors = {ALIASES.get(k, k): v for k, v in tensors.items() if v.size}
+    if "stop" in tensors and tensors["stop"].dtype == np.bool_ and tensors["stop"].any():
+        return [TritonRequest(TRTLLM, {}, SamplingParams(), cancel=True)]
     for name in REQUIRED:
         if name not in tensors:
             raise ValueError(f"{name} is required")
@@ -42,8 +46,6 @@ def _check(name: str, arr: np.ndarray, batch: int) -> None:
     spec = SPECS.get(name)
     if spec is None:
         raise ValueError(f"unexpected inference input '{name}' for model '{TRTLLM}'")
-    if name in UNSUPPORTED and (name != "stop" or arr.any()):
-        raise ValueError(f"{name}: {UNSUPPORTED[name]}")
     want, got = _KINDS.get(spec.datatype, "int"), _kind(arr)
     if got != want and not (want == "float" and got == "int"):
         raise ValueError(f"{name}: expected datatype {spec.datatype}, got {arr.dtype} ({got} data)")

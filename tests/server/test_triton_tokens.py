@@ -3,7 +3,9 @@ tritonclient HTTP and gRPC (stream_infer with streaming on), the generate extens
 embedding bias, beams; token for token against the offline engine. Bad inputs are 400s naming the tensor."""
 from __future__ import annotations
 
+import json
 import queue
+import time
 
 import httpx
 import numpy as np
@@ -212,3 +214,29 @@ def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
         with pytest.raises(InferenceServerException) as err:
             http_infer(http, tensors)
         assert err.value.status() == "400" and field in err.value.message()
+
+
+def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline):
+    """TensorRT-LLM's cancel: a request with `stop` true and the id of a running one ends it (its stream ends
+    with what it has, the blocks are freed) and is answered with no tokens; other ids run on."""
+    from tests.server.conftest import slow_server
+
+    ids = prompt_ids(offline)
+    long = {"input_ids": ids, "input_lengths": len(ids), "request_output_len": 300, "min_tokens": 300,
+            "runtime_top_k": 1, "streaming": True}
+    stop = {"input_ids": [0], "input_lengths": 0, "request_output_len": 0, "stop": True}   # the client's placeholders
+    with slow_server(tiny_llava_dir) as handle, httpx.Client(timeout=60) as client:
+        url = f"{handle.url}/v2/models/{MODEL}"
+        with client.stream("POST", f"{url}/generate_stream", json={**long, "id": "r1"}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            other = client.post(f"{url}/generate", json={**stop, "id": "nobody"}).json()
+            assert other["sequence_length"] == 0 and handle.engine.requests   # r1 still runs
+            answer = client.post(f"{url}/generate", json={**stop, "id": "r1"}).json()
+            assert answer["sequence_length"] == 0 and answer["output_ids"] == []
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert 1 + len(events) < 300   # ended early, with a final event
+        deadline = time.time() + 5
+        while (handle.engine.requests or handle.engine.kv.usage) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not handle.engine.requests and handle.engine.kv.usage == 0 and not handle.state.by_client_id
