@@ -28,7 +28,7 @@ from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
-UNSUPPORTED_INPUTS = ("decoder_text_input", "prompt_embedding_table", "prompt_vocab_size", "num_draft_tokens")
+UNSUPPORTED_INPUTS = ("prompt_embedding_table", "prompt_vocab_size", "num_draft_tokens")
 LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
             "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone")
 
@@ -263,6 +263,11 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
         prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
     if (lora := await lora_name(state, g)) is not None:
         prompt["lora"] = lora
+    decoder = g.strings("decoder_text_input")
+    if len(decoder) > 1:
+        raise ValueError(f"decoder_text_input: expected a single string per batch item, got {len(decoder)}")
+    if decoder and decoder[0]:   # an encoder-decoder's answer starts with it (TensorRT-LLM's DECODER_QUERY)
+        prompt["decoder_prompt"] = decoder[0]
     inputs = getattr(state.engine.engine, "inputs", None)
     prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
                                     wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
@@ -342,6 +347,7 @@ def _rename_fields(message: str, req: TritonRequest) -> str:
         if not message.startswith(tuple(s.name for s in TRTLLM_INPUTS)) and "prompt" in message:
             message = f"input_ids: {message}"
         return message
+    message = re.sub(r"^decoder_prompt\b", "decoder_text_input", message)
     if req.image_field:
         message = re.sub(r"\bpixel_values\b", req.image_field, message)
         message = re.sub(r"^(?:images|videos)(\[\d+\])?", req.image_field + r"\1", message)

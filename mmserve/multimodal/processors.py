@@ -68,7 +68,8 @@ class InputProcessor:
     """Prompt building for one checkpoint. `prompt` is a str or a dict with keys prompt | prompt_token_ids,
     images, videos, video_num_frames, image_ids (client-given identities, e.g. prompt_table_extra_id),
     pixel_values (already-preprocessed images [N, 3, H, W]), prompt_table (with prompt_token_ids: visual
-    features [F, hidden] that ids from the vocabulary size on stand for, multimodal/prompt_table.py).
+    features [F, hidden] that ids from the vocabulary size on stand for, multimodal/prompt_table.py),
+    decoder_prompt (encoder-decoder models: text the decoder's answer starts with, after its start token).
 
     The model class supplies the family-specific part: `build_mm_items(hf_config, enc, ids, image_keys,
     video_keys)` turns the HF processor's outputs into MultiModalItems, and, for M-RoPE families,
@@ -76,7 +77,7 @@ class InputProcessor:
     """
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora",
-            "prompt_table"}
+            "prompt_table", "decoder_prompt"}
     RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
     RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
 
@@ -123,6 +124,17 @@ class InputProcessor:
         items = self.process({"prompt": text, "images": [Image.new("RGB", size, (128, 128, 128))]}).mm_items
         return items[0] if items else None
 
+    def _decoder_ids(self, text: str, decoder_prompt: str) -> list[int]:
+        """An encoder-decoder's decoder prompt: the family's start (with the text, for families whose prompt is the
+        decoder's), then decoder_prompt's tokens."""
+        ids = self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)
+        if not decoder_prompt:
+            return ids
+        if not getattr(self.model_cls, "encoder_reads_text", False) and text.strip():
+            raise ValueError("decoder_prompt: this model's prompt already is the decoder's; give the answer's start "
+                             "in one of them")
+        return ids + self.tokenizer(decoder_prompt, add_special_tokens=False).input_ids
+
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
         """Raises ValueError/TypeError naming the problem for any bad input."""
         if isinstance(prompt, str):
@@ -143,6 +155,12 @@ class InputProcessor:
             pixel_values = self._check_pixel_values(pixel_values)
             images = [None] * len(pixel_values)
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        decoder_prompt = prompt.get("decoder_prompt") or ""
+        if not isinstance(decoder_prompt, str):
+            raise TypeError(f"decoder_prompt must be a string, got {type(decoder_prompt).__name__}")
+        if decoder_prompt and not getattr(self.model_cls, "encoder_decoder", False):
+            raise ValueError("decoder_prompt: only encoder-decoder models (BLIP-2 with T5, Nougat, Pix2Struct) have "
+                             "a decoder prompt; put the text in the prompt")
         if token_ids is not None:
             if images or videos:
                 raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
@@ -186,7 +204,8 @@ class InputProcessor:
             kwargs["videos"] = frames
             video_keys = [hash_video(f) for f in frames]
         # the same text with the same pictures (by content) gives the same inputs: skip the HF processor
-        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None, lora)
+        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None, lora,
+                     decoder_prompt)
         with self._recent_lock:   # servers preprocess on several threads
             cached = self._recent.get(cache_key)
             if cached is not None:
@@ -208,7 +227,7 @@ class InputProcessor:
                 enc["encoder_text"] = text
             else:   # Nougat: the processor sees only the picture
                 enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
-            enc["input_ids"] = torch.tensor([self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)])
+            enc["input_ids"] = torch.tensor([self._decoder_ids(text, decoder_prompt)])
         else:
             enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
                                images_key=(str(self.device), tuple(content_keys)))

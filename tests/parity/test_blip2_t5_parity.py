@@ -35,21 +35,33 @@ def _hf(model_dir: str):
 
 
 def _oracle(model_dir: str, prompt: dict, device: str = "cpu"):
-    """The model on the CPU; the picture resized where mmserve resizes it (on the GPU when it runs there)."""
+    """The model on the CPU; the picture resized where mmserve resizes it (on the GPU when it runs there). A
+    prompt's decoder_prompt becomes the decoder's input after its start token."""
     model, processor = _hf(model_dir)
     kw = {"device": device} if device != "cpu" else {}
     enc = processor(images=prompt["images"], text=prompt["prompt"], return_tensors="pt", **kw).to("cpu")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
     start = model.config.text_config.decoder_start_token_id
+    decoder = [start] + processor.tokenizer(prompt.get("decoder_prompt", ""), add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(**enc, decoder_input_ids=torch.tensor([decoder]), max_new_tokens=N, min_new_tokens=N,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
     seq = out.sequences[0].tolist()
-    assert seq[0] == start
-    return [start], seq[1:], torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+    assert seq[:len(decoder)] == decoder
+    return decoder, seq[len(decoder):], torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
 
 
 def _prompt(i: int, question: str = "Question: what is shown here? Answer:") -> dict:
     return {"prompt": question, "images": [make_test_image(i)]}
+
+
+def test_decoder_prompt_starts_the_answer_as_in_transformers(t5_dir):
+    """Triton's decoder_text_input: the question stays the encoder's, the decoder starts from its start token
+    and these tokens."""
+    llm = LLM(t5_dir, device="cpu", dtype="float32")
+    prompt = {**_prompt(2), "decoder_prompt": "the answer is"}
+    out = llm.generate([prompt], GREEDY)[0]
+    assert len(out.prompt_token_ids) > 1
+    assert_matches_oracle(out, _oracle(t5_dir, prompt))
 
 
 def test_question_matches_transformers(t5_dir):
