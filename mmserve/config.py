@@ -11,7 +11,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-QUANTIZATION_METHODS = ("fp8", "int8")   # weight formats `--quantization` converts to at load (int8: weight-only)
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")   # what `--quantization` converts to at load (int8/int4: weight-only)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -56,8 +56,8 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                    help="KV cache storage (fp8: e4m3, half the bytes per token)")
-    g.add_argument("--quantization", default=None, choices=("fp8", "int8"),
-                   help="mmserve's decoder linear weights to e4m3 (fp8) or int8 (weight-only) at load (the "
+    g.add_argument("--quantization", default=None, choices=("fp8", "int8", "int4"),
+                   help="mmserve's decoder linear weights to e4m3 (fp8) or int8 / int4 (weight-only) at load (the "
                         "transformers baseline stays as is)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
 

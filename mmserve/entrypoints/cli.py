@@ -29,9 +29,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size in blocks")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: e4m3 blocks, half the memory and reads per token")
-    p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"],
                    help="decoder linear layers at load: fp8 = e4m3 weights and activations (FP8 checkpoints need no "
-                        "flag); int8 = int8 weights only (W8A16)")
+                        "flag); int8 / int4 = weights only (W8A16 / W4A16)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--prompt-end-cache-size", type=int, default=1024,
                    help="prompts whose final hidden state is kept, so an exact repeat's first token needs no "

@@ -1,5 +1,6 @@
 """Triton GEMV for one-row activations (batch-1 decode): y[1, N] = x[1, K] @ W[N, K]^T (+ bias), also for
-FP8 operands (e4m3 x and W with an x scale and per-row W scales, as kernels/fp8_gemm.py passes them).
+FP8 operands (e4m3 x and W with an x scale and per-row W scales, as kernels/fp8_gemm.py passes them), int8 weight
+rows with per-row scales, and (`gemv_int4`) packed int4 rows (layers/weight_only.py).
 
 A batch-1 decode step is a stream of weight reads; cuBLAS picks split-K GEMM tiles for M = 1 that
 reach ~80 % of HBM bandwidth. This kernel gives each program BLOCK_N whole rows of W (contiguous in K),
@@ -79,6 +80,51 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, **pdl_options(x.device))
     else:   # Triton's interpreter (CPU tests) cannot time configs: one fixed config
         _gemv_kernel.fn[grid](*args, HAS_BIAS=bias is not None, SCALED=scaled, BLOCK_N=8, BLOCK_K=64, PDL=False)
+    return y
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_ms)
+@triton.jit
+def _gemv_int4_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Packed int4 rows (two values per byte, low nibble first; layers/weight_only.py): BLOCK_K bytes per tile
+    hold 2 * BLOCK_K weights, multiplied by the even and the odd elements of x."""
+    wait_for_previous(PDL)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rb = tl.arange(0, BLOCK_K)          # byte offsets in a row of K / 2 bytes
+    n_mask = rn < N
+    rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    half = K // 2
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for b in range(0, half, BLOCK_K):
+        b_mask = (b + rb) < half
+        packed = tl.load(rows + b + rb[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0).to(tl.int32)
+        low, high = packed & 0xF, packed >> 4
+        low = tl.where(low >= 8, low - 16, low).to(tl.float32)
+        high = tl.where(high >= 8, high - 16, high).to(tl.float32)
+        x_even = tl.load(x_ptr + 2 * (b + rb), mask=b_mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + 2 * (b + rb) + 1, mask=b_mask, other=0.0).to(tl.float32)
+        acc += low * x_even[None, :] + high * x_odd[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(xs_ptr) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_int4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_scale: torch.Tensor,
+              weight_scale: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gemv for packed int4 weights (uint8 [N, K / 2], unit stride along K): y = x_scale * weight_scale[n] *
+    (x @ unpack(weight)^T)[n] (+ bias), summed in fp32."""
+    n, k = weight.shape[0], 2 * weight.shape[1]
+    assert x.numel() == k and weight.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
+    x = x.contiguous()
+    y = torch.empty(x.shape[:-1] + (n,), dtype=out_dtype or x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)   # noqa: E731
+    args = (x, weight, bias if bias is not None else weight_scale, y, x_scale, weight_scale, n, k, weight.stride(0))
+    if x.is_cuda:
+        _gemv_int4_kernel[grid](*args, HAS_BIAS=bias is not None, **pdl_options(x.device))
+    else:   # Triton's interpreter (CPU tests): one fixed config
+        _gemv_int4_kernel.fn[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=8, BLOCK_K=32, PDL=False)
     return y
 
 

@@ -7,8 +7,8 @@ output rows land on this rank; weights, biases and FP8 weight scales all load th
 A layer may hold an FP8 (e4m3) weight with one fp32 scale per output row (`weight_scale`) and, for
 checkpoints calibrated that way, a static activation scale (`input_scale`): `to_fp8` converts a loaded
 weight (--quantization fp8), `make_fp8` makes room for a pre-quantized checkpoint's tensors. The math is
-layers/fp8_linear.py. Or an int8 weight with one fp32 scale per row (`to_int8`, --quantization int8: weight-only,
-activations stay in the model's dtype; layers/int8_linear.py).
+layers/fp8_linear.py. Or an int8 / packed int4 weight with one fp32 scale per row (`to_weight_only`, --quantization
+int8 | int4: weight-only, activations stay in the model's dtype; layers/weight_only.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from mmserve.layers.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_weight
-from mmserve.layers.int8_linear import int8_linear, quantize_weight_int8
+from mmserve.layers.weight_only import quantize_weight_int4, quantize_weight_int8, weight_only_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,27 +64,28 @@ class LinearBase(nn.Module):
         return self.weight.dtype == FP8
 
     @property
-    def is_int8(self) -> bool:
-        return self.weight.dtype == torch.int8
+    def is_weight_only(self) -> bool:
+        """int8 ([N, K]) or packed int4 (uint8 [N, K / 2]) weights with row scales; activations unquantized."""
+        return self.weight.dtype in (torch.int8, torch.uint8)
 
-    def to_int8(self) -> None:
-        """Quantize the loaded weight to int8 with one scale per output row (weight-only)."""
-        if not self.is_int8:
-            self._set_fp8(*quantize_weight_int8(self.weight.data))
+    def to_weight_only(self, bits: int) -> None:
+        """Quantize the loaded weight to int8 or int4 with one scale per output row (weight-only)."""
+        if not self.is_weight_only:
+            self._set_quantized(*(quantize_weight_int8 if bits == 8 else quantize_weight_int4)(self.weight.data))
 
     def to_fp8(self) -> None:
         """Quantize the loaded weight to e4m3 with one scale per output row (dynamic activation scales)."""
         if not self.is_fp8:
-            self._set_fp8(*quantize_weight(self.weight.data))
+            self._set_quantized(*quantize_weight(self.weight.data))
 
     def make_fp8(self) -> None:
         """Hold an e4m3 weight and its scales, to be filled from a pre-quantized checkpoint."""
         if not self.is_fp8:
             w = self.weight
-            self._set_fp8(torch.empty(w.shape, dtype=FP8, device=w.device),
+            self._set_quantized(torch.empty(w.shape, dtype=FP8, device=w.device),
                           torch.ones(w.shape[0], dtype=torch.float32, device=w.device))
 
-    def _set_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def _set_quantized(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """Hold a quantized weight (e4m3 or int8) and its per-row scales."""
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -106,8 +107,8 @@ class LinearBase(nn.Module):
         self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
 
     def _matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.weight_scale is not None and self.is_int8:
-            return int8_linear(x, self.weight, self.weight_scale, bias)
+        if self.weight_scale is not None and self.is_weight_only:
+            return weight_only_linear(x, self.weight, self.weight_scale, bias)
         if self.weight_scale is not None:   # FP8 weights; x may come quantized by the producing kernel
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         return linear(x, self.weight, bias)

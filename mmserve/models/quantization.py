@@ -1,6 +1,6 @@
 """Weight quantization at load time: which checkpoint quantization formats we read, and `--quantization fp8 |
-int8`, which converts a model's decoder linear layers to FP8 (e4m3, W8A8) or int8 (weight-only, W8A16) after its
-weights are loaded.
+int8 | int4`, which converts a model's decoder linear layers to FP8 (e4m3, W8A8) or int8 / int4 (weight-only,
+W8A16 / W4A16) after its weights are loaded.
 
 Both cover the language model's decoder layers (attention and MLP projections), as TensorRT-LLM's FP8 and
 weight-only recipes do: embeddings, the LM head, the vision tower and the projector keep the model's dtype.
@@ -53,9 +53,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
     """Convert the loaded model's decoder linear layers in place; returns how many were converted."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
-    layers = [m for _, m in decoder_linears(model) if not (m.is_fp8 or m.is_int8)]
+    layers = [m for _, m in decoder_linears(model) if not (m.is_fp8 or m.is_weight_only)]
     for layer in layers:
-        layer.to_fp8() if method == "fp8" else layer.to_int8()
+        layer.to_fp8() if method == "fp8" else layer.to_weight_only(8 if method == "int8" else 4)
     return len(layers)
 
 

@@ -1,0 +1,106 @@
+"""Weight-only decoder weights (`quantization="int8" | "int4"`, W8A16 / W4A16) give the logits of transformers
+whose decoder projections hold the same integer weights dequantized (q * s per output row; written here
+independently of mmserve's code), on the CPU and (gpu-marked) on CUDA, where one-row steps run the Triton GEMVs
+over the stored rows; the GEMVs against the formula in Triton's CPU interpreter; the packing and memory."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mmserve import LLM
+from tests.parity.fp8_case import DEVICES, PARAMS, PROMPT
+from tests.parity.hf_oracle import hf_logits
+
+_PROJ = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)")
+QMAX = {"int8": 127, "int4": 7}
+
+
+def _round_trip(w: torch.Tensor, method: str) -> torch.Tensor:
+    s = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / QMAX[method]
+    return torch.round(w.float() / s).clamp(-QMAX[method], QMAX[method]) * s
+
+
+def _hf(model_dir: str, device: str, method: str | None):
+    def prepare(model: nn.Module) -> None:
+        for name, module in model.model.language_model.named_modules():
+            if _PROJ.fullmatch(name) and isinstance(module, nn.Linear):
+                module.weight.data = _round_trip(module.weight.data, method).to(module.weight.dtype)
+
+    return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device, prepare if method else None)
+
+
+def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:
+    from mmserve.models.quantization import decoder_linears
+
+    return dict(decoder_linears(llm.engine.model))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_only_matches_transformers_with_the_same_weights(tiny_llava_dir, device, method):
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", quantization=method)
+    layers = _decoder_linears(llm)
+    stored = torch.int8 if method == "int8" else torch.uint8
+    assert len(layers) == 4 * 3 and all(m.weight.dtype == stored for m in layers.values())
+    assert all(p.dtype == torch.float32 for p in llm.engine.model.vision_tower.parameters())
+    assert llm.engine.model.language_model.lm_head.weight.dtype == torch.float32
+    out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    want, plain = _hf(tiny_llava_dir, device, method), _hf(tiny_llava_dir, device, None)
+    tol = 2e-3 if device == "cpu" else 1e-2
+    torch.testing.assert_close(out.context_logits, want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(out.generation_logits, want[1], atol=tol, rtol=tol)
+    assert (out.context_logits - plain[0]).abs().max() > 10 * tol   # the rounding is really there
+    assert llm.engine.kv.usage == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_one_row_gemv_over_stored_rows_matches_the_formula(method):
+    """The Triton GEMVs (here in their CPU interpreter) read the stored rows and apply the row scales after the
+    sum; odd sizes leave partial tiles."""
+    code = (
+        "import torch\n"
+        "from mmserve.kernels.gemv import gemv, gemv_int4\n"
+        "from mmserve.layers.weight_only import dequantize, quantize_weight_int4, quantize_weight_int8\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        f"quantize, run = {'(quantize_weight_int8, gemv)' if method == 'int8' else '(quantize_weight_int4, gemv_int4)'}\n"
+        "w, s = quantize(torch.randn(41, 202, generator=g))\n"
+        "x = torch.randn(202, generator=g)\n"
+        "b = torch.randn(41, generator=g)\n"
+        "y = run(x, w, b, torch.ones(1), s, torch.float32)\n"
+        "want = x @ dequantize(w, s, torch.float32).t() + b\n"
+        "assert torch.allclose(y, want, atol=1e-4), (y - want).abs().max()\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_int4_packs_two_values_per_byte_and_round_trips():
+    from mmserve.layers.weight_only import dequantize, quantize_weight_int4, unpack_int4
+
+    w = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
+    packed, scale = quantize_weight_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 5)
+    q = unpack_int4(packed)
+    want = torch.round(w / scale[:, None]).clamp(-7, 7)
+    assert torch.equal(q.float(), want) and q.min() >= -7 and q.max() <= 7
+    assert torch.equal(packed[:, 0] & 0xF, (want[:, 0].to(torch.int16) & 0xF).to(torch.uint8))   # low nibble first
+    assert (dequantize(packed, scale, torch.float32) - w).abs().max() <= scale.max() / 2 + 1e-6
+    with pytest.raises(ValueError, match="must be even"):
+        quantize_weight_int4(torch.randn(2, 5))
+
+
+def test_weight_only_weights_take_one_byte_or_half_a_byte_per_element(tiny_llava_dir):
+    plain = _decoder_linears(LLM(tiny_llava_dir, device="cpu", dtype="float32"))
+    for method, numel_ratio in (("int8", 1), ("int4", 2)):
+        for name, layer in _decoder_linears(LLM(tiny_llava_dir, device="cpu", dtype="float32",
+                                                quantization=method)).items():
+            ref = plain[name].weight
+            assert layer.weight.element_size() == 1 and layer.weight.numel() * numel_ratio == ref.numel()
+            assert layer.weight_scale.shape == (ref.shape[0],)
