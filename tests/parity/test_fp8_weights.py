@@ -169,7 +169,7 @@ def test_unsupported_quantization_is_refused_by_name(tiny_llava_dir, tmp_path):
     import shutil
 
     with pytest.raises(ValueError, match="quantization"):
-        ModelConfig(tiny_llava_dir, quantization="int4")
+        ModelConfig(tiny_llava_dir, quantization="int3")
     awq = tmp_path / "awq"
     shutil.copytree(tiny_llava_dir, awq)
     config = json.loads((awq / "config.json").read_text())
