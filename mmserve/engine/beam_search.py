@@ -97,9 +97,9 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
 
 async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
                             request_id: str, snapshots: bool = False) -> AsyncIterator[RequestOutput]:
-    """beam_search as a stream: with `snapshots`, after each step an unfinished output holding the running beams
-    so far, best first (they may change order or be replaced from one step to the next, so each carries whole
-    beams, as TensorRT-LLM streams beams); always the final output last."""
+    """beam_search as a stream: with `snapshots`, after each step an unfinished output holding W beams so far (the
+    running ones best first, then hypotheses already finished; they may change order or be replaced from one step
+    to the next, so each carries whole beams, as TensorRT-LLM streams beams); always the final output last."""
     inner = engine.engine
     eos = set() if params.ignore_eos else (
         {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
@@ -131,8 +131,8 @@ async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, 
 
     while not search.done:
         search.step(await asyncio.gather(*(offers(i, b) for i, b in enumerate(search.running))))
-        if snapshots and not search.done and search.running:
-            yield output(search.running, False)
+        if snapshots and not search.done:   # W beams, as clients index them: the running ones, then finished ones
+            yield output((search.running + [beam for _, beam in search.finished])[:width], False)
     yield output(search.results(), True)
 
 

@@ -145,3 +145,15 @@ def test_a_deplot_chart_question_through_the_client(tmp_path_factory, protocol):
                               env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert proc.returncode == 0, proc.stderr
     assert printed_text(proc.stdout, streaming=False) == want
+
+
+def test_streamed_beams_print_every_beam_of_every_response(server, image_path):
+    """`-b 2 --streaming`: each streamed response holds both beams (whole), so the seed's loop over `-b` beams
+    prints two lines per response; the last pair is what the same request answers without streaming."""
+    streamed = run_client(server, "--image", image_path, "-b", "2", "--streaming")
+    plain = run_client(server, "--image", image_path, "-b", "2")
+    assert streamed.returncode == 0 and plain.returncode == 0, streamed.stderr + plain.stderr
+    lines = [ln for ln in streamed.stdout.splitlines() if ln.startswith("[beam ")]
+    assert len(lines) >= 4 and [ln[:9] for ln in lines] == ["[beam 0 ]", "[beam 1 ]"] * (len(lines) // 2)
+    best = lines[-2].split(":  ", 1)[1]
+    assert best and best in plain.stdout   # the plain answer prints the prompt, then the same best beam
