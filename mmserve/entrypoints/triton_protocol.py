@@ -86,8 +86,10 @@ def _kind(arr: np.ndarray) -> str:
     return "float" if np.issubdtype(arr.dtype, np.floating) else "int"
 
 
-def _check_tensor(model: str, name: str, arr: np.ndarray, batch: int) -> None:
-    spec = ACCEPTED_INPUTS.get(name)
+def check_tensor(model: str, name: str, arr: np.ndarray, batch: int, specs: dict | None = None,
+                 batch_input: str = "text_input") -> None:
+    """An input's datatype, rank and batch size against its spec (`specs`: the model's, by name)."""
+    spec = (ACCEPTED_INPUTS if specs is None else specs).get(name)
     if spec is None:
         raise ValueError(f"unexpected inference input '{name}' for model '{model}'")
     want, got = _KINDS.get(spec.datatype, "int"), _kind(arr)
@@ -99,7 +101,7 @@ def _check_tensor(model: str, name: str, arr: np.ndarray, batch: int) -> None:
         raise ValueError(f"{name}: expected shape [batch, {', '.join(map(str, spec.dims))}] (-1 = any), "
                          f"got {list(arr.shape)}")
     if arr.shape[0] != batch:
-        raise ValueError(f"{name}: batch size {arr.shape[0]} does not match text_input's batch size {batch}")
+        raise ValueError(f"{name}: batch size {arr.shape[0]} does not match {batch_input}'s batch size {batch}")
 
 
 class _Item:
@@ -137,6 +139,8 @@ async def parse_request(state: ServerState, model: str, tensors: dict[str, np.nd
         reqs = await parse_token_request(state, tensors)
     else:
         reqs = await _parse_text_request(state, model, tensors)
+    if any(r.cancel for r in reqs) and not client_id:
+        raise ValueError("stop: cancelling needs the request id of the requests to stop")
     return [dataclasses.replace(r, client_id=client_id) for r in reqs]
 
 
@@ -156,7 +160,7 @@ async def _parse_text_request(state: ServerState, model: str, tensors: dict[str,
     if batch > MAX_BATCH_SIZE:
         raise ValueError(f"text_input: batch size {batch} exceeds the model's max_batch_size {MAX_BATCH_SIZE}")
     for name, arr in present.items():
-        _check_tensor(model, name, arr, batch)
+        check_tensor(model, name, arr, batch)
     return [await _parse_item(state, model, _Item(present, b)) for b in range(batch)]
 
 

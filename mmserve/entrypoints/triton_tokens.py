@@ -17,7 +17,7 @@ import torch
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import ALIASES, MAX_BATCH_SIZE, TRTLLM, TRTLLM_INPUTS
 from mmserve.entrypoints.triton_protocol import (
-    TritonRequest, _Item, _kind, _KINDS, beam_width, guided_params, lora_name, num_return_sequences)
+    TritonRequest, _Item, beam_width, check_tensor, guided_params, lora_name, num_return_sequences)
 from mmserve.sampling_params import SamplingParams
 
 SPECS = {s.name: s for s in TRTLLM_INPUTS}
@@ -38,22 +38,8 @@ async def parse_token_request(state: ServerState, tensors: dict[str, np.ndarray]
     if not 1 <= batch <= MAX_BATCH_SIZE:
         raise ValueError(f"input_ids: batch size must be in [1, {MAX_BATCH_SIZE}], got {batch}")
     for name, arr in tensors.items():
-        _check(name, arr, batch)
+        check_tensor(TRTLLM, name, arr, batch, SPECS, batch_input="input_ids")
     return [await _parse_item(state, _Item(tensors, b)) for b in range(batch)]
-
-
-def _check(name: str, arr: np.ndarray, batch: int) -> None:
-    spec = SPECS.get(name)
-    if spec is None:
-        raise ValueError(f"unexpected inference input '{name}' for model '{TRTLLM}'")
-    want, got = _KINDS.get(spec.datatype, "int"), _kind(arr)
-    if got != want and not (want == "float" and got == "int"):
-        raise ValueError(f"{name}: expected datatype {spec.datatype}, got {arr.dtype} ({got} data)")
-    if not (arr.ndim == len(spec.dims) + 1 or (spec.dims == (1,) and arr.ndim == 1)):
-        raise ValueError(f"{name}: expected shape [batch, {', '.join(map(str, spec.dims))}] (-1 = any), "
-                         f"got {list(arr.shape)}")
-    if arr.shape[0] != batch:
-        raise ValueError(f"{name}: batch size {arr.shape[0]} does not match input_ids' batch size {batch}")
 
 
 def word_lists(g: _Item, name: str) -> list[list[int]]:
