@@ -106,6 +106,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
     from mmserve.entrypoints.state import ServerState
+    from mmserve.entrypoints.triton_prompts import model_type_of
     from mmserve.multimodal.inputs import MediaConfig
     import uvicorn
 
@@ -127,7 +128,7 @@ async def _serve(args: argparse.Namespace) -> None:
         if not sep or not name or not path:
             raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
         engine.add_lora(name, path)
-    state = ServerState(AsyncEngine(engine), server_config, media, args.model, engine.hf_config.model_type)
+    state = ServerState(AsyncEngine(engine), server_config, media, args.model, model_type_of(engine.hf_config))
     settle_garbage_collector()
     from mmserve.entrypoints.http_server import build_app
     app = build_app(state)

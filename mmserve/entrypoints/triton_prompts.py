@@ -46,6 +46,13 @@ FORMATS["nougat"] = FORMATS["vision-encoder-decoder"]
 FORMATS["pix2struct"] = FORMATS["vision-encoder-decoder"]   # Deplot: the text is the question drawn on the picture
 
 
+def model_type_of(hf_config) -> str:
+    """The prompt-format key of a checkpoint: its config.model_type, except where one model_type covers families
+    that prompt differently (a LLaVA config with Pixtral's tower is `pixtral`, as TensorRT-LLM's --model_type)."""
+    vision = getattr(getattr(hf_config, "vision_config", None), "model_type", "")
+    return "pixtral" if hf_config.model_type == "llava" and vision == "pixtral" else hf_config.model_type
+
+
 def format_for(model_type: str, image_token: str | None = "<image>", video_token: str | None = None
                ) -> PromptFormat:
     """The family's format; an unknown family gets no pre/post prompt and its processor's placeholders."""

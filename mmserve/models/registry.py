@@ -30,6 +30,10 @@ def get_model_class(hf_config) -> type:
         if arch == "Blip2ForConditionalGeneration" and getattr(hf_config.text_config, "model_type", "") == "t5":
             from mmserve.models.blip2_t5 import Blip2T5ForConditionalGeneration   # BLIP-2 with Flan-T5
             return Blip2T5ForConditionalGeneration
+        if arch == "LlavaForConditionalGeneration" and getattr(getattr(hf_config, "vision_config", None),
+                                                               "model_type", "") == "pixtral":
+            from mmserve.models.pixtral import PixtralForConditionalGeneration   # LLaVA with Pixtral's tower
+            return PixtralForConditionalGeneration
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)

@@ -41,6 +41,7 @@ FAMILIES: dict[str, str] = {
     "kosmos2": "mmserve.testing.kosmos2:make_kosmos2_checkpoint",
     "nougat": "mmserve.testing.nougat:make_nougat_checkpoint",
     "pix2struct": "mmserve.testing.pix2struct:make_pix2struct_checkpoint",
+    "pixtral": "mmserve.testing.pixtral:make_pixtral_checkpoint",
 }
 
 DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes
