@@ -16,7 +16,7 @@ from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPEncoderLayer
 from mmserve.models.opt import OPTForCausalLM
 from mmserve.models.weights import load_weights
-from mmserve.multimodal.processors import placeholder_runs
+from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
 # Our module names follow the checkpoint's, except the OPT decoder, which sits one level higher.
 # transformers 5 `save_pretrained` and the published Salesforce repos share these prefixes.

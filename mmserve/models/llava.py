@@ -13,7 +13,7 @@ from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.weights import load_weights
-from mmserve.multimodal.processors import equal_runs
+from mmserve.multimodal.placeholder_expansion import equal_runs
 
 # checkpoint prefix -> our module path; HF >= 5 layout first, then the original llava-hf layout
 WEIGHT_RENAMES = [

@@ -18,7 +18,7 @@ from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.llava import LlavaProjector
 from mmserve.models.siglip import SiglipVisionTower
 from mmserve.models.weights import load_weights
-from mmserve.multimodal.processors import placeholder_runs
+from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
 # checkpoint prefix -> our module path; transformers >= 5 layout first, then the original llava-hf layout
 WEIGHT_RENAMES = [

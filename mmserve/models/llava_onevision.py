@@ -10,7 +10,7 @@ import torch
 from mmserve.engine.request import MultiModalItem
 from mmserve.models.anyres import num_video_tokens, pool_frames
 from mmserve.models.llava_next import LlavaNextForConditionalGeneration, check_lengths, image_items
-from mmserve.multimodal.processors import placeholder_runs
+from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
 
 class LlavaOnevisionForConditionalGeneration(LlavaNextForConditionalGeneration):

@@ -17,7 +17,7 @@ from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import Qwen2VisionTransformer
 from mmserve.models.weights import load_weights
-from mmserve.multimodal.processors import placeholder_runs
+from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
 # checkpoint prefix -> our module path; HF >= 5 layout first, then the published Qwen2-VL layout
 WEIGHT_RENAMES = [

@@ -1,4 +1,5 @@
-"""PlaceholderExpansion: image prompts without tokenizing the processor's expanded text.
+"""Placeholder runs in prompt ids (`placeholder_runs`, `equal_runs`: where each picture's placeholder tokens are),
+and PlaceholderExpansion: image prompts without tokenizing the processor's expanded text.
 
 The HF processors of the placeholder families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL) write each
 image's placeholder token N times into the prompt string (N = the image's feature count, 576 for a LLaVA-1.5
@@ -127,3 +128,29 @@ def _difference(enc: dict[str, Any], short: dict[str, Any] | None) -> str | None
         if not same:
             return f"{key!r} differs"
     return None
+
+
+def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
+    """Offsets of consecutive runs of token_id with the given lengths (in order); ValueError if they don't fit."""
+    pos = [i for i, t in enumerate(ids) if t == token_id]
+    if len(pos) != sum(lengths):
+        raise ValueError(f"the prompt has {len(pos)} placeholder tokens but the media need {sum(lengths)}")
+    offsets, k = [], 0
+    for n in lengths:
+        run = pos[k:k + n]
+        if run[-1] - run[0] != n - 1:
+            raise ValueError("media placeholder tokens are not contiguous")
+        offsets.append(run[0])
+        k += n
+    return offsets
+
+
+def equal_runs(ids: list[int], token_id: int, num_items: int) -> list[tuple[int, int]]:
+    """(offset, length) of num_items runs of token_id that all have the same length (LLaVA-1.5)."""
+    if num_items == 0:
+        return []
+    total = sum(1 for t in ids if t == token_id)
+    if total % num_items:
+        raise ValueError(f"{total} image tokens cannot be split evenly over {num_items} images")
+    n = total // num_items
+    return [(off, n) for off in placeholder_runs(ids, token_id, [n] * num_items)]

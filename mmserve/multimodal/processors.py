@@ -38,32 +38,6 @@ class ProcessedInputs:
         self.mm_items = sorted(self.mm_items, key=lambda m: m.offset)   # prompt order: hashes, scheduling
 
 
-def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
-    """Offsets of consecutive runs of token_id with the given lengths (in order); ValueError if they don't fit."""
-    pos = [i for i, t in enumerate(ids) if t == token_id]
-    if len(pos) != sum(lengths):
-        raise ValueError(f"the prompt has {len(pos)} placeholder tokens but the media need {sum(lengths)}")
-    offsets, k = [], 0
-    for n in lengths:
-        run = pos[k:k + n]
-        if run[-1] - run[0] != n - 1:
-            raise ValueError("media placeholder tokens are not contiguous")
-        offsets.append(run[0])
-        k += n
-    return offsets
-
-
-def equal_runs(ids: list[int], token_id: int, num_items: int) -> list[tuple[int, int]]:
-    """(offset, length) of num_items runs of token_id that all have the same length (LLaVA-1.5)."""
-    if num_items == 0:
-        return []
-    total = sum(1 for t in ids if t == token_id)
-    if total % num_items:
-        raise ValueError(f"{total} image tokens cannot be split evenly over {num_items} images")
-    n = total // num_items
-    return [(off, n) for off in placeholder_runs(ids, token_id, [n] * num_items)]
-
-
 class InputProcessor:
     """Prompt building for one checkpoint. `prompt` is a str or a dict with keys prompt | prompt_token_ids,
     images, videos, video_num_frames, image_ids (client-given identities, e.g. prompt_table_extra_id),
