@@ -84,7 +84,7 @@ async def completions(request: Request) -> Response:
             echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
         ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
         runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
-        if params.prompt_logprobs is not None:   # the first output comes once the prompt is computed
+        if req.echo and req.logprobs is not None:   # the first output comes once the prompt is computed
             ctx = dataclasses.replace(ctx, echo_logprobs=echo_logprobs(runs[0].last, state.engine.tokenizer.decode))
     except OpenAIError as e:
         return e.response()

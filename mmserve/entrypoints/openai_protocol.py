@@ -105,6 +105,7 @@ class _SamplingFields(_Request):
     guided_json: str | dict[str, Any] | None = None     # a JSON schema the output follows
     guided_regex: str | None = None
     guided_grammar: str | None = None                   # an EBNF (GBNF) grammar
+    prompt_logprobs: int | None = None   # each prompt token's logprob + the top k (not with stream)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -173,6 +174,12 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -180,6 +187,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=_none)
 
 
 class Delta(BaseModel):
@@ -215,6 +224,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=_none)
 
 
 class CompletionResponse(BaseModel):

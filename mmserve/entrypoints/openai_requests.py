@@ -142,11 +142,14 @@ async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerS
 def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs")
     kw: dict[str, Any] = dict(   # n stays 1: each choice is its own engine request
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         stop=req.stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logit_bias=_logit_bias(req.logit_bias))
+        skip_special_tokens=req.skip_special_tokens, logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=req.prompt_logprobs)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -189,7 +192,7 @@ async def completion_params(req: CompletionRequest, state: ServerState) -> Sampl
     kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
     kw["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None:   # the echoed prompt's tokens come with their logprobs too
-        kw["prompt_logprobs"] = req.logprobs
+        kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return _sampling_params(kw, {})
 
 

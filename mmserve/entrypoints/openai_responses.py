@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from mmserve.entrypoints.openai_protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, ErrorInfo, ErrorResponse,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, ErrorInfo, ErrorResponse, PromptLogprob,
     PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
 from mmserve.outputs import Logprob, RequestOutput
 
@@ -59,7 +59,7 @@ def chat_response(ctx: ResponseContext, outs: list[RequestOutput]) -> ChatComple
         choices.append(ChatChoice(index=i, message=AssistantMessage(content=comp.text), logprobs=logprobs,
                                   finish_reason=comp.finish_reason))
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
-                                  usage=usage_of(outs))
+                                  usage=usage_of(outs), prompt_logprobs=prompt_logprobs(outs[0]))
 
 
 def completion_response(ctx: ResponseContext, outs: list[RequestOutput]) -> CompletionResponse:
@@ -71,7 +71,7 @@ def completion_response(ctx: ResponseContext, outs: list[RequestOutput]) -> Comp
         if logprobs is not None and ctx.echo_logprobs is not None:
             logprobs = joined(ctx.echo_logprobs, logprobs)
         choices.append(CompletionChoice(index=i, text=ctx.echo + comp.text, logprobs=logprobs,
-                                        finish_reason=comp.finish_reason))
+                                        finish_reason=comp.finish_reason, prompt_logprobs=prompt_logprobs(out)))
     return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, usage=usage_of(outs), choices=choices)
 
 
@@ -149,6 +149,15 @@ def completion_logprobs(entries: list[dict[int, Logprob]] | None, offset: int) -
         result.text_offset.append(offset)
         offset += len(token)
     return result
+
+
+def prompt_logprobs(out: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, decoded token}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(tok): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for tok, lp in entry.items()} for entry in out.prompt_logprobs]
 
 
 def echo_logprobs(out: RequestOutput, decode) -> CompletionLogprobs:

@@ -236,6 +236,30 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, offline, serve
         want.prompt_logprobs[1][want.prompt_token_ids[1]].logprob, abs=1e-4)
 
 
+def test_prompt_logprobs_extra_on_completions_and_chat(client, offline, server):
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank, decoded_token}} with the
+    prompt token and the top k; on a completion choice and on a chat response; a 400 with stream."""
+    text = "Once upon a time there was"
+    want = offline.generate({"prompt": text}, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
+                            use_tqdm=False)[0]
+    body = {"model": "ensemble", "prompt": text, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    doc = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60).json()
+    got = doc["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None and doc["choices"][0]["logprobs"] is None
+    for pos in range(1, len(got)):
+        tok = want.prompt_token_ids[pos]
+        assert got[pos][str(tok)]["logprob"] == pytest.approx(want.prompt_logprobs[pos][tok].logprob, abs=1e-4)
+        assert 1 <= len(got[pos]) <= 2 and any(e["rank"] == 1 for e in got[pos].values())
+    chat = {"model": "ensemble", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "prompt_logprobs": 0}
+    doc = httpx.post(f"{server.http_url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert doc["prompt_logprobs"][0] is None and all(len(e) == 1 for e in doc["prompt_logprobs"][1:])
+    plain = httpx.post(f"{server.http_url}/v1/chat/completions", json={**chat, "prompt_logprobs": None}, timeout=60)
+    assert "prompt_logprobs" not in plain.json()
+    r = httpx.post(f"{server.http_url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 @pytest.fixture
 def slow_server_url(tiny_llava_dir):
     """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""
