@@ -79,6 +79,14 @@ class BeamSearch:
         return [beam for _, beam in self.finished]
 
 
+def unsupported_with_beams(params: SamplingParams) -> str | None:
+    """The first SamplingParams field set that beam search does not apply (yet), or None."""
+    for name in ("presence_penalty", "frequency_penalty", "stop", "stop_token_sequences", "guided_decoding_type"):
+        if getattr(params, name):
+            return name
+    return "prompt_logprobs" if params.prompt_logprobs is not None else None
+
+
 def step_params(params: SamplingParams, width: int, generated: int) -> SamplingParams:
     """The one-token request of a beam that has `generated` tokens: its top-2W log-probs; min_tokens as the beam's."""
     return dataclasses.replace(params, max_tokens=1, min_tokens=1 if generated < params.min_tokens else 0,

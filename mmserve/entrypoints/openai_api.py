@@ -18,11 +18,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.entrypoints.openai_fanout import (
-    ChoiceRun, choice_params, close_choices, engine_error, finish_choices, merge, start_choices)
+    ChoiceRun, choice_params, close_choices, engine_error, finish_choices, merge, start_beam_choices, start_choices)
 from mmserve.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, Usage, new_id, now)
 from mmserve.entrypoints.openai_requests import (
-    chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices, parse_body, with_lora)
+    beam_width_of, chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices,
+    parse_body, with_lora)
 from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
     completion_response, echo_logprobs, sse, usage_of)
@@ -64,7 +65,10 @@ async def chat_completions(request: Request) -> Response:
         params = await chat_params(req, state)
         prompt = with_lora(chat_prompt(req, state), req.model, state)
         ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
-        runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
+        if width := beam_width_of(req, params):
+            runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
+        else:
+            runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
     except OpenAIError as e:
         return e.response()
     return await _reply(request, req, runs, ctx, _CHAT)
@@ -83,7 +87,10 @@ async def completions(request: Request) -> Response:
         if req.echo:
             echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
         ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
-        runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
+        if width := beam_width_of(req, params):
+            runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
+        else:
+            runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
         if req.echo and req.logprobs is not None:   # the first output comes once the prompt is computed
             ctx = dataclasses.replace(ctx, echo_logprobs=echo_logprobs(runs[0].last, state.engine.tokenizer.decode))
     except OpenAIError as e:

@@ -5,6 +5,10 @@ given) and waits for each one's first output; `finish_choices` runs them to thei
 their streams. A failure of any choice, an overloaded server or a cancel (the client went away) closes
 every choice's engine stream, which aborts its request and frees its KV blocks. Copies of one prompt cost
 one prefill: the scheduler makes later copies wait for the first and reuse its KV cache.
+
+`start_beam_choices` (vLLM's `use_beam_search`): one beam search whose n best beams are the n choices; each
+choice's stream yields its beam once the search ends, and closing any of them (a failure, the client gone)
+cancels the search, whose step requests are aborted with it.
 """
 from __future__ import annotations
 
@@ -65,6 +69,33 @@ async def start_choices(state: ServerState, prompt: dict[str, Any], params: list
             raise e.exceptions[0] from None
         raise
     return [ChoiceRun(i, *task.result()) for i, task in enumerate(tasks)]
+
+
+def start_beam_choices(state: ServerState, prompt: dict[str, Any], params: SamplingParams, width: int,
+                       length_penalty: float, request_id: str) -> list[ChoiceRun]:
+    """The `width` choices of one beam search (best first); nothing runs until a choice's stream is read."""
+    search: asyncio.Future | None = None
+
+    async def run() -> RequestOutput:
+        last = None
+        async with contextlib.aclosing(state.beam_search(prompt, params, width, length_penalty)) as steps:
+            async for last in steps:
+                pass
+        return last
+
+    async def beam(k: int) -> AsyncIterator[RequestOutput]:
+        nonlocal search
+        search = search or asyncio.ensure_future(run())
+        try:
+            out = await search
+            yield RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                                [dataclasses.replace(out.outputs[k], index=0)], True, out.metrics)
+        finally:
+            if not search.done():
+                search.cancel()
+
+    waiting = RequestOutput(request_id, None, [], [], False)   # `last` until the search ends
+    return [ChoiceRun(k, beam(k), waiting) for k in range(width)]
 
 
 async def _start(state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str,

@@ -106,6 +106,8 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_grammar: str | None = None                   # an EBNF (GBNF) grammar
     prompt_logprobs: int | None = None   # each prompt token's logprob + the top k (not with stream)
+    use_beam_search: bool = False        # the n choices are the n best beams (not with stream)
+    length_penalty: float = 1.0          # beam search: a hypothesis scores sum(logprobs) / length ** length_penalty
 
 
 class ChatCompletionRequest(_SamplingFields):

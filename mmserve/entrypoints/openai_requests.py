@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
 from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
@@ -84,6 +86,25 @@ def num_choices(req: ChatCompletionRequest | CompletionRequest) -> int:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_CHOICES:
         raise OpenAIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n}", param="n")
+    return n
+
+
+def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> int:
+    """`use_beam_search`: the width (= n, at most MAX_BEAM_WIDTH); 0 when not asked. 400s name the parameter
+    beam search cannot take yet."""
+    if not req.use_beam_search:
+        return 0
+    n = num_choices(req)
+    if n > MAX_BEAM_WIDTH:
+        raise OpenAIError(400, f"n must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {n}", param="n")
+    if req.stream:
+        raise OpenAIError(400, "use_beam_search is not supported with stream", param="use_beam_search")
+    if not math.isfinite(req.length_penalty):
+        raise OpenAIError(400, "length_penalty must be finite", param="length_penalty")
+    field = unsupported_with_beams(params)
+    if field is not None:
+        name = {"stop_token_sequences": "stop", "guided_decoding_type": "response_format"}.get(field, field)
+        raise OpenAIError(400, f"{name} is not supported with use_beam_search yet", param=name)
     return n
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.engine import EngineOverloaded
-from mmserve.engine.beam_search import MAX_BEAM_WIDTH
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
@@ -277,7 +277,7 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
                                     wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
                                     video_token=getattr(inputs, "video_token", None))
     stream = bool(g.scalar("stream", False))
-    width = beam_width(g, params, stream)
+    width = beam_width(g, params)
     num_return = num_return_sequences(g, width)
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
@@ -293,7 +293,7 @@ def num_return_sequences(g: _Item, width: int) -> int:
     return num_return
 
 
-def beam_width(g: _Item, params: SamplingParams, stream: bool, stop_field: str = "stop_words") -> int:
+def beam_width(g: _Item, params: SamplingParams, stop_field: str = "stop_words") -> int:
     """The request's beam_width, checked against what beam search here supports (stop_field: the input that
     gave params' stop words)."""
     width = int(g.scalar("beam_width", 1))
@@ -301,11 +301,11 @@ def beam_width(g: _Item, params: SamplingParams, stream: bool, stop_field: str =
         return 1
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
-    for name, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty", params.frequency_penalty),
-                     (stop_field, params.stop or params.stop_token_sequences),
-                     ("guided_decoding_guide_type", params.guided_decoding_type)):
-        if on:
-            raise ValueError(f"{name}: not supported with beam_width > 1 yet")
+    field = unsupported_with_beams(params)
+    if field is not None:
+        name = {"stop": stop_field, "stop_token_sequences": stop_field,
+                "guided_decoding_type": "guided_decoding_guide_type"}.get(field, field)
+        raise ValueError(f"{name}: not supported with beam_width > 1 yet")
     return width
 
 

@@ -260,6 +260,26 @@ def test_prompt_logprobs_extra_on_completions_and_chat(client, offline, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_use_beam_search_gives_the_n_best_beams_as_choices(client, offline, server):
+    """vLLM's use_beam_search: the n choices are the n best beams, as LLM.beam_search finds them (completions and
+    chat); options beam search cannot take yet are 400s naming them."""
+    text = "Once upon a time there was"
+    [want] = offline.beam_search([{"prompt": text}], 3, SamplingParams(max_tokens=6), length_penalty=1.0)
+    resp = client.completions.create(model="ensemble", prompt=text, max_tokens=6, n=3,
+                                     extra_body={"use_beam_search": True})
+    assert [c.text for c in resp.choices] == [c.text for c in want.outputs]
+    assert [c.index for c in resp.choices] == [0, 1, 2] and resp.usage.completion_tokens == sum(
+        len(c.token_ids) for c in want.outputs)
+    chat = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and all(c.finish_reason in ("stop", "length") for c in chat.choices)
+    for extra, param in (({"presence_penalty": 0.5}, "presence_penalty"), ({"stream": True}, "use_beam_search"),
+                         ({"n": 11}, "n"), ({"stop": ["x"]}, "stop")):
+        body = {"model": "ensemble", "prompt": text, "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
+        r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 @pytest.fixture
 def slow_server_url(tiny_llava_dir):
     """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""
