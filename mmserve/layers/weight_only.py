@@ -10,8 +10,9 @@ A weight W [N, K] is stored as q = round(W / s) clamped to [-Q, Q] with s[n] = m
 summed in fp32. int8 keeps q as int8 [N, K]; int4 packs two values per byte, uint8 [N, K / 2] (q[2i] in the low
 nibble, q[2i + 1] in the high one, two's complement). Half / a quarter of the weight memory and reads of fp16. On
 CUDA a one-row activation (batch-1 decode, where a step is a stream of weight reads) goes through a Triton GEMV
-over the stored rows (kernels/gemv.py, the scale applied after the sum); more rows multiply by the weight
-dequantized to the activations' dtype for that call. The CPU computes the formula above in the activations'
+over the stored rows (kernels/gemv.py, the scale applied after the sum), up to 64 rows (batched decode) through a
+Triton tensor-core GEMM over them (kernels/weight_only_gemm.py); more rows (prompts, compute-bound) multiply by the
+weight dequantized to the activations' dtype for that call. The CPU computes the formula above in the activations'
 dtype (fp32 on the CPU: exact up to summation order).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
+SMALL_M = 64   # up to this many rows a CUDA step uses the Triton GEMM over the stored weights
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +62,15 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(weight)^T (+ bias); x [..., K] in the model's dtype, weight int8 [N, K] or packed int4
     uint8 [N, K / 2], scale fp32 [N]."""
-    if x.is_cuda and x.numel() == x.shape[-1]:   # one row: the GEMV reads the stored rows as they are
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda and rows == 1:   # one row: the GEMV reads the stored rows as they are
         from mmserve.kernels.gemv import gemv, gemv_int4
         ones = torch.ones(1, dtype=torch.float32, device=x.device)
         run = gemv_int4 if weight.dtype == torch.uint8 else gemv
         y = run(x.reshape(-1), weight, bias, ones, scale, x.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda and rows <= SMALL_M and x.dtype in (torch.float16, torch.bfloat16):
+        from mmserve.kernels.weight_only_gemm import weight_only_gemm
+        y = weight_only_gemm(x.reshape(rows, -1).contiguous(), weight, scale, bias)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, dequantize(weight, scale, x.dtype), bias)

@@ -1,7 +1,8 @@
 """Weight-only decoder weights (`quantization="int8" | "int4"`, W8A16 / W4A16) give the logits of transformers
 whose decoder projections hold the same integer weights dequantized (q * s per output row; written here
 independently of mmserve's code), on the CPU and (gpu-marked) on CUDA, where one-row steps run the Triton GEMVs
-over the stored rows; the GEMVs against the formula in Triton's CPU interpreter; the packing and memory."""
+over the stored rows; the GEMVs and the few-row GEMM against the formula in Triton's CPU interpreter; the packing and
+memory."""
 from __future__ import annotations
 
 import os
@@ -75,6 +76,28 @@ def test_one_row_gemv_over_stored_rows_matches_the_formula(method):
         "y = run(x, w, b, torch.ones(1), s, torch.float32)\n"
         "want = x @ dequantize(w, s, torch.float32).t() + b\n"
         "assert torch.allclose(y, want, atol=1e-4), (y - want).abs().max()\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_few_row_gemm_over_stored_weights_matches_the_formula(method):
+    """The Triton GEMM for batched-decode rows (in its CPU interpreter): int8 tiles as they are, int4 bytes against
+    x's even and odd columns; partial tiles in M, N and K, with and without bias."""
+    code = (
+        "import torch\n"
+        "from mmserve.kernels.weight_only_gemm import weight_only_gemm\n"
+        "from mmserve.layers.weight_only import dequantize, quantize_weight_int4, quantize_weight_int8\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        f"quantize = {'quantize_weight_int8' if method == 'int8' else 'quantize_weight_int4'}\n"
+        "w, s = quantize(torch.randn(41, 74, generator=g))\n"
+        "for m, bias in ((5, torch.randn(41, generator=g)), (17, None)):\n"
+        "    x = torch.randn(m, 74, generator=g)\n"
+        "    want = x @ dequantize(w, s, torch.float32).t() + (0 if bias is None else bias)\n"
+        "    y = weight_only_gemm(x, w, s, bias)\n"
+        "    assert torch.allclose(y, want, atol=1e-4), (m, (y - want).abs().max())\n"
         "print('ok')\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
