@@ -36,6 +36,13 @@ def _hf(model_dir: str, device: str, method: str | None):
     return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device, prepare if method else None)
 
 
+def _in_interpreter(code: str) -> None:
+    """Run `code` (which prints ok) in a fresh process with Triton's CPU interpreter on."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
 def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:
     from mmserve.models.quantization import decoder_linears
 
@@ -77,9 +84,7 @@ def test_one_row_gemv_over_stored_rows_matches_the_formula(method):
         "want = x @ dequantize(w, s, torch.float32).t() + b\n"
         "assert torch.allclose(y, want, atol=1e-4), (y - want).abs().max()\n"
         "print('ok')\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+    _in_interpreter(code)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -99,9 +104,7 @@ def test_few_row_gemm_over_stored_weights_matches_the_formula(method):
         "    y = weight_only_gemm(x, w, s, bias)\n"
         "    assert torch.allclose(y, want, atol=1e-4), (m, (y - want).abs().max())\n"
         "print('ok')\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+    _in_interpreter(code)
 
 
 def test_int4_packs_two_values_per_byte_and_round_trips():
