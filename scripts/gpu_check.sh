@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
-#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [serve] [serve-profile]
-#   (default: all but throughput-same and serve-profile; serve-profile samples the server with py-spy, if
-#   installed, during a concurrency-32 run without baseline)
+#   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [weight-only] [serve]
+#                             [serve-profile]
+#   (default: all but throughput-same, weight-only and serve-profile; weight-only: decode latency of fp16, int8 and
+#   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
+#   baseline)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -30,6 +32,11 @@ for step in $steps; do
                --hf-batch-size 32 --max-num-seqs 128 --out "$OUT/throughput.json" --markdown "$OUT/throughput.md" \
                2> "$OUT/throughput.err"
              cat "$OUT/throughput.md" ;;
+    weight-only) for q in none int8 int4; do   # decode speed of weight-only quantization against fp16, same call
+               flag=$([ $q = none ] || echo "--quantization $q")
+               $bench latency --preset llava-1.5-7b --batch-sizes 1,8,32 --input-len 24 --output-len 64 --baseline none \
+                 $flag --out "$OUT/latency_$q.json" --markdown "$OUT/latency_$q.md" 2> "$OUT/latency_$q.err"
+               echo "== $q"; cat "$OUT/latency_$q.md"; done ;;
     throughput-same) $bench throughput --preset llava-1.5-7b --num-requests 512 --input-len 128 --output-len 128 \
                --hf-batch-size 32 --max-num-seqs 128 --same-image --out "$OUT/throughput_same.json" \
                --markdown "$OUT/throughput_same.md" 2> "$OUT/throughput_same.err"
