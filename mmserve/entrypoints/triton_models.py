@@ -88,6 +88,7 @@ def _named(specs: tuple[TensorSpec, ...], names: str) -> tuple[TensorSpec, ...]:
 TRTLLM_INPUTS = (*_specs("""
 input_ids INT32 -1 required
 input_lengths INT32 1 required
+prompt_table_extra_ids UINT64 -1
 request_output_len INT32 1 required
 stop_words_list INT32 2,-1
 bad_words_list INT32 2,-1

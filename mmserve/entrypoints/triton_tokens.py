@@ -147,6 +147,10 @@ async def _parse_item(state: ServerState, g: _Item) -> TritonRequest:
     prompt: dict[str, Any] = {"prompt_token_ids": _prompt_ids(g, vocab, 0 if table is None else len(table))}
     if table is not None:
         prompt["prompt_table"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.float32))
+        extra = g.values("prompt_table_extra_ids")
+        # as TensorRT-LLM's python backend: cut to the prompt when it covers it, else ignored
+        if extra is not None and len(extra) >= len(prompt["prompt_token_ids"]):
+            prompt["prompt_table_extra_ids"] = [int(e) for e in extra[:len(prompt["prompt_token_ids"])]]
     if (lora := await lora_name(state, g)) is not None:
         prompt["lora"] = lora
     stream = bool(g.scalar("streaming", False))

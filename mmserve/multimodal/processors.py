@@ -51,7 +51,7 @@ class InputProcessor:
     """
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora",
-            "prompt_table", "decoder_prompt"}
+            "prompt_table", "prompt_table_extra_ids", "decoder_prompt"}
     RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
     RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
 
@@ -142,7 +142,8 @@ class InputProcessor:
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
             if prompt.get("prompt_table") is not None:
                 ids, items = prompt_table_items(list(token_ids), prompt["prompt_table"], self.hf_config,
-                                                self.model_cls, self.image_token_id)
+                                                self.model_cls, self.image_token_id,
+                                                prompt.get("prompt_table_extra_ids"))
                 return ProcessedInputs(text, ids, items, lora=lora)
             return self._with_mrope(ProcessedInputs(text, list(token_ids), lora=lora), None)
         if prompt.get("prompt_table") is not None:

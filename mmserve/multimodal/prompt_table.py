@@ -6,6 +6,10 @@ A prompt id at or past the vocabulary size V stands for table row `id - V`; each
 MultiModalItem whose embeddings are those rows, placed where the run is, exactly as an image's embeddings are
 (the model runner takes them as they are instead of running the encoder). Families whose pictures reach the
 language model another way (M-RoPE positions from the image grid, cross-attention, an encoder-decoder) refuse it.
+
+A run's identity for the prefix cache is its rows' content, or, when the client names it (TensorRT-LLM's
+`prompt_table_extra_ids`: one id per prompt token, non-zero at table positions), that id with the run's table
+ids: no hashing of the rows, and the client answers for two requests naming the same id meaning the same rows.
 """
 from __future__ import annotations
 
@@ -17,10 +21,14 @@ from mmserve.multimodal.hashing import hash_bytes
 MODALITY = "embeds"   # the runner passes these items' data["embeddings"] through
 
 
-def prompt_table_items(ids: list[int], table, hf_config, model_cls,
-                       placeholder_id: int | None) -> tuple[list[int], list[MultiModalItem]]:
+def prompt_table_items(ids: list[int], table, hf_config, model_cls, placeholder_id: int | None,
+                       extra_ids: list[int] | None = None) -> tuple[list[int], list[MultiModalItem]]:
     """(prompt ids with each table id replaced by the family's placeholder id, one item per run of table ids).
-    Raises ValueError naming `prompt_table` or `prompt_token_ids` for anything that does not fit."""
+    `extra_ids`: per prompt token, the client's identity of the table rows there (0: none; module docstring).
+    Raises ValueError naming `prompt_table`, `prompt_token_ids` or `prompt_table_extra_ids` for anything that does
+    not fit."""
+    if extra_ids is not None and len(extra_ids) != len(ids):
+        raise ValueError(f"prompt_table_extra_ids: {len(extra_ids)} ids for a prompt of {len(ids)} tokens")
     if getattr(model_cls, "uses_mrope", False) or getattr(model_cls, "uses_cross_attention", False):
         raise ValueError(f"prompt_table: not supported for {model_cls.__name__} (its pictures do not enter the "
                          "prompt as embeddings); send the images")
@@ -45,8 +53,10 @@ def prompt_table_items(ids: list[int], table, hf_config, model_cls,
             start = pos if start is None else start
         elif start is not None:
             emb = table[torch.tensor([t - vocab for t in ids[start:pos]])].float().contiguous()
-            items.append(MultiModalItem(MODALITY, {"embeddings": emb}, start, pos - start,
-                                        "table:" + hash_bytes(emb.numpy().tobytes())))
+            named = extra_ids is not None and all(extra_ids[start:pos])
+            key = (f"table-id:{extra_ids[start]}:{ids[start]}:{pos - start}" if named
+                   else "table:" + hash_bytes(emb.numpy().tobytes()))
+            items.append(MultiModalItem(MODALITY, {"embeddings": emb}, start, pos - start, key))
             start = None
         if tok >= 0:
             new_ids.append(fill if tok >= vocab else tok)

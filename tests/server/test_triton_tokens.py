@@ -207,6 +207,10 @@ def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
                                          prompt_embedding_table=table.numpy()[None],
                                          prompt_vocab_size=np.array([[len(table)]], np.int32)))
     assert got["output_ids"][0, 0].tolist() == want
+    extra = np.array([[5 if t >= vocab else 0 for t in ids]], np.uint64)   # the client names the table
+    named = http_infer(http, token_tensors([ids], 8, exclude_input_in_output=np.array([[True]]),
+                                           prompt_embedding_table=table.numpy()[None], prompt_table_extra_ids=extra))
+    assert named["output_ids"][0, 0].tolist() == want
     for change, field in (({"prompt_vocab_size": np.array([[3]], np.int32)}, "prompt_vocab_size"),
                           ({"input_ids": np.array([ids[:-1] + [vocab + len(table)]], np.int32)}, "input_ids")):
         tensors = token_tensors([ids], 2, prompt_embedding_table=table.numpy()[None])

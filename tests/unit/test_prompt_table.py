@@ -72,3 +72,28 @@ def test_families_without_prompt_embeddings_refuse_a_table(tmp_path_factory):
     with pytest.raises(ValueError, match="prompt_table: not supported"):
         llm.generate({"prompt_token_ids": [1, vocab, vocab + 1], "prompt_table": table}, SamplingParams(max_tokens=2),
                      use_tqdm=False)
+
+
+def test_client_named_tables_are_cached_by_their_ids(llm):
+    """prompt_table_extra_ids (TensorRT-LLM's way of naming a table for KV reuse): the same ids reuse the cached
+    blocks of the table run without hashing its rows; other ids compute it again; a length mismatch is refused."""
+    ids, table = table_prompt(llm, make_test_image(6))
+    vocab = llm.engine.text_config.vocab_size
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def run(extra_id: int):
+        extra = [extra_id if t >= vocab else 0 for t in ids]
+        return llm.generate({"prompt_token_ids": ids, "prompt_table": table, "prompt_table_extra_ids": extra},
+                            params, use_tqdm=False)[0]
+
+    first, again, other = run(7), run(7), run(8)
+    table_end = max(i for i, t in enumerate(ids) if t >= vocab) + 1
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == other.outputs[0].token_ids
+    assert again.metrics.num_cached_tokens >= table_end // llm.engine.kv.block_size * llm.engine.kv.block_size
+    assert other.metrics.num_cached_tokens < table_end
+    items = llm.engine.inputs.process({"prompt_token_ids": ids, "prompt_table": table.flip(0),
+                                       "prompt_table_extra_ids": [7 if t >= vocab else 0 for t in ids]}).mm_items
+    assert items[0].content_hash.startswith("table-id:7:")   # named, not hashed: the client answers for it
+    with pytest.raises(ValueError, match="prompt_table_extra_ids"):
+        llm.generate({"prompt_token_ids": ids, "prompt_table": table, "prompt_table_extra_ids": [1]}, params,
+                     use_tqdm=False)
