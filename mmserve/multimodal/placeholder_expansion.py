@@ -1,14 +1,15 @@
 """Placeholder runs in prompt ids (`placeholder_runs`, `equal_runs`: where each picture's placeholder tokens are),
 and PlaceholderExpansion: image prompts without tokenizing the processor's expanded text.
 
-The HF processors of the placeholder families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL) write each
+The HF processors of the placeholder families (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Pixtral) write each
 image's placeholder token N times into the prompt string (N = the image's feature count, 576 for a LLaVA-1.5
-picture) and tokenize that string; tokenizing and converting the 600-token result is about half of the
-processor's time for one picture. The placeholder is a special token, so the tokenizer splits the text around
-it: tokenizing the prompt as written and repeating the placeholder id N times gives the same ids.
+picture; Pixtral closes each row of them with [IMG_BREAK] and the last with [IMG_END]) and tokenize that string;
+tokenizing and converting the 600-token result is about half of the processor's time for one picture. The
+placeholder is a special token, so the tokenizer splits the text around it: tokenizing the prompt as written and
+putting the image's expansion (its run of ids) where its placeholder id is gives the same ids.
 
-N depends only on the image's size for these processors, so it is learned per (width, height) from the real
-processor's runs (and per number of images in the prompt, since a processor may expand an image of a
+The expansion depends only on the image's size for these processors, so it is learned per (width, height) from the
+real processor's runs (and per number of images in the prompt, since a processor may expand an image of a
 multi-image prompt differently); the first learned run is also redone the short way and compared, key by key, with the
 processor's output. Any difference (another tokenizer behaviour, processor-side kwargs, extra outputs) turns
 the shortcut off for good, so the processor stays the oracle.
@@ -30,52 +31,54 @@ Key = tuple[int, int, int]   # (width, height, images in the prompt)
 UNUSED_KEYS = frozenset({"mm_token_type_ids"})
 
 
-def placeholder_run_lengths(ids: list[int], token_id: int) -> list[int]:
-    """Lengths of the maximal runs of token_id in ids, in order."""
-    runs: list[int] = []
-    previous = None
+def expansion_runs(ids: list[int], run_ids: frozenset[int]) -> list[tuple[int, ...]]:
+    """The maximal runs of ids from run_ids (an image's expansion: its placeholder, row and end tokens), in order."""
+    runs: list[list[int]] = []
+    inside = False
     for t in ids:
-        if t == token_id:
-            if previous == token_id:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        previous = t
-    return runs
+        if t in run_ids:
+            if not inside:
+                runs.append([])
+            runs[-1].append(t)
+        inside = t in run_ids
+    return [tuple(r) for r in runs]
 
 
 class PlaceholderExpansion:
-    """Per-size placeholder counts learned from the processor, and the short way to build its outputs."""
+    """Per-size expansions learned from the processor, and the short way to build its outputs."""
 
-    MAX_SIZES = 4096   # learned image sizes kept (each entry is two ints and a count)
+    MAX_SIZES = 4096   # learned image sizes kept (each entry is two ints and a run of ids)
 
-    def __init__(self, tokenizer: Callable[[str], Any], image_token_id: int) -> None:
+    def __init__(self, tokenizer: Callable[[str], Any], image_token_id: int,
+                 run_ids: frozenset[int] = frozenset()) -> None:
+        """run_ids: the ids besides the placeholder that an expansion holds (Pixtral's row and end tokens)."""
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
+        self.run_ids = frozenset(run_ids) | {image_token_id}
         self.verified: bool | None = None   # None: not yet compared with the processor
-        self._counts: dict[Key, int] = {}
+        self._expansions: dict[Key, tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
-    def counts_for(self, sizes: list[Size]) -> list[int] | None:
-        """The placeholder count of each image, if the shortcut is on and every size was learned."""
+    def expansions_for(self, sizes: list[Size]) -> list[tuple[int, ...]] | None:
+        """Each image's run of ids, if the shortcut is on and every size was learned."""
         if not self.verified:
             return None
-        counts = [self._counts.get((*s, len(sizes))) for s in sizes]
-        return None if None in counts else counts
+        runs = [self._expansions.get((*s, len(sizes))) for s in sizes]
+        return None if None in runs else runs
 
-    def encode(self, text: str, counts: list[int],
+    def encode(self, text: str, expansions: list[tuple[int, ...]],
                image_outputs: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """The processor's outputs built the short way: image_outputs() (the image processor's, run only once the
         ids fit) + expanded ids; None when the prompt's tokens do not hold exactly one placeholder per image."""
         ids = self.tokenizer(text).input_ids
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(at) != len(counts):
+        if len(at) != len(expansions) or any(t in self.run_ids and t != self.image_token_id for t in ids):
             return None
         expanded: list[int] = []
         start = 0
-        for i, n in zip(at, counts):
+        for i, run in zip(at, expansions):
             expanded += ids[start:i]
-            expanded += [self.image_token_id] * n
+            expanded += run
             start = i + 1
         expanded += ids[start:]
         input_ids = torch.tensor([expanded], dtype=torch.int64)
@@ -83,20 +86,21 @@ class PlaceholderExpansion:
 
     def learn(self, sizes: list[Size], enc: dict[str, Any], text: str,
               image_outputs: Callable[[], dict[str, Any]]) -> None:
-        """Record the counts of a processor run (enc); the first time, check the short way reproduces enc."""
+        """Record the expansions of a processor run (enc); the first time, check the short way reproduces enc."""
         if self.verified is False:
             return
-        runs = placeholder_run_lengths(enc["input_ids"][0].tolist(), self.image_token_id)
+        runs = expansion_runs(enc["input_ids"][0].tolist(), self.run_ids)
         if len(runs) != len(sizes):   # adjacent placeholders merged into one run: nothing to learn
             return
         with self._lock:
-            for size, n in zip(sizes, runs):
+            for size, run in zip(sizes, runs):
                 key = (*size, len(sizes))
-                if self._counts.setdefault(key, n) != n:
-                    self._turn_off(f"images of size {size} got {self._counts[key]} and {n} placeholders")
+                if self._expansions.setdefault(key, run) != run:
+                    self._turn_off(f"images of size {size} got two different expansions "
+                                   f"({len(self._expansions[key])} and {len(run)} ids)")
                     return
-            while len(self._counts) > self.MAX_SIZES:
-                self._counts.pop(next(iter(self._counts)))
+            while len(self._expansions) > self.MAX_SIZES:
+                self._expansions.pop(next(iter(self._expansions)))
             if self.verified is None:
                 short = self.encode(text, runs, image_outputs)
                 problem = _difference(enc, short)
@@ -107,7 +111,7 @@ class PlaceholderExpansion:
 
     def _turn_off(self, why: str) -> None:
         self.verified = False
-        self._counts.clear()
+        self._expansions.clear()
         logger.info("placeholder expansion shortcut off (%s); every image prompt runs the HF processor", why)
 
 

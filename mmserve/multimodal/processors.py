@@ -80,7 +80,10 @@ class InputProcessor:
         image_processor = getattr(self.processor, "image_processor", None)
         self._expansion = None   # images only: tokenize the prompt as written, repeat the placeholder id
         if self.placeholder_in_prompt and self.image_token_id is not None and image_processor is not None:
-            self._expansion = PlaceholderExpansion(self.tokenizer, self.image_token_id)
+            # Pixtral's processor closes rows with [IMG_BREAK] and the image with [IMG_END]: part of the expansion
+            closing = [getattr(self.processor, name, None) for name in ("image_break_token", "image_end_token")]
+            run_ids = frozenset(self.tokenizer.convert_tokens_to_ids(t) for t in closing if t)
+            self._expansion = PlaceholderExpansion(self.tokenizer, self.image_token_id, run_ids)
 
     def clear_recent(self) -> None:
         """Forget the processed prompts kept for exact repeats and the image processor outputs kept by picture
@@ -231,9 +234,9 @@ class InputProcessor:
         image_outputs = lambda: self._recent_image_outputs(images_key, kwargs)   # noqa: E731
         if expansion is not None:
             sizes = [im.size for im in kwargs["images"]]
-            counts = expansion.counts_for(sizes)
-            if counts is not None:
-                enc = expansion.encode(text, counts, image_outputs)
+            runs = expansion.expansions_for(sizes)
+            if runs is not None:
+                enc = expansion.encode(text, runs, image_outputs)
                 if enc is not None:
                     return enc
         enc = self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs))

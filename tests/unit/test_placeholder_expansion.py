@@ -6,7 +6,7 @@ import torch
 
 from mmserve.models.loader import load_hf_config
 from mmserve.models.registry import get_model_class
-from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion, placeholder_run_lengths
+from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion, expansion_runs
 from mmserve.multimodal.processors import InputProcessor
 from mmserve.testing import make_checkpoint, make_test_image
 
@@ -17,6 +17,7 @@ FAMILIES = {
     "llava_next": "<image>",
     "llava_onevision": "<image>",
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "pixtral": "[IMG]",   # expansions are rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
 }
 SIZES = [(48, 40), (40, 48), (64, 32), (48, 40)]
 
@@ -80,8 +81,9 @@ def test_shortcut_gives_the_processors_inputs(family_dir, monkeypatch):
 
 
 def test_runs_of_placeholders():
-    assert placeholder_run_lengths([1, 9, 9, 2, 9, 3, 9, 9, 9], 9) == [2, 1, 3]
-    assert placeholder_run_lengths([1, 2], 9) == []
+    assert expansion_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], frozenset({9})) == [(9, 9), (9,), (9, 9, 9)]
+    assert expansion_runs([1, 9, 9, 8, 9, 9, 7, 2, 9, 7], frozenset({7, 8, 9})) == [(9, 9, 8, 9, 9, 7), (9, 7)]
+    assert expansion_runs([1, 2], frozenset({9})) == []
 
 
 class _Tokenizer:
@@ -98,13 +100,14 @@ def _enc(ids: list[int], **extra) -> dict:
 
 def test_verified_against_the_first_run_then_expands():
     exp = PlaceholderExpansion(_Tokenizer(), 9)
-    assert exp.counts_for([(4, 4)]) is None
+    assert exp.expansions_for([(4, 4)]) is None
     exp.learn([(4, 4)], _enc([2, 9, 9, 9, 5]), "ab IMG hello", lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)})
-    assert exp.verified is True and exp.counts_for([(4, 4)]) == [3] and exp.counts_for([(5, 4)]) is None
-    enc = exp.encode("IMG xyz IMG", [3, 3], lambda: {"pixel_values": torch.ones(2, 3, 2, 2)})
+    assert exp.verified is True and exp.expansions_for([(4, 4)]) == [(9, 9, 9)]
+    assert exp.expansions_for([(5, 4)]) is None
+    enc = exp.encode("IMG xyz IMG", [(9, 9, 9)] * 2, lambda: {"pixel_values": torch.ones(2, 3, 2, 2)})
     assert enc["input_ids"].tolist() == [[9, 9, 9, 3, 9, 9, 9]]
     ran = []
-    assert exp.encode("no image here", [3], lambda: ran.append(1) or {}) is None   # one placeholder per image
+    assert exp.encode("no image here", [(9, 9, 9)], lambda: ran.append(1) or {}) is None   # one per image
     assert ran == []   # ... and the image processor is not run for nothing
 
 
@@ -116,7 +119,7 @@ def test_verified_against_the_first_run_then_expands():
 def test_any_difference_from_the_processor_turns_it_off(enc, outputs, text):
     exp = PlaceholderExpansion(_Tokenizer(), 9)
     exp.learn([(4, 4)], enc, text, lambda: outputs)
-    assert exp.verified is False and exp.counts_for([(4, 4)]) is None
+    assert exp.verified is False and exp.expansions_for([(4, 4)]) is None
     exp.learn([(4, 4)], _enc([2, 9, 9, 5]), "ab IMG hello", lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)})
     assert exp.verified is False   # off for good
 
@@ -127,7 +130,7 @@ def test_one_size_with_two_counts_turns_it_off():
     exp.learn([(4, 4)], _enc([2, 9, 9, 5]), "ab IMG hello", lambda: ok)
     assert exp.verified is True
     exp.learn([(4, 4)], _enc([2, 9, 9, 9, 5]), "ab IMG hello", lambda: ok)
-    assert exp.verified is False and exp.counts_for([(4, 4)]) is None
+    assert exp.verified is False and exp.expansions_for([(4, 4)]) is None
 
 
 def test_another_question_on_a_recent_picture_reuses_the_image_processors_outputs(family_dir, monkeypatch):
