@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded. All validation of user-given values lives here."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -121,3 +122,12 @@ class SamplingParams:
     @property
     def top_k_active(self) -> bool:
         return self.top_k > 0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Per-sequence copies of `params` for n sequences of one prompt (OpenAI `n`, Triton `num_return_sequences`):
+    with a seed, sequence i draws from seed + i (distinct and reproducible: it equals a one-sequence request with
+    that seed); without one, n independent samples."""
+    if params.seed is None:
+        return [dataclasses.replace(params) for _ in range(n)]
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]

@@ -41,14 +41,6 @@ class ChoiceRun:
     last: RequestOutput
 
 
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Per-choice copies of `params`: with a seed, choice i draws from seed + i (distinct and reproducible:
-    choice i equals a one-choice request with that seed); without one, n independent samples."""
-    if params.seed is None:
-        return [dataclasses.replace(params) for _ in range(n)]
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
-
-
 async def start_choices(state: ServerState, prompt: dict[str, Any], params: list[SamplingParams],
                         request_id: str, media_param: str) -> list[ChoiceRun]:
     """Queue one engine request per entry of `params` (ids request_id-0, -1, ...) and wait for every first

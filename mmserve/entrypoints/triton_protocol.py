@@ -25,8 +25,9 @@ from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
 from mmserve.multimodal.inputs import aload_images
 from mmserve.outputs import CompletionOutput, RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, choice_params
 
+MAX_RETURN_SEQUENCES = 16   # sampled sequences of one prompt (each its own engine request)
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
 UNSUPPORTED_INPUTS = ("prompt_embedding_table", "prompt_vocab_size", "num_draft_tokens")
 LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
@@ -278,18 +279,22 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
                                     video_token=getattr(inputs, "video_token", None))
     stream = bool(g.scalar("stream", False))
     width = beam_width(g, params)
-    num_return = num_return_sequences(g, width)
+    num_return = num_return_sequences(g, width, stream)
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
                          length_penalty=float(g.scalar("length_penalty", 1.0)), num_return=num_return)
 
 
-def num_return_sequences(g: _Item, width: int) -> int:
+def num_return_sequences(g: _Item, width: int, stream: bool) -> int:
+    """With beams, the N best of the W (default W); without, N sequences sampled for the prompt (default 1)."""
     num_return = int(g.scalar("num_return_sequences", width))
-    if not 1 <= num_return <= width:
-        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}] (sampled sequences beyond one "
-                         f"are not supported yet), got {num_return}")
+    if width > 1 and not 1 <= num_return <= width:
+        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}], got {num_return}")
+    if width == 1 and not 1 <= num_return <= MAX_RETURN_SEQUENCES:
+        raise ValueError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {num_return}")
+    if width == 1 and num_return > 1 and stream:
+        raise ValueError("num_return_sequences: more than one sampled sequence with stream true is not supported yet")
     return num_return
 
 
@@ -362,7 +367,8 @@ def _rename_fields(message: str, req: TritonRequest) -> str:
 
 async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[RequestOutput]:
     """state.generate for one request (beam search's outputs for beam_width > 1: the final one, or with `stream`
-    the running beams after each step first); closing this generator aborts the request in the engine."""
+    the running beams after each step first; num_return_sequences > 1 without beams: one output of the N sampled
+    sequences); closing this generator aborts the request in the engine."""
     try:
         if req.cancel:   # tensorrt_llm `stop`: the requests sent under this id end (their streams send what they have)
             state.cancel(req.client_id)
@@ -375,11 +381,34 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
                     del out.outputs[req.num_return:]
                     yield out
             return
+        if req.num_return > 1:   # sampled sequences: one engine request each (seed + i), answered together
+            yield await _sampled_sequences(state, req)
+            return
         async with aclosing(state.generate(req.prompt, req.params, client_id=req.client_id)) as outputs:
             async for out in outputs:
                 yield out
     except ValueError as exc:
         raise ValueError(_rename_fields(str(exc), req)) from exc
+
+
+async def _sampled_sequences(state: ServerState, req: TritonRequest) -> RequestOutput:
+    """num_return_sequences N without beams: N requests of the prompt (its KV cache computed once and shared), their
+    final outputs as one output of N completions."""
+    async def one(params: SamplingParams) -> RequestOutput:
+        last = None
+        async with aclosing(state.generate(req.prompt, params, client_id=req.client_id)) as outputs:
+            async for last in outputs:
+                pass
+        return last
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(p)) for p in choice_params(req.params, req.num_return)]
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None
+    outs = [t.result() for t in tasks]
+    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return dataclasses.replace(outs[0], outputs=completions)
 
 
 def _block_size(state: ServerState) -> int:
@@ -393,12 +422,13 @@ async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.n
         async with aclosing(generate(state, req)) as outputs:
             async for out in outputs:
                 last = out
+        several = len(last.outputs) > 1   # beams, or sampled sequences
         if req.model == TRTLLM:   # token ids only: nothing to decode
-            beams = [""] * len(last.outputs) if req.beam_width > 1 else None
+            beams = [""] * len(last.outputs) if several else None
             return Chunk("", last, 0, req.return_log_probs, beams, with_prompt=not req.exclude_input,
                          pad_id=req.pad_id)
         texts = [full_text(state.engine.tokenizer, last, req.exclude_input, k) for k in range(len(last.outputs))]
-        return Chunk(texts[0], last, 0, req.return_log_probs, texts if req.beam_width > 1 else None)
+        return Chunk(texts[0], last, 0, req.return_log_probs, texts if several else None)
 
     if len(reqs) == 1:
         chunks = [await one(reqs[0])]

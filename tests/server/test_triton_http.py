@@ -271,8 +271,8 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
     r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["text_output"] == [c.text for c in want.outputs[:2]], r.text
     r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=60,
-                   json={**body, "beam_width": 1})
-    assert r.status_code == 400 and "num_return_sequences must be in [1, beam_width = 1]" in r.text
+                   json={**body, "beam_width": 4, "num_return_sequences": 5})
+    assert r.status_code == 400 and "num_return_sequences must be in [1, beam_width = 4]" in r.text
     proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
                            "--model_type", "llava", "--text", text, "--request-output-len", "8", "-b", "3",
                            "--image", ""], capture_output=True, text=True, timeout=120)
@@ -305,3 +305,20 @@ def test_streamed_beams_carry_every_beam_whole_then_the_final_ones(server, offli
     assert streamed[-1]["sequence_length"] == done["sequence_length"]
     # before the end, step k's event holds both running beams whole: k + 1 tokens each, not the newest one alone
     assert [e["sequence_length"] for e in streamed[:-1]] == [[k + 1, k + 1] for k in range(len(streamed) - 1)]
+
+
+def test_num_return_sequences_samples_that_many_sequences(server, offline):
+    """num_return_sequences N without beams: N sampled sequences (sequence i seeded seed + i, as a one-sequence
+    request with that seed), text_output [N] and cum_log_probs [1, N]; with stream true a 400."""
+    text = "USER: tell me a story ASSISTANT:"
+    body = {"text_input": text, "max_tokens": 6, "temperature": 1.0, "seed": 5, "num_return_sequences": 3,
+            "exclude_input_in_output": True, "return_log_probs": True}
+    doc = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=60).json()
+    want = [offline.generate({"prompt": text}, SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i,
+                                                               include_stop_str_in_output=True),
+                             use_tqdm=False)[0].outputs[0].text for i in range(3)]
+    assert doc["text_output"] == want and len(set(want)) > 1
+    assert len(doc["cum_log_probs"]) == 3 and all(v < 0 for v in doc["cum_log_probs"])
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json={**body, "stream": True},
+                   timeout=60)
+    assert r.status_code == 400 and "num_return_sequences" in r.text

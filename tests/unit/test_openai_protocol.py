@@ -7,12 +7,12 @@ import asyncio
 import pydantic
 import pytest
 
-from mmserve.entrypoints.openai_fanout import choice_params, merge
+from mmserve.entrypoints.openai_fanout import merge
 from mmserve.entrypoints.openai_protocol import ChatMessage, CompletionRequest
 from mmserve.entrypoints.openai_requests import MAX_CHOICES, num_choices
 from mmserve.entrypoints.openai_responses import OpenAIError, usage_of
 from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, choice_params
 
 
 def test_text_image_and_video_parts_become_template_parts():

@@ -162,7 +162,7 @@ def test_sampling_inputs_map_to_sampling_params_with_trtllm_conventions():
     ({"max_tokens": np.array([[[8]]], np.int32)}, "max_tokens"),
     ({"temperature": _scalar(-1.0, np.float32)}, "temperature"),
     ({"top_p": _scalar(1.5, np.float32)}, "top_p"),
-    ({"num_return_sequences": _scalar(2, np.int32)}, "num_return_sequences must be in"),
+    ({"num_return_sequences": _scalar(17, np.int32)}, "num_return_sequences must be in"),
     ({"prompt_embedding_table": np.zeros((1, 2, 2), np.float16)}, "prompt_embedding_table"),
     ({"min_length": _scalar(1, np.int32), "min_tokens": _scalar(1, np.int32)}, "min_length"),
     ({"foo": _scalar(1, np.int32)}, "'foo'"),
