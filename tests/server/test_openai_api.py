@@ -318,6 +318,22 @@ def test_client_gone_before_a_non_streaming_answer_aborts_the_request(slow_serve
         time.sleep(0.02)
 
 
+def test_client_gone_during_a_beam_search_cancels_it(slow_server_url):
+    """use_beam_search: the search (one engine request per beam and step) ends with its client, slot included."""
+    import time
+    url, engine = slow_server_url
+    body = {"model": "ensemble", "prompt": "Go on", "max_tokens": 300, "ignore_eos": True, "n": 2,
+            "use_beam_search": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    gone = time.monotonic()
+    while engine.has_unfinished() or engine.kv.usage > 0:
+        assert time.monotonic() - gone < 3, "the beam search kept running after the client went away"
+        time.sleep(0.02)
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "ensemble", "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert resp.status_code == 200
+
+
 def test_logit_bias_steers_completions_and_bad_maps_are_400(client, offline, server):
     base = offline.generate("Once upon a time", _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
     target = next(t for t in range(5, 100) if t not in base)
