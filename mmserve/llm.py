@@ -1,6 +1,7 @@
 """LLM: the offline API. Batch-generate from prompts (text + images) or chat messages."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -11,7 +12,7 @@ from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from mmserve.engine.engine import Engine
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, choice_params
 
 
 # prompts preprocessed ahead of the engine's waiting queue: enough to keep a step's token budget fed while
@@ -75,6 +76,17 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        if any(p.n > 1 for p in plist):   # n sequences of a prompt: n requests (seed + i), one output of n completions
+            sizes = [p.n for p in plist]
+            outs = self.generate([pr for pr, k in zip(prompts, sizes) for _ in range(k)],
+                                 [q for p in plist for q in choice_params(p, p.n)], use_tqdm)
+            merged, at = [], 0
+            for k in sizes:
+                group = outs[at:at + k]
+                at += k
+                merged.append(dataclasses.replace(group[0], outputs=[
+                    dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(group)]))
+            return merged
         futures: list[Future] = []
         ids: list[str] = []
         try:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from mmserve.engine.guided import GUIDE_TYPES
 
+MAX_N = 64   # sequences per prompt (SamplingParams.n)
+
 
 @dataclass
 class SamplingParams:
@@ -15,7 +17,9 @@ class SamplingParams:
     Bad values raise ValueError naming the field, so every frontend gets the same checks.
     """
 
-    n: int = 1                               # must be 1; the OpenAI routes run `n` choices as n requests
+    # sequences per prompt: LLM.generate and the servers run n > 1 as n engine requests (choice_params); the
+    # engine itself takes n = 1
+    n: int = 1
     max_tokens: int = 16                     # new tokens at most
     min_tokens: int = 0                      # EOS / stop ids are masked until this many tokens
     temperature: float = 1.0                 # 0 = greedy
@@ -65,8 +69,8 @@ class SamplingParams:
         def fail(name: str, msg: str) -> None:
             raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n != 1:
-            fail("n", "must be 1 (only one sequence per request is supported)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             fail("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -125,9 +129,9 @@ class SamplingParams:
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Per-sequence copies of `params` for n sequences of one prompt (OpenAI `n`, Triton `num_return_sequences`):
-    with a seed, sequence i draws from seed + i (distinct and reproducible: it equals a one-sequence request with
-    that seed); without one, n independent samples."""
+    """Per-sequence copies of `params` (n = 1 each) for n sequences of one prompt (SamplingParams.n, OpenAI `n`,
+    Triton `num_return_sequences`): with a seed, sequence i draws from seed + i (distinct and reproducible: it
+    equals a one-sequence request with that seed); without one, n independent samples."""
     if params.seed is None:
-        return [dataclasses.replace(params) for _ in range(n)]
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+        return [dataclasses.replace(params, n=1) for _ in range(n)]
+    return [dataclasses.replace(params, n=1, seed=params.seed + i) for i in range(n)]

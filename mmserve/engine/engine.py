@@ -155,6 +155,9 @@ class Engine:
         per-token outputs)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError(f"n: the engine runs one sequence per request (got {params.n}); LLM.generate and the "
+                             "servers run n sequences as n requests")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
         n = len(inputs.prompt_token_ids)

@@ -221,3 +221,22 @@ def test_stop_token_sequence_ends_the_output_with_it_after_min_tokens(tiny_llava
         later = next((i for i in range(end + 1, 13) if ids[i - 2:i] == seq), 12)
         assert late.token_ids == ids[:later]   # the first occurrence came before min_tokens: it does not stop
         assert llm.engine.kv.usage == 0
+
+
+def test_n_sequences_per_prompt_offline(tiny_llava_dir):
+    """SamplingParams.n in LLM.generate: n requests of the prompt (sequence i seeded seed + i), one output with n
+    completions in order; the engine itself refuses n > 1 by name."""
+    llm = _llm(tiny_llava_dir, True)
+    prompt = _prompts(3)[2]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=3),
+                         use_tqdm=False)
+    singles = [llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3 + i, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in out.outputs] == singles and len({tuple(s) for s in singles}) > 1
+    with pytest.raises(ValueError, match="^n: the engine runs one sequence"):
+        llm.engine.add_request("x", prompt, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=0)
+    assert params.n == 1 and llm.engine.kv.usage == 0

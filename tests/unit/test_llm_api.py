@@ -143,7 +143,7 @@ def test_engine_steps_while_later_prompts_are_still_preprocessed(llm, monkeypatc
 @pytest.mark.parametrize("kwargs, match", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 2}, "n must be 1"), ({"logprobs": 50}, "logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 0}, "n must be an integer"), ({"logprobs": 50}, "logprobs"),
 ])
 def test_invalid_sampling_values_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
