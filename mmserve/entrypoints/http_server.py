@@ -80,6 +80,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _include_frontends(app: FastAPI) -> None:
-    from mmserve.entrypoints import openai_api, triton_http
+    from mmserve.entrypoints import openai_api, tokenize_api, triton_http
     app.include_router(triton_http.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)

@@ -280,6 +280,28 @@ def test_use_beam_search_gives_the_n_best_beams_as_choices(client, offline, serv
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_tokenize_and_detokenize(server, offline):
+    """vLLM's /tokenize and /detokenize: the served tokenizer (prompt or chat messages through the template) for
+    clients of the token-level tensorrt_llm model; bad input is a 400 naming the field, an unknown model a 404."""
+    url = server.http_url
+    text = "USER: <image>\nWhat is this? ASSISTANT:"
+    doc = httpx.post(f"{url}/tokenize", json={"model": "ensemble", "prompt": text}, timeout=30).json()
+    want = offline.tokenizer(text).input_ids
+    assert doc["tokens"] == want and doc["count"] == len(want) and doc["max_model_len"] > len(want)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": want}, timeout=30).json()["prompt"]
+    assert back == offline.tokenizer.decode(want)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    rendered = offline.engine.inputs.apply_chat_template(messages)["prompt"]
+    assert chat == offline.tokenizer(rendered, add_special_tokens=False).input_ids
+    vocab = offline.engine.text_config.vocab_size
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [vocab]}, "tokens")):
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "a"}, timeout=30).status_code == 404
+
+
 @pytest.fixture
 def slow_server_url(tiny_llava_dir):
     """An in-process server whose engine steps take >= 20 ms, so a long request runs for seconds."""

@@ -1,0 +1,78 @@
+"""`/tokenize` and `/detokenize` (vLLM's routes, beside the OpenAI API): the served model's tokenizer over HTTP, for
+clients of the token-level `tensorrt_llm` Triton model and for counting tokens. Text (or chat messages through the
+model's chat template) to ids and back; image placeholders stay single ids (the processor expands them per picture
+when a request carries the pictures). Errors are OpenAI-shaped 400s naming the field."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, StrictInt
+
+from mmserve.entrypoints.openai_protocol import ChatMessage
+from mmserve.entrypoints.openai_requests import check_model, parse_body
+from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.entrypoints.state import ServerState
+
+router = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None    # instead of prompt: rendered with the chat template first
+    add_special_tokens: bool = True              # prompt only: the template writes its own
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    try:
+        state = _state(request)
+        req = await parse_body(request, TokenizeRequest)
+        if req.model is not None:
+            check_model(state, req.model)
+        ids = _ids(state, req)
+    except OpenAIError as e:
+        return e.response()
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    try:
+        state = _state(request)
+        req = await parse_body(request, DetokenizeRequest)
+        if req.model is not None:
+            check_model(state, req.model)
+        vocab = state.engine.engine.text_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+    except OpenAIError as e:
+        return e.response()
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(req.tokens)})
+
+
+def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.prompt is not None:
+        return state.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+    try:
+        rendered: dict[str, Any] = state.engine.engine.inputs.apply_chat_template(
+            [m.to_template() for m in req.messages])
+    except Exception as e:   # the template rejected these messages
+        raise OpenAIError(400, f"messages: the chat template cannot render these messages: {e}",
+                          param="messages") from None
+    # the template already wrote the special tokens it wants
+    return state.engine.tokenizer(rendered["prompt"], add_special_tokens=False).input_ids
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.mm
