@@ -30,13 +30,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
+async def _parsed(request: Request, body_type: type[BaseModel]) -> tuple[ServerState, Any]:
+    """The server state and the validated body; its `model`, when given, must be served."""
+    state: ServerState = request.app.state.mm
+    req = await parse_body(request, body_type)
+    if req.model is not None:
+        check_model(state, req.model)
+    return state, req
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     try:
-        state = _state(request)
-        req = await parse_body(request, TokenizeRequest)
-        if req.model is not None:
-            check_model(state, req.model)
+        state, req = await _parsed(request, TokenizeRequest)
         ids = _ids(state, req)
     except OpenAIError as e:
         return e.response()
@@ -46,10 +52,7 @@ async def tokenize(request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
     try:
-        state = _state(request)
-        req = await parse_body(request, DetokenizeRequest)
-        if req.model is not None:
-            check_model(state, req.model)
+        state, req = await _parsed(request, DetokenizeRequest)
         vocab = state.engine.engine.text_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -72,7 +75,3 @@ def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:
                           param="messages") from None
     # the template already wrote the special tokens it wants
     return state.engine.tokenizer(rendered["prompt"], add_special_tokens=False).input_ids
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.mm
