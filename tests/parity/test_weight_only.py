@@ -27,13 +27,19 @@ def _round_trip(w: torch.Tensor, method: str) -> torch.Tensor:
     return torch.round(w.float() / s).clamp(-QMAX[method], QMAX[method]) * s
 
 
-def _hf(model_dir: str, device: str, method: str | None):
+def _hf(model_dir: str, device: str, method: str | None, prompt: dict = PROMPT, adapter: str | None = None):
+    """transformers' logits with the decoder projections' weights rounded as `method` stores them, then (adapter)
+    a LoRA adapter merged on top, as mmserve applies it beside the quantized weights."""
     def prepare(model: nn.Module) -> None:
         for name, module in model.model.language_model.named_modules():
-            if _PROJ.fullmatch(name) and isinstance(module, nn.Linear):
+            if method and _PROJ.fullmatch(name) and isinstance(module, nn.Linear):
                 module.weight.data = _round_trip(module.weight.data, method).to(module.weight.dtype)
+        if adapter is not None:
+            from mmserve.testing.lora import merge_lora_into
+            merge_lora_into(model, adapter)
 
-    return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device, prepare if method else None)
+    return hf_logits(model_dir, {k: v for k, v in prompt.items() if k != "lora"}, PARAMS.max_tokens, device,
+                     prepare if method or adapter else None)
 
 
 def _in_interpreter(code: str) -> None:
@@ -130,3 +136,16 @@ def test_weight_only_weights_take_one_byte_or_half_a_byte_per_element(tiny_llava
             ref = plain[name].weight
             assert layer.weight.element_size() == 1 and layer.weight.numel() * numel_ratio == ref.numel()
             assert layer.weight_scale.shape == (ref.shape[0],)
+
+
+def test_lora_adapters_apply_beside_weight_only_layers(tiny_llava_dir, lora_adapters):
+    """An adapter's delta is added to the int4 layers' output: transformers with the int4-rounded weights and the
+    adapter merged gives the same logits."""
+    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization="int4", lora_modules=lora_adapters)
+    prompt = {**PROMPT, "lora": "alpha"}
+    out = llm.generate([prompt], PARAMS, use_tqdm=False)[0]
+    want = _hf(tiny_llava_dir, "cpu", "int4", prompt, lora_adapters["alpha"])
+    torch.testing.assert_close(out.context_logits, want[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.generation_logits, want[1], atol=2e-3, rtol=2e-3)
+    without = _hf(tiny_llava_dir, "cpu", "int4")
+    assert (out.context_logits - without[0]).abs().max() > 2e-2   # the adapter really is applied
