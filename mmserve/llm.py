@@ -1,7 +1,6 @@
 """LLM: the offline API. Batch-generate from prompts (text + images) or chat messages."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -11,7 +10,7 @@ from tqdm import tqdm
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.engine import Engine
 from mmserve.multimodal.inputs import MediaConfig
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import RequestOutput, one_output
 from mmserve.sampling_params import SamplingParams, choice_params
 
 
@@ -82,10 +81,8 @@ class LLM:
                                  [q for p in plist for q in choice_params(p, p.n)], use_tqdm)
             merged, at = [], 0
             for k in sizes:
-                group = outs[at:at + k]
+                merged.append(one_output(outs[at:at + k]))
                 at += k
-                merged.append(dataclasses.replace(group[0], outputs=[
-                    dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(group)]))
             return merged
         futures: list[Future] = []
         ids: list[str] = []

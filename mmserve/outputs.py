@@ -5,6 +5,7 @@ Outputs are cumulative: each RequestOutput of a stream carries all text and toke
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -57,3 +58,10 @@ class RequestOutput:
     # prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)
+
+
+def one_output(outs: list[RequestOutput]) -> RequestOutput:
+    """Several requests of one prompt (each one sequence) as one output whose completions are theirs, in order
+    (SamplingParams.n offline, Triton num_return_sequences)."""
+    return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=i)
+                                                 for i, o in enumerate(outs)])

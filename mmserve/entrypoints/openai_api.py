@@ -64,9 +64,9 @@ async def chat_completions(request: Request) -> Response:
         check_model(state, req.model)
         n = num_choices(req)
         params = await chat_params(req, state)
-        prompt = with_lora(chat_prompt(req, state), req.model, state)
+        prompt = with_lora(chat_prompt(req.messages, state), req.model, state)
         ctx = ResponseContext(new_id("chatcmpl"), now(), req.model, req.logprobs)
-        if width := beam_width_of(req, params):
+        if width := beam_width_of(req, params, n):
             runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
         else:
             runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
@@ -88,7 +88,7 @@ async def completions(request: Request) -> Response:
         if req.echo:
             echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
         ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
-        if width := beam_width_of(req, params):
+        if width := beam_width_of(req, params, n):
             runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
         else:
             runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")

@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
-from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 from mmserve.sampling_params import SamplingParams
@@ -89,12 +89,11 @@ def num_choices(req: ChatCompletionRequest | CompletionRequest) -> int:
     return n
 
 
-def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> int:
-    """`use_beam_search`: the width (= n, at most MAX_BEAM_WIDTH); 0 when not asked. 400s name the parameter
-    beam search cannot take yet."""
+def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams, n: int) -> int:
+    """`use_beam_search`: the width (= n, the request's checked `n`, at most MAX_BEAM_WIDTH); 0 when not asked.
+    400s name the parameter beam search cannot take yet."""
     if not req.use_beam_search:
         return 0
-    n = num_choices(req)
     if n > MAX_BEAM_WIDTH:
         raise OpenAIError(400, f"n must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {n}", param="n")
     if req.stream:
@@ -217,9 +216,10 @@ async def completion_params(req: CompletionRequest, state: ServerState) -> Sampl
     return _sampling_params(kw, {})
 
 
-def chat_prompt(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
+def chat_prompt(messages: list[ChatMessage], state: ServerState) -> dict[str, Any]:
+    """The prompt dict the model's chat template makes of `messages`; 400s name `messages`."""
     try:
-        prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in req.messages])
+        prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in messages])
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # jinja2 TemplateError and the like: the template rejected these messages

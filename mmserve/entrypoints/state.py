@@ -114,9 +114,12 @@ class ServerState:
                         self.metrics.on_finished(out)
                     yield out
 
-    async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams) -> RequestOutput:
+    async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams,
+                             client_id: str = "") -> RequestOutput:
+        """generate run to its final output (closing the stream, so a cancel aborts the request at once)."""
         last = None
-        async for out in self.generate(prompt, params):
-            last = out
+        async with contextlib.aclosing(self.generate(prompt, params, client_id=client_id)) as outputs:
+            async for last in outputs:
+                pass
         return last
 

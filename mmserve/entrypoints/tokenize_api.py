@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, StrictInt
 
 from mmserve.entrypoints.openai_protocol import ChatMessage
-from mmserve.entrypoints.openai_requests import check_model, parse_body
+from mmserve.entrypoints.openai_requests import chat_prompt, check_model, parse_body
 from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 
@@ -67,11 +67,5 @@ def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:
         raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
         return state.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-    try:
-        rendered: dict[str, Any] = state.engine.engine.inputs.apply_chat_template(
-            [m.to_template() for m in req.messages])
-    except Exception as e:   # the template rejected these messages
-        raise OpenAIError(400, f"messages: the chat template cannot render these messages: {e}",
-                          param="messages") from None
     # the template already wrote the special tokens it wants
-    return state.engine.tokenizer(rendered["prompt"], add_special_tokens=False).input_ids
+    return state.engine.tokenizer(chat_prompt(req.messages, state)["prompt"], add_special_tokens=False).input_ids

@@ -24,7 +24,7 @@ from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
 from mmserve.multimodal.inputs import aload_images
-from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.outputs import CompletionOutput, RequestOutput, one_output
 from mmserve.sampling_params import SamplingParams, choice_params
 
 MAX_RETURN_SEQUENCES = 16   # sampled sequences of one prompt (each its own engine request)
@@ -394,21 +394,13 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
 async def _sampled_sequences(state: ServerState, req: TritonRequest) -> RequestOutput:
     """num_return_sequences N without beams: N requests of the prompt (its KV cache computed once and shared), their
     final outputs as one output of N completions."""
-    async def one(params: SamplingParams) -> RequestOutput:
-        last = None
-        async with aclosing(state.generate(req.prompt, params, client_id=req.client_id)) as outputs:
-            async for last in outputs:
-                pass
-        return last
-
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(p)) for p in choice_params(req.params, req.num_return)]
+            tasks = [group.create_task(state.generate_final(req.prompt, p, req.client_id))
+                     for p in choice_params(req.params, req.num_return)]
     except BaseExceptionGroup as group_error:
         raise group_error.exceptions[0] from None
-    outs = [t.result() for t in tasks]
-    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
-    return dataclasses.replace(outs[0], outputs=completions)
+    return one_output([t.result() for t in tasks])
 
 
 def _block_size(state: ServerState) -> int:

@@ -309,6 +309,14 @@ def slow_server_url(tiny_llava_dir):
         yield handle.url, handle.engine
 
 
+def _wait_until_idle(engine, since: float, what: str) -> None:
+    """Wait for the engine to run nothing and hold no KV block, at most 3 s after `since` (time.monotonic())."""
+    import time
+    while engine.has_unfinished() or engine.kv.usage > 0:
+        assert time.monotonic() - since < 3, what
+        time.sleep(0.02)
+
+
 def test_client_disconnect_mid_stream_aborts_the_request(slow_server_url):
     import time
     url, engine = slow_server_url
@@ -321,9 +329,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(slow_server_url):
             if events == 3:
                 break
     closed = time.monotonic()
-    while engine.has_unfinished() or engine.kv.usage > 0:   # 400 steps of >= 20 ms would take 8 s
-        assert time.monotonic() - closed < 3, "the request kept running after the client went away"
-        time.sleep(0.02)
+    # 400 steps of >= 20 ms would take 8 s
+    _wait_until_idle(engine, closed, "the request kept running after the client went away")
     resp = httpx.post(f"{url}/v1/completions", json={"model": "ensemble", "prompt": "Hi", "max_tokens": 2}, timeout=30)
     assert resp.status_code == 200
 
@@ -335,9 +342,7 @@ def test_client_gone_before_a_non_streaming_answer_aborts_the_request(slow_serve
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
     gone = time.monotonic()
-    while engine.has_unfinished() or engine.kv.usage > 0:
-        assert time.monotonic() - gone < 3, "the request kept running after the client went away"
-        time.sleep(0.02)
+    _wait_until_idle(engine, gone, "the request kept running after the client went away")
 
 
 def test_client_gone_during_a_beam_search_cancels_it(slow_server_url):
@@ -349,9 +354,7 @@ def test_client_gone_during_a_beam_search_cancels_it(slow_server_url):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
     gone = time.monotonic()
-    while engine.has_unfinished() or engine.kv.usage > 0:
-        assert time.monotonic() - gone < 3, "the beam search kept running after the client went away"
-        time.sleep(0.02)
+    _wait_until_idle(engine, gone, "the beam search kept running after the client went away")
     resp = httpx.post(f"{url}/v1/completions", json={"model": "ensemble", "prompt": "Hi", "max_tokens": 2}, timeout=30)
     assert resp.status_code == 200
 
