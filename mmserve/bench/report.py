@@ -102,6 +102,10 @@ def _throughput_md(result: dict[str, Any]) -> list[str]:
         ratio = res["ratio"]
         body.append(["ratio mmserve/hf", None, None, ratio["requests_per_s"], ratio["output_tok_s"], None])
     lines += _table(header, body)
+    every = (res.get("mmserve") or {}).get("output_tok_s_every_round") or []
+    if len(every) > 1:
+        lines += ["", f"mmserve's output tok/s in each of its {len(every)} timed rounds (the table gives the best): "
+                  + ", ".join(f"{v:,.0f}" for v in every)]
     steps = (res.get("mmserve") or {}).get("steps")
     if steps:
         lines += ["", "mmserve's engine steps by kind (host: scheduling, inputs, launches, outputs; device wait: "

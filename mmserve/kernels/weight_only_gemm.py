@@ -1,11 +1,13 @@
-"""Triton GEMM for a few activation rows against weight-only int8 / packed int4 weights (layers/weight_only.py):
-y [M, N] = (x [M, K] @ q^T) * s[n] (+ bias), for M up to SMALL_M (batched decode), where the step reads the
-weights once and a narrow-N tile spreads them over every SM.
+"""Triton GEMM for activation rows against weight-only int8 / packed int4 weights (layers/weight_only.py):
+y [M, N] = (x [M, K] @ q^T) * s[n] (+ bias). Up to SMALL_M rows (batched decode) a step reads the weights once and
+is bound by their bytes; more rows (prompt chunks) are compute-bound and get larger tiles.
 
-Each program multiplies a [BLOCK_M, BLOCK_K] tile of x by a [BLOCK_K, BLOCK_N] tile of W^T on the tensor cores
-in the activations' dtype (int8 and int4 values are exact there) with fp32 accumulation, and applies the row
-scales once at the end. Packed int4 tiles are [BLOCK_K / 2, BLOCK_N] bytes: the low nibbles multiply x's even
-columns, the high nibbles its odd ones, so nothing is interleaved in registers.
+The operands are swapped: each program computes a [BLOCK_N, BLOCK_M] tile of y^T = W x^T, so the weight tile,
+turned into the activations' dtype in registers (kernels/gemv.py `int8_as_float` / `int4_as_float`: exact, and
+without int-to-float instructions), is the tensor cores' left operand, which Hopper's wgmma may take from registers,
+while x^T comes from shared memory as loaded; a few rows of x are the narrow side of the product. fp32
+accumulation, the row scales applied once at the end. Packed int4 tiles are [BLOCK_N, BLOCK_K / 2] bytes: the low
+nibbles multiply x's even columns, the high nibbles its odd ones (x read whole, then split).
 """
 from __future__ import annotations
 
@@ -14,17 +16,26 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
+from mmserve.kernels.gemv import int4_as_float, int8_as_float
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 SMALL_M = 64
-_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bm in (16, 32, 64)
-            for bn, bk, w, st in [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3),
-                                  (128, 128, 8, 3), (16, 256, 4, 4)]]
+# BLOCK_N is the tensor cores' M side here (operands swapped, module docstring): Hopper's wgmma wants 64 or more;
+# 16 / 32 fall back to the older mma but spread N = 4096 over more SMs, which the weight-read-bound small-M steps
+# may prefer. Past SMALL_M rows the GEMM is compute-bound: square-ish tiles.
+_SMALL_M_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                    for bm in (16, 32, 64)
+                    for bn, bk, w, st in [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3),
+                                          (128, 256, 8, 3), (64, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+                                          (16, 512, 4, 3), (128, 128, 4, 4)]]
+_LARGE_M_CONFIGS = [triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                    for bn, bk, w, st in [(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (64, 64, 4, 4),
+                                          (128, 128, 8, 3), (64, 128, 4, 3)]]
 
 
 def _m_tile(m: int) -> int:
-    return min(max(16, triton.next_power_of_2(m)), 64)
+    """The autotuning bucket of M rows: 16, 32 or 64 (the BLOCK_M of the small-M tiles), else 128."""
+    return min(max(16, triton.next_power_of_2(m)), 64) if m <= SMALL_M else 128
 
 
 def _prune_m_tiles(configs, named_args, **kwargs):
@@ -32,13 +43,7 @@ def _prune_m_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
 
 
-@triton.jit
-def _unpack(nibbles):
-    """int32 values 0..15 -> the signed 4-bit values they encode."""
-    return tl.where(nibbles >= 8, nibbles - 16, nibbles)
-
-
-@triton.autotune(configs=_CONFIGS, key=["M_TILE", "N", "K", "INT4"],
+@triton.autotune(configs=_SMALL_M_CONFIGS + _LARGE_M_CONFIGS, key=["M_TILE", "N", "K", "INT4"],
                  prune_configs_by={"early_config_prune": _prune_m_tiles}, do_bench=bench_ms)
 @triton.jit
 def _weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, M_TILE,
@@ -49,30 +54,27 @@ def _weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if INT4:
-        rb = tl.arange(0, BLOCK_K // 2)            # bytes of a K tile: 2 weights each
-        for k in range(0, K, BLOCK_K):
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)      # y^T tile
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_rows + k + rk[None, :], mask=m_mask[:, None] & ((k + rk) < K)[None, :], other=0.0)
+        if INT4:
+            rb = tl.arange(0, BLOCK_K // 2)        # bytes of a K tile: 2 weights each
             b_mask = (k // 2 + rb) < K // 2
-            packed = tl.load(w_cols + k // 2 + rb[:, None], mask=b_mask[:, None] & n_mask[None, :], other=0)
-            packed = packed.to(tl.int32)
-            x_even = tl.load(x_rows + k + 2 * rb[None, :], mask=m_mask[:, None] & b_mask[None, :], other=0.0)
-            x_odd = tl.load(x_rows + k + 2 * rb[None, :] + 1, mask=m_mask[:, None] & b_mask[None, :], other=0.0)
-            acc = tl.dot(x_even, _unpack(packed & 0xF).to(x_even.dtype), acc)
-            acc = tl.dot(x_odd, _unpack(packed >> 4).to(x_odd.dtype), acc)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        for k in range(0, K, BLOCK_K):
-            k_mask = (k + rk) < K
-            x = tl.load(x_rows + k + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_cols + k + rk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
-            acc = tl.dot(x, w.to(x.dtype), acc)
-    y = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+            packed = tl.load(w_rows + k // 2 + rb[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0)
+            low, high = int4_as_float(packed, x.dtype)
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            acc = tl.dot(low, tl.trans(x_even), acc)
+            acc = tl.dot(high, tl.trans(x_odd), acc)
+        else:
+            w = tl.load(w_rows + k + rk[None, :], mask=n_mask[:, None] & ((k + rk) < K)[None, :], other=0)
+            acc = tl.dot(int8_as_float(w, x.dtype), tl.trans(x), acc)
+    y = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], y.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
 
 
 def weight_only_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

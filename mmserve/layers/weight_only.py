@@ -11,8 +11,9 @@ summed in fp32. int8 keeps q as int8 [N, K]; int4 packs two values per byte, uin
 nibble, q[2i + 1] in the high one, two's complement). Half / a quarter of the weight memory and reads of fp16. On
 CUDA a one-row activation (batch-1 decode, where a step is a stream of weight reads) goes through a Triton GEMV
 over the stored rows (kernels/gemv.py, the scale applied after the sum), up to 64 rows (batched decode) through a
-Triton tensor-core GEMM over them (kernels/weight_only_gemm.py); more rows (prompts, compute-bound) multiply by the
-weight dequantized to the activations' dtype for that call. The CPU computes the formula above in the activations'
+Triton tensor-core GEMM over them (kernels/weight_only_gemm.py). More rows (prompts, compute-bound) go through that
+GEMM with prompt-sized tiles (the weights turned into the activations' dtype in registers) or through cuBLAS on a
+copy dequantized for the call, whichever was timed faster for the shape (kernels/fastest.py). The CPU computes the formula above in the activations'
 dtype (fp32 on the CPU: exact up to summation order).
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
-SMALL_M = 64   # up to this many rows a CUDA step uses the Triton GEMM over the stored weights
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +65,25 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     rows = x.numel() // x.shape[-1]
     if x.is_cuda and rows == 1:   # one row: the GEMV reads the stored rows as they are
         from mmserve.kernels.gemv import gemv, gemv_int4
-        ones = torch.ones(1, dtype=torch.float32, device=x.device)
-        run = gemv_int4 if weight.dtype == torch.uint8 else gemv
-        y = run(x.reshape(-1), weight, bias, ones, scale, x.dtype)
+        if weight.dtype == torch.uint8:
+            y = gemv_int4(x.reshape(-1), weight, bias, scale, x.dtype)
+        else:
+            y = gemv(x.reshape(-1), weight, bias, weight_scale=scale)
         return y.reshape(*x.shape[:-1], weight.shape[0])
-    if x.is_cuda and rows <= SMALL_M and x.dtype in (torch.float16, torch.bfloat16):
-        from mmserve.kernels.weight_only_gemm import weight_only_gemm
-        y = weight_only_gemm(x.reshape(rows, -1).contiguous(), weight, scale, bias)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from mmserve.kernels.fastest import run_fastest
+        from mmserve.kernels.weight_only_gemm import SMALL_M, weight_only_gemm
+        x2 = x.reshape(rows, -1).contiguous()
+        if rows <= SMALL_M:
+            y = weight_only_gemm(x2, weight, scale, bias)
+        else:   # compute-bound: the in-register dequantization, or cuBLAS on a dequantized copy if that was faster
+            key = ("weight_only_linear", tuple(weight.shape), weight.dtype, x.dtype, rows_bucket(rows), x.device)
+            y = run_fastest(key, [lambda: weight_only_gemm(x2, weight, scale, bias),
+                                  lambda: F.linear(x2, dequantize(weight, scale, x.dtype), bias)])
         return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, dequantize(weight, scale, x.dtype), bias)
+
+
+def rows_bucket(rows: int) -> int:
+    """Row counts that share one timing of the two large-M paths: powers of two."""
+    return 1 << max(0, rows - 1).bit_length()

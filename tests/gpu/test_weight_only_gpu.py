@@ -13,17 +13,23 @@ CUDA = torch.device("cuda")
 QUANTIZE = {"int8": quantize_weight_int8, "int4": quantize_weight_int4}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008)])
 @pytest.mark.parametrize("m", [1, 7, 300])
-def test_weight_only_linear_matches_the_formula(m: int, n: int, k: int, method: str) -> None:
+def test_weight_only_linear_matches_the_formula(m: int, n: int, k: int, method: str, dtype: torch.dtype) -> None:
+    """Every path: the GEMVs (one row), the small-M GEMM (7), the large-M choice (300) in fp16 and bf16."""
     g = torch.Generator(device=CUDA).manual_seed(m + n)
     w, s = QUANTIZE[method](torch.randn(n, k, device=CUDA, generator=g) * 0.02)
-    x = torch.randn(m, k, device=CUDA, generator=g, dtype=torch.float16)
-    bias = torch.randn(n, device=CUDA, generator=g, dtype=torch.float16)
+    x = torch.randn(m, k, device=CUDA, generator=g, dtype=dtype)
+    bias = torch.randn(n, device=CUDA, generator=g, dtype=dtype)
     want = x.float() @ dequantize(w, s, torch.float32).t() + bias.float()
     got = weight_only_linear(x, w, s, bias).float()
     assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    if m > 1:   # the Triton GEMM alone too, whichever path the large-M timing chose
+        from mmserve.kernels.weight_only_gemm import weight_only_gemm
+        alone = weight_only_gemm(x, w, s, bias).float()
+        assert (alone - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -29,7 +29,10 @@ def _check(out, oracle_lp: torch.Tensor, k: int, tol: float) -> None:
         if tol <= TOL["cpu"]:   # the GPU's summation order may swap near-equal neighbours
             assert chosen.rank == int((ref > ref[ids[pos]]).sum()) + 1
         top = {tok: lp for tok, lp in entry.items() if lp.rank <= k}
-        assert len(top) == k and all(lp.logprob == pytest.approx(ref[tok].item(), abs=tol) for tok, lp in top.items())
+        assert len(top) == k, (pos, entry)
+        for tok, lp in top.items():
+            assert lp.logprob == pytest.approx(ref[tok].item(), abs=tol), \
+                (pos, tok, lp, ref[tok].item(), ref.topk(k + 2), entry)
         if tol <= TOL["cpu"]:
             assert set(top) == set(ref.topk(k).indices.tolist())
 
@@ -39,7 +42,10 @@ def _check(out, oracle_lp: torch.Tensor, k: int, tol: float) -> None:
 def test_prompt_logprobs_match_transformers(tiny_llava_dir, chunk, device):
     context, _ = hf_logits(tiny_llava_dir, PROMPT, 1)
     oracle_lp = torch.log_softmax(context.double(), dim=-1).float()
-    llm = LLM(tiny_llava_dir, device=device, dtype="float32", max_num_batched_tokens=chunk)
+    # Pictures are preprocessed on the CPU, as the oracle's are: the tiny random model turns the GPU resize's
+    # last-bit pixel differences into ~0.05 of log-probability at the image's positions (so does transformers'
+    # own GPU run against its CPU one: up to 0.12, with cuDNN's TF32 patch embedding).
+    llm = LLM(tiny_llava_dir, device=device, dtype="float32", max_num_batched_tokens=chunk, preprocess_on_gpu=False)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     first = llm.generate(PROMPT, params, use_tqdm=False)[0]
     _check(first, oracle_lp, 3, TOL[device])

@@ -82,11 +82,11 @@ def test_one_row_gemv_over_stored_rows_matches_the_formula(method):
         "from mmserve.kernels.gemv import gemv, gemv_int4\n"
         "from mmserve.layers.weight_only import dequantize, quantize_weight_int4, quantize_weight_int8\n"
         "g = torch.Generator().manual_seed(0)\n"
-        f"quantize, run = {'(quantize_weight_int8, gemv)' if method == 'int8' else '(quantize_weight_int4, gemv_int4)'}\n"
+        f"quantize = {'quantize_weight_int8' if method == 'int8' else 'quantize_weight_int4'}\n"
         "w, s = quantize(torch.randn(41, 202, generator=g))\n"
         "x = torch.randn(202, generator=g)\n"
         "b = torch.randn(41, generator=g)\n"
-        "y = run(x, w, b, torch.ones(1), s, torch.float32)\n"
+        f"y = {'gemv(x, w, b, weight_scale=s)' if method == 'int8' else 'gemv_int4(x, w, b, s, torch.float32)'}\n"
         "want = x @ dequantize(w, s, torch.float32).t() + b\n"
         "assert torch.allclose(y, want, atol=1e-4), (y - want).abs().max()\n"
         "print('ok')\n")
