@@ -104,10 +104,13 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
 
 
 async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
-                            request_id: str, snapshots: bool = False) -> AsyncIterator[RequestOutput]:
+                            request_id: str, snapshots: bool = False, stop: asyncio.Event | None = None
+                            ) -> AsyncIterator[RequestOutput]:
     """beam_search as a stream: with `snapshots`, after each step an unfinished output holding W beams so far (the
     running ones best first, then hypotheses already finished; they may change order or be replaced from one step
-    to the next, so each carries whole beams, as TensorRT-LLM streams beams); always the final output last."""
+    to the next, so each carries whole beams, as TensorRT-LLM streams beams); always the final output last. Once
+    `stop` is set the search ends after the step in flight: the final output holds those W beams, finish reason
+    "abort"."""
     inner = engine.engine
     eos = set() if params.ignore_eos else (
         {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
@@ -125,22 +128,28 @@ async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, 
                         reverse=True)
         return [(tok, lp) for lp, tok in ranked[:2 * width]]
 
-    def output(beams: list[Beam], finished: bool) -> RequestOutput:
+    def output(beams: list[Beam], finished: bool, aborted: bool = False) -> RequestOutput:
         completions = []
         for k, beam in enumerate(beams):
             ended = bool(beam.tokens) and beam.tokens[-1] in eos
             text_ids = beam.tokens[:-1] if ended else beam.tokens
+            reason = ("stop" if ended else "abort" if aborted else "length") if finished else None
             completions.append(CompletionOutput(
                 k, inner.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
                 cumulative_logprob=beam.score,
-                logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
-                finish_reason=("stop" if ended else "length") if finished else None))
+                logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)], finish_reason=reason))
         return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, finished)
 
+    def current() -> list[Beam]:   # W beams, as clients index them: the running ones, then finished ones
+        return (search.running + [beam for _, beam in search.finished])[:width]
+
     while not search.done:
+        if stop is not None and stop.is_set():
+            yield output(current(), True, aborted=True)
+            return
         search.step(await asyncio.gather(*(offers(i, b) for i, b in enumerate(search.running))))
-        if snapshots and not search.done:   # W beams, as clients index them: the running ones, then finished ones
-            yield output((search.running + [beam for _, beam in search.finished])[:width], False)
+        if snapshots and not search.done:
+            yield output(current(), False)
     yield output(search.results(), True)
 
 

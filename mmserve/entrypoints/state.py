@@ -1,9 +1,10 @@
 """ServerState: what every frontend (HTTP routes, gRPC servicer) shares: engine, config, names, metrics."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,9 @@ class ServerState:
     model_type: str                     # HF config.model_type, e.g. "llava"
     metrics: Metrics = field(init=False)
     in_flight: int = 0
-    # a client's request id (Triton's `id`) -> the engine requests running for it, which a later request with
-    # that id and `stop` true cancels (TensorRT-LLM's tensorrt_llm model)
-    by_client_id: dict[str, set[str]] = field(default_factory=dict)
+    # a client's request id (Triton's `id`) -> how to end each request running for it (an engine abort, a beam
+    # search's stop), which a later request with that id and `stop` true calls (TensorRT-LLM's tensorrt_llm model)
+    by_client_id: dict[str, dict[str, Callable[[], None]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
@@ -72,7 +73,7 @@ class ServerState:
         `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones.
         `client_id` (the client's own id, may repeat) lets `cancel` find it."""
         request_id = request_id or uuid.uuid4().hex
-        with self._slot(), self._registered(client_id, request_id):
+        with self._slot(), self._registered(client_id, request_id, lambda: self.engine.abort(request_id)):
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
             async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for out in stream:
@@ -81,34 +82,36 @@ class ServerState:
                     yield out
 
     @contextlib.contextmanager
-    def _registered(self, client_id: str, request_id: str):
+    def _registered(self, client_id: str, request_id: str, end: Callable[[], None]):
         if not client_id:
             yield
             return
-        self.by_client_id.setdefault(client_id, set()).add(request_id)
+        self.by_client_id.setdefault(client_id, {})[request_id] = end
         try:
             yield
         finally:
             running = self.by_client_id[client_id]
-            running.discard(request_id)
+            running.pop(request_id, None)
             if not running:
                 del self.by_client_id[client_id]
 
     def cancel(self, client_id: str) -> int:
-        """Abort every running request the client sent under `client_id`; how many there were."""
-        running = list(self.by_client_id.get(client_id, ()))
-        for request_id in running:
-            self.engine.abort(request_id)
+        """End every running request the client sent under `client_id`; how many there were."""
+        running = list(self.by_client_id.get(client_id, {}).values())
+        for end in running:
+            end()
         return len(running)
 
     async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int, length_penalty: float,
-                          stream: bool = False) -> AsyncIterator[RequestOutput]:
+                          stream: bool = False, client_id: str = "") -> AsyncIterator[RequestOutput]:
         """Beam search (engine/beam_search.py) under the same cap and metrics as generate: one request however
-        many beams; the metrics count the best beam's tokens. `stream`: the running beams after each step too."""
-        with self._slot():
+        many beams; the metrics count the best beam's tokens. `stream`: the running beams after each step too.
+        `cancel(client_id)` ends it after the step in flight, with the beams it has (finish reason "abort")."""
+        request_id, stop = uuid.uuid4().hex, asyncio.Event()
+        with self._slot(), self._registered(client_id, request_id, stop.set):
             inputs = await self.engine.preprocess(prompt)
             async with contextlib.aclosing(beam_search_steps(self.engine, inputs, params, width, length_penalty,
-                                                             uuid.uuid4().hex, snapshots=stream)) as steps:
+                                                             request_id, snapshots=stream, stop=stop)) as steps:
                 async for out in steps:
                     if out.finished:
                         self.metrics.on_finished(out)

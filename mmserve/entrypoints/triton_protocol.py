@@ -376,7 +376,7 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
             return
         if req.beam_width > 1:
             async with aclosing(state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty,
-                                                  stream=req.stream)) as steps:
+                                                  stream=req.stream, client_id=req.client_id)) as steps:
                 async for out in steps:
                     del out.outputs[req.num_return:]
                     yield out

@@ -220,14 +220,16 @@ def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
         assert err.value.status() == "400" and field in err.value.message()
 
 
-def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline):
+@pytest.mark.parametrize("beam_width", [1, 2])
+def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline, beam_width):
     """TensorRT-LLM's cancel: a request with `stop` true and the id of a running one ends it (its stream ends
-    with what it has, the blocks are freed) and is answered with no tokens; other ids run on."""
+    with what it has, the blocks are freed) and is answered with no tokens; other ids run on. A beam search ends
+    after its step in flight, with the beams it has."""
     from tests.server.conftest import slow_server
 
     ids = prompt_ids(offline)
     long = {"input_ids": ids, "input_lengths": len(ids), "request_output_len": 300, "min_tokens": 300,
-            "runtime_top_k": 1, "streaming": True}
+            "runtime_top_k": 1, "streaming": True, "beam_width": beam_width}
     stop = {"input_ids": [0], "input_lengths": 0, "request_output_len": 0, "stop": True}   # the client's placeholders
     with slow_server(tiny_llava_dir) as handle, httpx.Client(timeout=60) as client:
         url = f"{handle.url}/v2/models/{MODEL}"
@@ -240,7 +242,12 @@ def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline):
             assert answer["sequence_length"] == 0 and answer["output_ids"] == []
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
         assert 1 + len(events) < 300   # ended early, with a final event
+        if beam_width > 1:   # the last event carries whole beams (flattened), each shorter than asked
+            lengths = events[-1]["sequence_length"]
+            assert len(lengths) == beam_width and all(0 < n < 300 for n in lengths)
+            assert len(events[-1]["output_ids"]) == sum(lengths)
         deadline = time.time() + 5
-        while (handle.engine.requests or handle.engine.kv.usage) and time.time() < deadline:
+        while (handle.engine.requests or handle.engine.kv.usage or handle.state.in_flight) and time.time() < deadline:
             time.sleep(0.05)
         assert not handle.engine.requests and handle.engine.kv.usage == 0 and not handle.state.by_client_id
+        assert handle.state.in_flight == 0
