@@ -23,6 +23,7 @@ class Chunk:
     beams: list[str] | None = None   # beam search: each completion's text, best first (`text` is the first)
     with_prompt: bool = False        # tensorrt_llm: output_ids start with the prompt's ids
     pad_id: int = 0                  # tensorrt_llm: fills output_ids past a shorter beam or batch item
+    sequence_index: int = 0          # a streamed response of one of num_return_sequences sampled sequences
 
 
 def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
@@ -96,7 +97,7 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
         "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
         "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[:, None],
         "batch_index": np.arange(n, dtype=np.int32).reshape(n, 1),
-        "sequence_index": np.zeros((n, 1), dtype=np.int32),
+        "sequence_index": np.array([c.sequence_index for c in chunks], dtype=np.int32).reshape(n, 1),
     }
     if model == BLS:
         tensors.update(_bls_metrics(chunks, block_size))

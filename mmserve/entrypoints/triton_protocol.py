@@ -279,22 +279,20 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
                                     video_token=getattr(inputs, "video_token", None))
     stream = bool(g.scalar("stream", False))
     width = beam_width(g, params)
-    num_return = num_return_sequences(g, width, stream)
+    num_return = num_return_sequences(g, width)
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
                          length_penalty=float(g.scalar("length_penalty", 1.0)), num_return=num_return)
 
 
-def num_return_sequences(g: _Item, width: int, stream: bool) -> int:
+def num_return_sequences(g: _Item, width: int) -> int:
     """With beams, the N best of the W (default W); without, N sequences sampled for the prompt (default 1)."""
     num_return = int(g.scalar("num_return_sequences", width))
     if width > 1 and not 1 <= num_return <= width:
         raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}], got {num_return}")
     if width == 1 and not 1 <= num_return <= MAX_RETURN_SEQUENCES:
         raise ValueError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {num_return}")
-    if width == 1 and num_return > 1 and stream:
-        raise ValueError("num_return_sequences: more than one sampled sequence with stream true is not supported yet")
     return num_return
 
 
@@ -442,22 +440,76 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
     if not req.stream:
         yield await infer(state, [req]), True
         return
-    sent_chars = sent_tokens = 0
     block_size = _block_size(state)
+    if req.num_return > 1 and req.beam_width == 1:
+        sent = [(0, 0)] * req.num_return
+        running = req.num_return
+        async with aclosing(_sampled_streams(state, req)) as outputs:
+            async for index, out in outputs:
+                chunk = _stream_chunk(req, out, *sent[index], accumulate)
+                running -= out.finished
+                if chunk is not None:
+                    sent[index] = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+                    chunk.sequence_index = index
+                    yield make_outputs([chunk], req.model, block_size), running == 0
+        return
+    sent_chars = sent_tokens = 0
     async with aclosing(generate(state, req)) as outputs:
         async for out in outputs:
-            completion = out.outputs[0]
-            if req.beam_width > 1:   # beams change from step to step: each response carries them whole
-                beams = [c.text for c in out.outputs]
-                chunk = Chunk(beams[0], out, 0, req.return_log_probs, beams, pad_id=req.pad_id)
-            elif req.model == TRTLLM:
-                if len(completion.token_ids) == sent_tokens and not out.finished:
-                    continue
-                chunk = Chunk("", out, sent_tokens, req.return_log_probs, pad_id=req.pad_id)
-            else:
-                if len(completion.text) == sent_chars and not out.finished:
-                    continue
-                piece = completion.text if accumulate else completion.text[sent_chars:]
-                chunk = Chunk(piece, out, sent_tokens, req.return_log_probs)
-            sent_chars, sent_tokens = len(completion.text), len(completion.token_ids)
+            chunk = _stream_chunk(req, out, sent_chars, sent_tokens, accumulate)
+            if chunk is None:
+                continue
+            sent_chars, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
             yield make_outputs([chunk], req.model, block_size), out.finished
+
+
+def _stream_chunk(req: TritonRequest, out: RequestOutput, sent_chars: int, sent_tokens: int,
+                  accumulate: bool) -> Chunk | None:
+    """What a streamed response carries for `out`, given how much of its first completion was sent already; None
+    when there is nothing new and it has not finished."""
+    completion = out.outputs[0]
+    if req.beam_width > 1:   # beams change from step to step: each response carries them whole
+        beams = [c.text for c in out.outputs]
+        return Chunk(beams[0], out, 0, req.return_log_probs, beams, pad_id=req.pad_id)
+    if req.model == TRTLLM:
+        if len(completion.token_ids) == sent_tokens and not out.finished:
+            return None
+        return Chunk("", out, sent_tokens, req.return_log_probs, pad_id=req.pad_id)
+    if len(completion.text) == sent_chars and not out.finished:
+        return None
+    piece = completion.text if accumulate else completion.text[sent_chars:]
+    return Chunk(piece, out, sent_tokens, req.return_log_probs)
+
+
+async def _sampled_streams(state: ServerState, req: TritonRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """num_return_sequences N without beams, streamed: the N sampled sequences' outputs as they come, each with
+    its sequence's index (TensorRT-LLM's `sequence_index`). Closing this generator aborts all N."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, params: SamplingParams) -> None:
+        try:
+            async with aclosing(state.generate(req.prompt, params, client_id=req.client_id)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((index, out, None))
+        except Exception as exc:   # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, None, exc))
+        finally:
+            queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(choice_params(req.params, req.num_return))]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            index, out, exc = await queue.get()
+            if isinstance(exc, ValueError):
+                raise ValueError(_rename_fields(str(exc), req)) from exc
+            if exc is not None:
+                raise exc
+            if out is None:
+                ended += 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -163,5 +163,5 @@ async def _parse_item(state: ServerState, g: _Item) -> TritonRequest:
     return TritonRequest(TRTLLM, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, beam_width=width,
-                         num_return=num_return_sequences(g, width, stream), length_penalty=length_penalty,
+                         num_return=num_return_sequences(g, width), length_penalty=length_penalty,
                          pad_id=int(pad_id))

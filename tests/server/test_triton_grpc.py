@@ -56,13 +56,13 @@ def seed_inputs(image_name: str, image: np.ndarray, max_tokens: int = 16, stream
                   repetition_penalty=np.array([[1.0]], np.float32), **extra)
 
 
-def run_stream(client, requests: list[tuple[str, list, str]], **kw) -> list[tuple]:
+def run_stream(client, requests: list[tuple[str, list, str]], outputs=("text_output",), **kw) -> list[tuple]:
     """Send (model, inputs, id) requests on one stream; returns (result, error) in arrival order."""
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     for model, tensors, request_id in requests:
         client.async_stream_infer(model, tensors, request_id=request_id,
-                                  outputs=[grpcclient.InferRequestedOutput("text_output")], **kw)
+                                  outputs=[grpcclient.InferRequestedOutput(o) for o in outputs], **kw)
     client.stop_stream()   # half-closes and blocks until the server has answered everything
     return [results.get() for _ in range(results.qsize())]
 
@@ -114,6 +114,25 @@ def test_stream_infer_sends_pieces_then_a_final_response(client, offline):
                                                          min_tokens=np.array([[12]], np.int32)), "s2")])
     [(result, error)] = plain          # stream=false: one response with the whole text, prompt included
     assert error is None and final_flag(result) and result.as_numpy("text_output")[0].decode().endswith(want)
+
+
+def test_streamed_sampled_sequences_carry_their_sequence_index(client, offline):
+    """num_return_sequences 3 with stream over gRPC: each response one sequence's new text and its sequence_index;
+    each sequence's pieces join to the one-sequence request seeded seed + i; only the last response is final."""
+    tensors = inputs(text_input=np.array([[b"USER: tell me a story ASSISTANT:"]], dtype=object),
+                     max_tokens=np.array([[6]], np.int32), temperature=np.array([[1.0]], np.float32),
+                     random_seed=np.array([[5]], np.uint64), num_return_sequences=np.array([[3]], np.int32),
+                     exclude_input_in_output=np.array([[True]]), stream=np.array([[True]]))
+    answers = run_stream(client, [("tensorrt_llm_bls", tensors, "n3")], outputs=("text_output", "sequence_index"),
+                         enable_empty_final_response=True)
+    assert all(error is None for _, error in answers)
+    pieces = {0: "", 1: "", 2: ""}
+    for result, _ in answers[:-1]:
+        pieces[int(result.as_numpy("sequence_index")[0, 0])] += result.as_numpy("text_output")[0].decode()
+    want = [completion(offline, {"prompt": "USER: tell me a story ASSISTANT:"}, max_tokens=6, temperature=1.0,
+                       seed=5 + i)[0] for i in range(3)]
+    assert [pieces[i] for i in range(3)] == want and len(set(want)) > 1
+    assert [final_flag(r) for r, _ in answers] == [False] * (len(answers) - 1) + [True]
 
 
 def test_bls_stream_sends_a_flag_only_final_only_when_asked(client):

@@ -309,16 +309,35 @@ def test_streamed_beams_carry_every_beam_whole_then_the_final_ones(server, offli
 
 def test_num_return_sequences_samples_that_many_sequences(server, offline):
     """num_return_sequences N without beams: N sampled sequences (sequence i seeded seed + i, as a one-sequence
-    request with that seed), text_output [N] and cum_log_probs [1, N]; with stream true a 400."""
+    request with that seed), text_output [N] and cum_log_probs [1, N]. With stream true the N sequences stream side
+    by side, each response one sequence's new text tagged with its sequence_index (TensorRT-LLM's), and the last
+    response comes when all N have ended; the tensorrt_llm model streams their ids the same way."""
     text = "USER: tell me a story ASSISTANT:"
     body = {"text_input": text, "max_tokens": 6, "temperature": 1.0, "seed": 5, "num_return_sequences": 3,
             "exclude_input_in_output": True, "return_log_probs": True}
     doc = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=60).json()
-    want = [offline.generate({"prompt": text}, SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i,
-                                                               include_stop_str_in_output=True),
-                             use_tqdm=False)[0].outputs[0].text for i in range(3)]
+    singles = [offline.generate({"prompt": text}, SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i,
+                                                                  include_stop_str_in_output=True),
+                                use_tqdm=False)[0].outputs[0] for i in range(3)]
+    want = [c.text for c in singles]
     assert doc["text_output"] == want and len(set(want)) > 1
     assert len(doc["cum_log_probs"]) == 3 and all(v < 0 for v in doc["cum_log_probs"])
-    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json={**body, "stream": True},
-                   timeout=60)
-    assert r.status_code == 400 and "num_return_sequences" in r.text
+    with httpx.stream("POST", f"{server.http_url}/v2/models/tensorrt_llm_bls/generate_stream",
+                      json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(events) > 3
+    pieces: dict[int, str] = {0: "", 1: "", 2: ""}
+    for event in events:
+        pieces[event["sequence_index"]] += event["text_output"]
+    assert [pieces[i] for i in range(3)] == want
+    ids = offline.tokenizer(text).input_ids
+    tokens = {"input_ids": ids, "input_lengths": len(ids), "request_output_len": 6, "temperature": 1.0,
+              "random_seed": 5, "num_return_sequences": 3, "streaming": True}
+    with httpx.stream("POST", f"{server.http_url}/v2/models/tensorrt_llm/generate_stream", json=tokens,
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for event in events:   # the generate extension writes a one-element tensor as a scalar
+        new = event["output_ids"]
+        streamed[event["sequence_index"]] += new if isinstance(new, list) else [new]
+    assert [streamed[i] for i in range(3)] == [list(c.token_ids) for c in singles]

@@ -220,16 +220,16 @@ def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
         assert err.value.status() == "400" and field in err.value.message()
 
 
-@pytest.mark.parametrize("beam_width", [1, 2])
-def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline, beam_width):
+@pytest.mark.parametrize("beam_width,num_return", [(1, 1), (2, 2), (1, 2)], ids=["one", "beams", "sampled"])
+def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline, beam_width, num_return):
     """TensorRT-LLM's cancel: a request with `stop` true and the id of a running one ends it (its stream ends
     with what it has, the blocks are freed) and is answered with no tokens; other ids run on. A beam search ends
-    after its step in flight, with the beams it has."""
+    after its step in flight, with the beams it has; streamed sampled sequences all end."""
     from tests.server.conftest import slow_server
 
     ids = prompt_ids(offline)
     long = {"input_ids": ids, "input_lengths": len(ids), "request_output_len": 300, "min_tokens": 300,
-            "runtime_top_k": 1, "streaming": True, "beam_width": beam_width}
+            "runtime_top_k": 1, "streaming": True, "beam_width": beam_width, "num_return_sequences": num_return}
     stop = {"input_ids": [0], "input_lengths": 0, "request_output_len": 0, "stop": True}   # the client's placeholders
     with slow_server(tiny_llava_dir) as handle, httpx.Client(timeout=60) as client:
         url = f"{handle.url}/v2/models/{MODEL}"
@@ -246,8 +246,33 @@ def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline, be
             lengths = events[-1]["sequence_length"]
             assert len(lengths) == beam_width and all(0 < n < 300 for n in lengths)
             assert len(events[-1]["output_ids"]) == sum(lengths)
+        if num_return > 1 and beam_width == 1:   # both sequences streamed, and both ended early
+            assert {e["sequence_index"] for e in events} == {0, 1} and len(events) < 2 * 299
         deadline = time.time() + 5
         while (handle.engine.requests or handle.engine.kv.usage or handle.state.in_flight) and time.time() < deadline:
             time.sleep(0.05)
         assert not handle.engine.requests and handle.engine.kv.usage == 0 and not handle.state.by_client_id
         assert handle.state.in_flight == 0
+
+
+def test_disconnect_mid_stream_aborts_every_sampled_sequence(tiny_llava_dir, offline):
+    """Streamed num_return_sequences: a client that goes away mid-stream ends all N engine requests; their blocks
+    and server slots come back."""
+    from tests.server.conftest import slow_server
+
+    body = {"text_input": "USER: tell me a long story ASSISTANT:", "max_tokens": 300, "min_tokens": 300,
+            "temperature": 1.0, "num_return_sequences": 3, "stream": True}
+    with slow_server(tiny_llava_dir) as handle, httpx.Client(timeout=60) as client:
+        url = f"{handle.url}/v2/models/tensorrt_llm_bls/generate_stream"
+        with client.stream("POST", url, json=body) as r:
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen.add(json.loads(line[6:])["sequence_index"])
+                    if len(seen) == 3:
+                        break
+            assert len(handle.engine.requests) == 3
+        deadline = time.time() + 5
+        while (handle.engine.requests or handle.engine.kv.usage or handle.state.in_flight) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not handle.engine.requests and handle.engine.kv.usage == 0 and handle.state.in_flight == 0
