@@ -14,6 +14,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 import mmserve
 from mmserve.entrypoints import triton_protocol as tp
+from mmserve.entrypoints import triton_run as tr
 from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
@@ -136,7 +137,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             tp.check_model(state, request.model_name, request.model_version)
             reqs = await tp.parse_request(state, request.model_name, decode_inputs(request), request.id)
             requested = [o.name for o in request.outputs]
-            outputs = select_outputs(await tp.infer(state, reqs), requested, request.model_name)
+            outputs = select_outputs(await tr.infer(state, reqs), requested, request.model_name)
         except Exception as exc:
             error = exc
         if error is None:
@@ -192,7 +193,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise ValueError(f"text_input: ModelStreamInfer takes batch size 1, got {len(reqs)}")
             requested = [o.name for o in request.outputs]
             accumulate = model == BLS and state.config.accumulate_tokens
-            async for tensors, last in tp.stream(state, reqs[0], accumulate):
+            async for tensors, last in tr.stream(state, reqs[0], accumulate):
                 started = True
                 outputs = select_outputs(tensors, requested, model)
                 final = last and not flag_only_final

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from mmserve.entrypoints.openai_fanout import (
-    ChoiceRun, close_choices, engine_error, finish_choices, merge, start_beam_choices, start_choices)
+    ChoiceRun, close_choices, engine_error, finish_choices, start_beam_choices, start_choices)
 from mmserve.entrypoints.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, Usage, new_id, now)
 from mmserve.entrypoints.openai_requests import (
@@ -28,6 +28,7 @@ from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
     completion_response, echo_logprobs, sse, usage_of)
 from mmserve.entrypoints.state import ServerState
+from mmserve.entrypoints.streams import merge
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import choice_params
 

@@ -1,9 +1,9 @@
 """OpenAI's `n`: one engine request per choice, all or nothing.
 
 `start_choices` queues one request per choice of the same prompt (choice i seeded `seed + i` when a seed is
-given) and waits for each one's first output; `finish_choices` runs them to their ends; `merge` interleaves
-their streams. A failure of any choice, an overloaded server or a cancel (the client went away) closes
-every choice's engine stream, which aborts its request and frees its KV blocks. Copies of one prompt cost
+given) and waits for each one's first output; `finish_choices` runs them to their ends (streams.py `merge`
+interleaves their streams). A failure of any choice, an overloaded server or a cancel (the client went away)
+closes every choice's engine stream, which aborts its request and frees its KV blocks. Copies of one prompt cost
 one prefill: the scheduler makes later copies wait for the first and reuse its KV cache.
 
 `start_beam_choices` (vLLM's `use_beam_search`): one beam search whose n best beams are the n choices; each
@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from mmserve.engine.engine import EngineOverloaded
 from mmserve.entrypoints.openai_responses import OpenAIError
@@ -27,8 +27,6 @@ from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-_END = object()   # what _next returns for an exhausted stream
 _ENGINE_CHECKED_PARAMS = ("logit_bias",)
 
 
@@ -142,35 +140,4 @@ async def close_choices(runs: list[ChoiceRun]) -> None:
             await run.stream.aclose()
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """The items of several async generators as they come (ties in list order). The first exception is
-    raised once the others are closed; closing this generator closes them all."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for item in only:
-                yield item
-        return
-    waiting: dict[asyncio.Task, int] = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)}
-    try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=waiting.__getitem__):
-                i = waiting.pop(task)
-                item = task.result()
-                if item is not _END:
-                    yield item
-                    waiting[asyncio.ensure_future(_next(streams[i]))] = i
-    finally:
-        for task in waiting:
-            task.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-
-
-async def _next(stream: AsyncIterator[T]) -> T | object:
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return _END
 

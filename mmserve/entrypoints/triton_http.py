@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import mmserve
 from mmserve.entrypoints import triton_protocol as tp
+from mmserve.entrypoints import triton_run as tr
 from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
@@ -240,7 +241,7 @@ async def model_infer(request: Request, model: str, version: str = "") -> Respon
             raise ValueError(f"'id' must be a string, got {request_id!r}")
         requested, binary, default_binary = _requested_outputs(head)
         reqs = await tp.parse_request(state, model, tensors, request_id)
-        outputs = select_outputs(await _until_disconnect(request, tp.infer(state, reqs)), requested, model)
+        outputs = select_outputs(await _until_disconnect(request, tr.infer(state, reqs)), requested, model)
     except Exception as exc:
         return _error(exc)
     return _infer_response(model, request_id, outputs, binary, default_binary)
@@ -287,7 +288,7 @@ async def generate(request: Request, model: str, version: str = "") -> Response:
     state = _state(request)
     try:
         request_id, reqs = await _generate_request(request, model, version)
-        tensors = await _until_disconnect(request, tp.infer(state, reqs))
+        tensors = await _until_disconnect(request, tr.infer(state, reqs))
     except Exception as exc:
         return _error(exc)
     return Response(_generate_json(model, request_id, select_outputs(tensors, None, model)),
@@ -307,7 +308,7 @@ async def generate_stream(request: Request, model: str, version: str = "") -> Re
         request_id, reqs = await _generate_request(request, model, version)
         if len(reqs) != 1:
             raise ValueError(f"text_input: generate_stream takes one prompt (batch size 1), got {len(reqs)}")
-        responses = tp.stream(state, reqs[0], accumulate=model == BLS and state.config.accumulate_tokens)
+        responses = tr.stream(state, reqs[0], accumulate=model == BLS and state.config.accumulate_tokens)
         first, last = await anext(responses)
     except Exception as exc:
         return _error(exc)

@@ -7,7 +7,7 @@ import asyncio
 import pydantic
 import pytest
 
-from mmserve.entrypoints.openai_fanout import merge
+from mmserve.entrypoints.streams import merge
 from mmserve.entrypoints.openai_protocol import ChatMessage, CompletionRequest
 from mmserve.entrypoints.openai_requests import MAX_CHOICES, num_choices
 from mmserve.entrypoints.openai_responses import OpenAIError, usage_of
