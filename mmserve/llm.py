@@ -99,8 +99,9 @@ class LLM:
     def beam_search(self, prompts: str | dict | list, beam_width: int, params: SamplingParams | None = None,
                     length_penalty: float = 1.0) -> list[RequestOutput]:
         """Beam search (engine/beam_search.py) for each prompt, all at once in continuous batches; each output has
-        `beam_width` completions, best first (max_tokens, min_tokens, end id, repetition penalty, logit bias and
-        one-token bad words of `params` apply; the sampling knobs do not)."""
+        `beam_width` completions, best first (max_tokens, min_tokens, end id, stop strings and token sequences,
+        repetition / presence / frequency penalties, logit bias and one-token bad words of `params` apply; the
+        sampling knobs do not)."""
         import asyncio
 
         from mmserve.engine.async_engine import AsyncEngine

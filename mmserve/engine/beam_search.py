@@ -3,19 +3,22 @@ early_stopping=True)` and TensorRT-LLM's default early stopping choose beams.
 
 `BeamSearch` is the bookkeeping: each step every running beam offers its 2W most likely next tokens; the 2W best
 (beam score + log-prob) candidates are taken in order, an end-of-sequence candidate among the first W finishing a
-hypothesis scored `sum of log-probs / length ** length_penalty`, the others running on until W run. It is done
-when W hypotheses finished (early stopping) or the beams reached max_tokens (then the running ones count too).
+hypothesis scored `sum of log-probs / length ** length_penalty`, the others running on until W run; a candidate
+that ends with a stop sequence (a stop string as its own tokens) finishes as an end id does, its tokens kept. It is
+done when W hypotheses finished (early stopping) or the beams reached max_tokens (then the running ones count too).
 
 `beam_search` drives it on an AsyncEngine without touching the scheduler or the KV cache: each step, each running
 beam is an engine request of prompt + the beam's tokens that computes one token with its top-2W log-probs; the
 prompt and every full KV block of the beam come from the prefix cache, so a step computes at most a block's worth
-of tokens per beam (the same request again, or a sibling's fork of it).
+of tokens per beam (the same request again, or a sibling's fork of it). Presence / frequency penalties over the
+beam's tokens go into that request as a logit bias (its own output is one token).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +40,13 @@ class Beam:
 
 
 class BeamSearch:
-    def __init__(self, width: int, max_tokens: int, eos_ids: set[int], length_penalty: float = 1.0) -> None:
+    def __init__(self, width: int, max_tokens: int, eos_ids: set[int], length_penalty: float = 1.0,
+                 stop_sequences: Sequence[Sequence[int]] = ()) -> None:
         if not 1 <= width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
         self.width, self.max_tokens, self.eos_ids, self.length_penalty = width, max_tokens, eos_ids, length_penalty
+        # a candidate whose tokens end with one of these ends its hypothesis as an end id does (the tokens stay)
+        self.stop_sequences = [list(seq) for seq in stop_sequences if seq]
         self.running = [Beam()]
         self.finished: list[tuple[float, Beam]] = []   # (normalized score, hypothesis), best first
 
@@ -57,7 +63,7 @@ class BeamSearch:
         for rank, (score, neg_i, tok, lp) in enumerate(ranked):
             parent = self.running[-neg_i]
             beam = Beam(parent.tokens + [tok], parent.logprobs + [lp], score)
-            if tok in self.eos_ids:
+            if tok in self.eos_ids or self.ends_with_stop(beam.tokens):
                 if rank < self.width:
                     self._finish(beam)
                 continue
@@ -65,6 +71,9 @@ class BeamSearch:
             if len(running) == self.width:
                 break
         self.running = running
+
+    def ends_with_stop(self, tokens: list[int]) -> bool:
+        return any(tokens[-len(seq):] == seq for seq in self.stop_sequences if len(seq) <= len(tokens))
 
     def _finish(self, beam: Beam) -> None:
         self.finished.append((beam.normalized(self.length_penalty), beam))
@@ -81,17 +90,29 @@ class BeamSearch:
 
 def unsupported_with_beams(params: SamplingParams) -> str | None:
     """The first SamplingParams field set that beam search does not apply (yet), or None."""
-    for name in ("presence_penalty", "frequency_penalty", "stop", "stop_token_sequences", "guided_decoding_type"):
-        if getattr(params, name):
-            return name
+    if params.guided_decoding_type:
+        return "guided_decoding_type"
     return "prompt_logprobs" if params.prompt_logprobs is not None else None
 
 
-def step_params(params: SamplingParams, width: int, generated: int) -> SamplingParams:
-    """The one-token request of a beam that has `generated` tokens: its top-2W log-probs; min_tokens as the beam's."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=1 if generated < params.min_tokens else 0,
+def stop_sequences(params: SamplingParams, tokenizer) -> list[list[int]]:
+    """What ends a hypothesis besides the end id: the token stop sequences, and each stop string tokenized on its
+    own (no special tokens), as TensorRT-LLM's preprocessing turns stop words into its stop_words_list."""
+    return [*params.stop_token_sequences, *(tokenizer.encode(s, add_special_tokens=False) for s in params.stop)]
+
+
+def step_params(params: SamplingParams, width: int, beam_tokens: list[int]) -> SamplingParams:
+    """The one-token request of a beam whose tokens so far are `beam_tokens` (they are part of the request's
+    prompt): its top-2W log-probs; min_tokens as the beam's; the presence / frequency penalties over the beam's
+    tokens, as a logit bias (the engine would count only the request's own output)."""
+    bias = dict(params.logit_bias)
+    if params.presence_penalty or params.frequency_penalty:
+        for tok, count in Counter(beam_tokens).items():
+            bias[tok] = bias.get(tok, 0.0) - params.presence_penalty - params.frequency_penalty * count
+    return dataclasses.replace(params, max_tokens=1, min_tokens=1 if len(beam_tokens) < params.min_tokens else 0,
                                temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=2 * width,
-                               stop=[], return_context_logits=False, return_generation_logits=False)
+                               stop=[], stop_token_sequences=[], presence_penalty=0.0, frequency_penalty=0.0,
+                               logit_bias=bias, return_context_logits=False, return_generation_logits=False)
 
 
 async def beam_search(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
@@ -114,13 +135,13 @@ async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, 
     inner = engine.engine
     eos = set() if params.ignore_eos else (
         {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
-    search = BeamSearch(width, params.max_tokens, eos, length_penalty)
+    search = BeamSearch(width, params.max_tokens, eos, length_penalty, stop_sequences(params, inner.tokenizer))
 
     async def offers(i: int, beam: Beam) -> list[tuple[int, float]]:
         beam_inputs = dataclasses.replace(inputs, prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
                                           block_hashes=None, mrope_positions=_mrope_positions(inputs, len(beam.tokens)))
         last = None
-        async for out in engine.generate_processed(beam_inputs, step_params(params, width, len(beam.tokens)),
+        async for out in engine.generate_processed(beam_inputs, step_params(params, width, beam.tokens),
                                                    f"{request_id}-beam{len(beam.tokens)}-{i}"):
             last = out
         entry = last.outputs[0].logprobs[0]
@@ -131,9 +152,10 @@ async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, 
     def output(beams: list[Beam], finished: bool, aborted: bool = False) -> RequestOutput:
         completions = []
         for k, beam in enumerate(beams):
-            ended = bool(beam.tokens) and beam.tokens[-1] in eos
+            ended = bool(beam.tokens) and beam.tokens[-1] in eos   # the end id is not text; a stop word is
             text_ids = beam.tokens[:-1] if ended else beam.tokens
-            reason = ("stop" if ended else "abort" if aborted else "length") if finished else None
+            stopped = ended or search.ends_with_stop(beam.tokens)
+            reason = ("stop" if stopped else "abort" if aborted else "length") if finished else None
             completions.append(CompletionOutput(
                 k, inner.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
                 cumulative_logprob=beam.score,

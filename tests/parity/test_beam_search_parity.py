@@ -154,3 +154,47 @@ def test_llm_beam_search_runs_prompts_together_as_the_engine_driver(tiny_llava_d
         assert len(out.outputs) == 3 and [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
         assert [c.text for c in out.outputs] == [c.text for c in alone.outputs]
     assert llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_stop_sequences_end_hypotheses_as_an_end_id_does(llm):
+    """A one-token stop sequence picks the same beams as that token as the end id (parity-tested above against
+    transformers), keeping the token in the text; one beam with a two-token stop sequence and with presence /
+    frequency penalties is the engine's own greedy answer with them (penalties count the beam's tokens)."""
+    text = PROMPTS[0][0]
+    greedy = llm.generate([text], SamplingParams(max_tokens=N, temperature=0), use_tqdm=False)[0].outputs[0]
+    tok = greedy.token_ids[1]
+    never = llm.engine.default_eos[0]
+    [as_eos] = llm.beam_search(text, 3, SamplingParams(max_tokens=N, eos_token_id=tok))
+    [as_stop] = llm.beam_search(text, 3, SamplingParams(max_tokens=N, eos_token_id=never,
+                                                        stop_token_sequences=[[tok]]))
+    assert [c.token_ids for c in as_stop.outputs] == [c.token_ids for c in as_eos.outputs]
+    assert [c.finish_reason for c in as_stop.outputs] == [c.finish_reason for c in as_eos.outputs]
+    assert any(c.finish_reason == "stop" for c in as_stop.outputs)
+    for c in as_stop.outputs:   # the stop token is text; the end id is not
+        assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    pair = greedy.token_ids[2:4]
+    words = llm.tokenizer.decode(pair)
+    cases = [({"stop_token_sequences": [pair]}, {"stop_token_sequences": [pair]}),
+             ({"presence_penalty": 1.5, "frequency_penalty": 0.7}, {"presence_penalty": 1.5, "frequency_penalty": 0.7}),
+             # a stop string is its own tokens (TensorRT-LLM's stop_words_list)
+             ({"stop": [words]}, {"stop_token_sequences": [llm.tokenizer.encode(words, add_special_tokens=False)]})]
+    for beam_extra, greedy_extra in cases:
+        [one_beam] = llm.beam_search(text, 1, SamplingParams(max_tokens=N, eos_token_id=never, **beam_extra))
+        want = llm.generate([text], SamplingParams(max_tokens=N, eos_token_id=never, temperature=0, **greedy_extra),
+                            use_tqdm=False)[0].outputs[0]
+        assert one_beam.outputs[0].token_ids == want.token_ids, beam_extra
+        assert one_beam.outputs[0].finish_reason == want.finish_reason, beam_extra
+    [one_beam] = llm.beam_search(text, 1, SamplingParams(max_tokens=N, eos_token_id=never, stop_token_sequences=[pair]))
+    assert one_beam.outputs[0].token_ids == greedy.token_ids[:4] and one_beam.outputs[0].finish_reason == "stop"
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0
+
+
+def test_step_params_turn_penalties_over_the_beam_into_a_logit_bias():
+    from mmserve.engine.beam_search import step_params
+
+    params = SamplingParams(max_tokens=5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 1.0, 8: 2.0},
+                            stop_token_sequences=[[1, 2]], stop=["x"])
+    step = step_params(params, 2, [5, 5, 7])
+    assert step.logit_bias == {5: -1.0, 7: 0.25, 8: 2.0}
+    assert (step.presence_penalty, step.frequency_penalty, step.stop, step.stop_token_sequences) == (0, 0, [], [])
+    assert step.max_tokens == 1 and step.logprobs == 4

@@ -273,8 +273,13 @@ def test_use_beam_search_gives_the_n_best_beams_as_choices(client, offline, serv
     chat = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, n=2, extra_body={"use_beam_search": True})
     assert len(chat.choices) == 2 and all(c.finish_reason in ("stop", "length") for c in chat.choices)
-    for extra, param in (({"presence_penalty": 0.5}, "presence_penalty"), ({"stream": True}, "use_beam_search"),
-                         ({"n": 11}, "n"), ({"stop": ["x"]}, "stop")):
+    word = offline.tokenizer.decode(want.outputs[0].token_ids[1:3])   # stop strings end beams too
+    [stopped] = offline.beam_search([{"prompt": text}], 3, SamplingParams(max_tokens=6, stop=[word]))
+    resp = client.completions.create(model="ensemble", prompt=text, max_tokens=6, n=3, stop=[word],
+                                     extra_body={"use_beam_search": True})
+    assert [c.text for c in resp.choices] == [c.text for c in stopped.outputs]
+    for extra, param in (({"guided_regex": "[a-z]+"}, "guided_regex"),
+                         ({"stream": True}, "use_beam_search"), ({"n": 11}, "n")):
         body = {"model": "ensemble", "prompt": text, "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
         r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

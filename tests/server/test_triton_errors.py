@@ -33,7 +33,6 @@ BAD_GENERATE = [
     ({**GOOD, "min_tokens": 99}, "min_tokens"),
     ({**GOOD, "seed": -1}, "seed"),
     ({**GOOD, "parameters": {"beam_width": 11}}, "beam_width"),
-    ({**GOOD, "beam_width": 2, "presence_penalty": 0.5}, "presence_penalty"),
     ({**GOOD, "stop_words": [["a"]]}, "stop_words"),
     ({**GOOD, "decoder_text_input": "Sure,"}, "decoder_text_input"),   # LLaVA has no decoder prompt
     ({**GOOD, "image_url_input": "data:image/png;base64,@@@"}, "image_url_input"),

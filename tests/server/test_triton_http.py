@@ -273,6 +273,16 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
     r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=60,
                    json={**body, "beam_width": 4, "num_return_sequences": 5})
     assert r.status_code == 400 and "num_return_sequences must be in [1, beam_width = 4]" in r.text
+    # stop words end beams (each word as its own tokens, kept in the text); penalties count each beam's tokens
+    word = offline.tokenizer.decode(want.outputs[0].token_ids[2:4])
+    extra = {"stop_words": [word], "presence_penalty": 0.5, "frequency_penalty": 0.3}
+    [stopped] = offline.beam_search({"prompt": text}, 3, SamplingParams(max_tokens=8, stop=[word],
+                                                                       presence_penalty=0.5, frequency_penalty=0.3))
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json={**body, **extra}, timeout=60)
+    assert r.status_code == 200 and r.json()["text_output"] == [c.text for c in stopped.outputs[:2]], r.text
+    guided = {**body, "guided_decoding_guide_type": "json"}
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=guided, timeout=60)
+    assert r.status_code == 400 and "guided_decoding_guide_type" in r.text
     proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
                            "--model_type", "llava", "--text", text, "--request-output-len", "8", "-b", "3",
                            "--image", ""], capture_output=True, text=True, timeout=120)
