@@ -48,7 +48,7 @@ class LatencyConfig:
     max_num_batched_tokens: int = 2048   # mmserve's token budget per step
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
-    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
+    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
     block_size: int = 16                 # mmserve: tokens per KV cache block
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default

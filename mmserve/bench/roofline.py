@@ -45,7 +45,8 @@ class LMShape:
     final_norm: bool = True
     embed_dim: int | None = None   # word-embedding width when it differs from hidden (OPT-350m style)
     kv_dtype_bytes: int | None = None   # bytes per cached K/V element when the cache is not in the model dtype
-    linear_dtype_bytes: int | None = None   # bytes per decoder-layer matrix element when quantized (fp8: 1)
+    # bytes per decoder-layer matrix element when quantized (fp8, int8: 1; int4: 0.5; their per-row scales left out)
+    linear_dtype_bytes: float | None = None
     # Mllama: how many of `layers` are cross-attention layers (q and o over `heads`, q/k norms, two gates, the
     # MLP; no KV cache of their own; their k/v projections run once per image, not per step, and are not
     # counted; the images' cross keys/values they read per step are not modelled)
@@ -77,7 +78,7 @@ class LMShape:
         selfs, cross = self.layers - self.cross_layers, self.cross_layers
         cross_matrices = 2 * h * q + self.mlp_matrices * h * i
         cross_per_layer = 2 * norm + 2 * self.head_dim + 2
-        matrix_bytes = (selfs * matrices + cross * cross_matrices) * (self.linear_dtype_bytes or self.dtype_bytes)
+        matrix_bytes = int((selfs * matrices + cross * cross_matrices) * (self.linear_dtype_bytes or self.dtype_bytes))
         return (selfs * per_layer + cross * cross_per_layer + head) * self.dtype_bytes + matrix_bytes
 
     @property
@@ -94,9 +95,13 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
+_LINEAR_BYTES = {"fp8": 1, "int8": 1, "int4": 0.5}   # --quantization -> stored bytes per matrix element
+
+
 def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None) -> LMShape:
-    """Read the text model's sizes from a vision-language (or plain decoder) config.json; FP8 decoder matrices
-    (`quantization="fp8"`, or a checkpoint quantized to FP8) count one byte per element."""
+    """Read the text model's sizes from a vision-language (or plain decoder) config.json; quantized decoder matrices
+    count their stored bytes: one per element for FP8 (`quantization="fp8"`, or a checkpoint quantized to FP8) and
+    int8, half a byte for int4."""
     import torch
 
     from mmserve.config import CacheConfig
@@ -124,8 +129,8 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
     common = dict(hidden=hidden, layers=int(text["num_hidden_layers"]), heads=heads, vocab=int(text["vocab_size"]),
                   head_dim=int(text.get("head_dim") or hidden // heads),
                   dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
-                  linear_dtype_bytes=1 if "fp8" in (quantization, checkpoint_quantization(
-                      config.get("quantization_config"))) else None)
+                  linear_dtype_bytes=_LINEAR_BYTES.get(quantization) or (
+                      1 if checkpoint_quantization(config.get("quantization_config")) == "fp8" else None))
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

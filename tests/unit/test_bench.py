@@ -231,14 +231,17 @@ def test_roofline_weight_bytes_match_the_transformers_language_model(family, pre
         assert lm_shape(str(tmp_path), dtype).weight_bytes == _lm_bytes(model, nbytes, vlm=True), dtype
 
 
-def test_roofline_counts_fp8_decoder_matrices_at_one_byte(tiny_llava_dir):
+def test_roofline_counts_quantized_decoder_matrices_at_their_stored_bytes(tiny_llava_dir):
+    """FP8 and int8 matrices: one byte per element; int4: half a byte (the roofline of `--quantization`)."""
     from mmserve import LLM
     from mmserve.models.quantization import decoder_linears
 
     llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization="fp8")
-    fp8_elements = sum(m.weight.numel() for _, m in decoder_linears(llm.engine.model))
-    plain, fp8 = (lm_shape(tiny_llava_dir, "float32", quantization=q).weight_bytes for q in (None, "fp8"))
-    assert plain - fp8 == fp8_elements * (4 - 1)
+    elements = sum(m.weight.numel() for _, m in decoder_linears(llm.engine.model))
+    plain, fp8, int8, int4 = (lm_shape(tiny_llava_dir, "float32", quantization=q).weight_bytes
+                              for q in (None, "fp8", "int8", "int4"))
+    assert plain - fp8 == plain - int8 == elements * (4 - 1)
+    assert plain - int4 == elements * (4 - 0.5)
 
 
 @pytest.mark.parametrize("variant", [{"do_layer_norm_before": False},       # post-LN, no final norm
