@@ -15,6 +15,7 @@ from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes
 from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.request_output import finish_status, request_output
 from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
 from mmserve.lora import LoRAManager
@@ -22,7 +23,7 @@ from mmserve.lora.trtllm_format import adapter_from_trtllm
 from mmserve.models.loader import build_model, load_hf_config, text_config_of
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
-from mmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from mmserve.outputs import Logprob, RequestOutput
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.model_runner import ModelRunner
@@ -309,13 +310,13 @@ class Engine:
             self.kv.cache_computed_blocks(req)
             if token is None:
                 continue
-            status = self._check_finish(req, token)
+            status = finish_status(req, token, self._detok[req.request_id], self._stop_ids[req.request_id])
             if status is not None:
                 self.scheduler.finish(req, status)
                 outputs.append(self._finish_output(req))
             else:
                 if req.stream:
-                    outputs.append(self._make_output(req))
+                    outputs.append(request_output(req, self._detok[req.request_id]))
         return outputs
 
     def _store_context_logits(self, req: Request, result: RunnerOutput) -> None:
@@ -349,49 +350,7 @@ class Engine:
                     entry[tid] = Logprob(tlp, rank, self.tokenizer.decode([tid]))
             req.output_logprobs.append(entry)
 
-    def _check_finish(self, req: Request, token: int) -> RequestStatus | None:
-        detok = self._detok[req.request_id]
-        num_out = req.num_known_output_tokens
-        if token in self._stop_ids[req.request_id] and num_out >= req.params.min_tokens:
-            req.stop_reason = None if token in req.eos_token_ids else token
-            return RequestStatus.FINISHED_STOPPED
-        if req.params.stop:
-            matched = detok.check_stop()
-            if matched is not None:
-                req.stop_reason = matched
-                return RequestStatus.FINISHED_STOPPED
-        if req.params.stop_token_sequences and num_out >= req.params.min_tokens:
-            out = req.output_token_ids[:num_out]
-            for seq in req.params.stop_token_sequences:
-                if len(seq) <= num_out and out[num_out - len(seq):] == seq:
-                    req.stop_reason = token
-                    return RequestStatus.FINISHED_STOPPED
-        if num_out >= req.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     # ---- outputs -------------------------------------------------------------------------
-    def _make_output(self, req: Request) -> RequestOutput:
-        detok = self._detok[req.request_id]
-        finished, params = req.finished, req.params   # read once: a streamed step makes one per request
-        logprobs = params.logprobs is not None
-        completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=req.output_token_ids[:req.num_known_output_tokens],
-            cumulative_logprob=req.cumulative_logprob if logprobs else None,
-            logprobs=list(req.output_logprobs) if logprobs else None,
-            finish_reason=req.status.value if finished else None,
-            stop_reason=req.stop_reason)
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 time.time() if finished else None, req.num_cached_tokens)
-        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
-        if params.prompt_logprobs is not None and len(req.prompt_logprobs) == len(req.prompt_token_ids) - 1:
-            out.prompt_logprobs = [None, *req.prompt_logprobs]
-        if finished and params.return_context_logits and req.context_logits:
-            out.context_logits = torch.cat(req.context_logits)        # [P, V] fp32
-        if finished and params.return_generation_logits and req.generation_logits:
-            out.generation_logits = torch.stack(req.generation_logits)   # [G, V] fp32
-        return out
-
     def _finish_output(self, req: Request) -> RequestOutput:
         """The final output (held-back text released), then forget the request."""
         detok = self._detok[req.request_id]
@@ -400,7 +359,7 @@ class Engine:
                 detok.extend(req.output_token_ids[len(detok.token_ids):req.num_known_output_tokens])
             detok.flush()
         req.drop_pending()
-        out = self._make_output(req)
+        out = request_output(req, detok)
         for table in (self._detok, self._stop_ids, self.requests):
             table.pop(req.request_id, None)
         self._needs_history.discard(req.request_id)
