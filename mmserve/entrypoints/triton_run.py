@@ -96,7 +96,7 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
         yield await infer(state, [req]), True
         return
     block_size = _block_size(state)
-    if req.num_return > 1 and req.beam_width == 1:
+    if req.num_return > 1 and req.beam_width == 1 and not req.cancel:
         sent = [(0, 0)] * req.num_return
         running = req.num_return
         async with aclosing(_sampled_streams(state, req)) as outputs:

@@ -238,7 +238,12 @@ def test_stop_cancels_the_requests_sent_under_its_id(tiny_llava_dir, offline, be
             assert next(line for line in lines if line.startswith("data: "))
             other = client.post(f"{url}/generate", json={**stop, "id": "nobody"}).json()
             assert other["sequence_length"] == 0 and handle.engine.requests   # r1 still runs
-            answer = client.post(f"{url}/generate", json={**stop, "id": "r1"}).json()
+            if num_return > 1 and beam_width == 1:   # a stop sent from the same template, streamed: still a stop
+                body = {**stop, "id": "r1", "num_return_sequences": num_return, "streaming": True}
+                with client.stream("POST", f"{url}/generate_stream", json=body) as r:
+                    [answer] = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+            else:
+                answer = client.post(f"{url}/generate", json={**stop, "id": "r1"}).json()
             assert answer["sequence_length"] == 0 and answer["output_ids"] == []
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
         assert 1 + len(events) < 300   # ended early, with a final event
