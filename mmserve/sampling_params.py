@@ -44,6 +44,9 @@ class SamplingParams:
     # the output follows this guide (engine/guided.py): json | json_schema | regex | ebnf_grammar, None = free
     guided_decoding_type: str | None = None
     guided_decoding_guide: str | None = None     # the schema / regex / grammar (none for "json")
+    # ids the guide has taken already, before this request's output (beam search's one-token step requests:
+    # the beam's tokens, which sit in their prompts)
+    guided_decoding_prefix: list[int] = field(default_factory=list)
     logprobs: int | None = None              # None = off; k >= 0: chosen token's + top-k logprobs
     # None = off; k >= 0: each prompt token's logprob given the tokens before it, + the top k (the first has none)
     prompt_logprobs: int | None = None
@@ -63,6 +66,7 @@ class SamplingParams:
         self.stop_token_sequences = [list(t) for t in self.stop_token_sequences or []]
         self.bad_token_sequences = [list(t) for t in self.bad_token_sequences or []]
         self.logit_bias = dict(self.logit_bias or {})
+        self.guided_decoding_prefix = list(self.guided_decoding_prefix or [])
         self._check()
 
     def _check(self) -> None:
@@ -108,6 +112,9 @@ class SamplingParams:
             fail("guided_decoding_type", f"must be one of {', '.join(GUIDE_TYPES)}")
         if self.guided_decoding_type not in (None, "json") and not self.guided_decoding_guide:
             fail("guided_decoding_guide", f"must be given for guided_decoding_type {self.guided_decoding_type!r}")
+        if self.guided_decoding_prefix and (self.guided_decoding_type is None or any(
+                not isinstance(t, int) or t < 0 for t in self.guided_decoding_prefix)):
+            fail("guided_decoding_prefix", "must be non-negative token ids, with a guided_decoding_type")
         for tok, bias in self.logit_bias.items():
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 fail("logit_bias", "must map non-negative integer token ids to biases")

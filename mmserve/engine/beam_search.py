@@ -11,7 +11,8 @@ done when W hypotheses finished (early stopping) or the beams reached max_tokens
 beam is an engine request of prompt + the beam's tokens that computes one token with its top-2W log-probs; the
 prompt and every full KV block of the beam come from the prefix cache, so a step computes at most a block's worth
 of tokens per beam (the same request again, or a sibling's fork of it). Presence / frequency penalties over the
-beam's tokens go into that request as a logit bias (its own output is one token).
+beam's tokens go into that request as a logit bias (its own output is one token), and a guided-decoding grammar
+starts there past the beam's tokens; its mask comes before the log-probs, so every candidate keeps to it.
 """
 from __future__ import annotations
 
@@ -90,8 +91,6 @@ class BeamSearch:
 
 def unsupported_with_beams(params: SamplingParams) -> str | None:
     """The first SamplingParams field set that beam search does not apply (yet), or None."""
-    if params.guided_decoding_type:
-        return "guided_decoding_type"
     return "prompt_logprobs" if params.prompt_logprobs is not None else None
 
 
@@ -104,7 +103,8 @@ def stop_sequences(params: SamplingParams, tokenizer) -> list[list[int]]:
 def step_params(params: SamplingParams, width: int, beam_tokens: list[int]) -> SamplingParams:
     """The one-token request of a beam whose tokens so far are `beam_tokens` (they are part of the request's
     prompt): its top-2W log-probs; min_tokens as the beam's; the presence / frequency penalties over the beam's
-    tokens, as a logit bias (the engine would count only the request's own output)."""
+    tokens, as a logit bias (the engine would count only the request's own output); a guide continues from the
+    beam's tokens (guided_decoding_prefix)."""
     bias = dict(params.logit_bias)
     if params.presence_penalty or params.frequency_penalty:
         for tok, count in Counter(beam_tokens).items():
@@ -112,7 +112,8 @@ def step_params(params: SamplingParams, width: int, beam_tokens: list[int]) -> S
     return dataclasses.replace(params, max_tokens=1, min_tokens=1 if len(beam_tokens) < params.min_tokens else 0,
                                temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=2 * width,
                                stop=[], stop_token_sequences=[], presence_penalty=0.0, frequency_penalty=0.0,
-                               logit_bias=bias, return_context_logits=False, return_generation_logits=False)
+                               logit_bias=bias, return_context_logits=False, return_generation_logits=False,
+                               guided_decoding_prefix=list(beam_tokens) if params.guided_decoding_type else [])
 
 
 async def beam_search(engine, inputs, params: SamplingParams, width: int, length_penalty: float,

@@ -178,6 +178,9 @@ class Engine:
         guide = None   # AsyncEngine compiles it beforehand on a preprocessing thread; here it is in the cache
         if params.guided_decoding_type is not None:
             guide = self.grammars.guide(params.guided_decoding_type, params.guided_decoding_guide)
+            for tok in params.guided_decoding_prefix:
+                if not guide.accept_token(tok):
+                    raise ValueError(f"guided_decoding_prefix: token {tok} is outside the guide")
         eos = () if params.ignore_eos else (
             (params.eos_token_id,) if params.eos_token_id is not None else self.default_eos)
         bad = [self.tokenizer.encode(w, add_special_tokens=False) for w in params.bad_words]

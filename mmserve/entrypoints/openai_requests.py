@@ -101,9 +101,6 @@ def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: Sampli
     if not math.isfinite(req.length_penalty):
         raise OpenAIError(400, "length_penalty must be finite", param="length_penalty")
     field = unsupported_with_beams(params)
-    if field == "guided_decoding_type":   # name the parameter the guide came in
-        field = next(name for name in ("guided_json", "guided_regex", "guided_grammar", "response_format")
-                     if getattr(req, name, None) is not None)
     if field is not None:
         raise OpenAIError(400, f"{field} is not supported with use_beam_search yet", param=field)
     return n

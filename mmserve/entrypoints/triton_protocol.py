@@ -291,9 +291,8 @@ def num_return_sequences(g: _Item, width: int) -> int:
     return num_return
 
 
-def beam_width(g: _Item, params: SamplingParams, stop_field: str = "stop_words") -> int:
-    """The request's beam_width, checked against what beam search here supports (stop_field: the input that
-    gave params' stop words)."""
+def beam_width(g: _Item, params: SamplingParams) -> int:
+    """The request's beam_width, checked against what beam search here supports."""
     width = int(g.scalar("beam_width", 1))
     if width == 1:
         return 1
@@ -301,9 +300,7 @@ def beam_width(g: _Item, params: SamplingParams, stop_field: str = "stop_words")
         raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
     field = unsupported_with_beams(params)
     if field is not None:
-        name = {"stop": stop_field, "stop_token_sequences": stop_field,
-                "guided_decoding_type": "guided_decoding_guide_type"}.get(field, field)
-        raise ValueError(f"{name}: not supported with beam_width > 1 yet")
+        raise ValueError(f"{field}: not supported with beam_width > 1 yet")
     return width
 
 

@@ -154,7 +154,7 @@ async def _parse_item(state: ServerState, g: _Item) -> TritonRequest:
     if (lora := await lora_name(state, g)) is not None:
         prompt["lora"] = lora
     stream = bool(g.scalar("streaming", False))
-    width = beam_width(g, params, stop_field="stop_words_list")
+    width = beam_width(g, params)
     length_penalty = float(g.scalar("len_penalty", 1.0))
     if not math.isfinite(length_penalty):
         raise ValueError(f"len_penalty must be finite, got {length_penalty}")

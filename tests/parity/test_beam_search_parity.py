@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 
 import pytest
 import torch
@@ -158,8 +159,9 @@ def test_llm_beam_search_runs_prompts_together_as_the_engine_driver(tiny_llava_d
 
 def test_stop_sequences_end_hypotheses_as_an_end_id_does(llm):
     """A one-token stop sequence picks the same beams as that token as the end id (parity-tested above against
-    transformers), keeping the token in the text; one beam with a two-token stop sequence and with presence /
-    frequency penalties is the engine's own greedy answer with them (penalties count the beam's tokens)."""
+    transformers), keeping the token in the text; one beam with a two-token stop sequence, with presence /
+    frequency penalties and with a guide is the engine's own greedy answer with them (penalties count the beam's
+    tokens; the guide continues past them); several beams under a guide all keep to it."""
     text = PROMPTS[0][0]
     greedy = llm.generate([text], SamplingParams(max_tokens=N, temperature=0), use_tqdm=False)[0].outputs[0]
     tok = greedy.token_ids[1]
@@ -177,13 +179,17 @@ def test_stop_sequences_end_hypotheses_as_an_end_id_does(llm):
     cases = [({"stop_token_sequences": [pair]}, {"stop_token_sequences": [pair]}),
              ({"presence_penalty": 1.5, "frequency_penalty": 0.7}, {"presence_penalty": 1.5, "frequency_penalty": 0.7}),
              # a stop string is its own tokens (TensorRT-LLM's stop_words_list)
-             ({"stop": [words]}, {"stop_token_sequences": [llm.tokenizer.encode(words, add_special_tokens=False)]})]
+             ({"stop": [words]}, {"stop_token_sequences": [llm.tokenizer.encode(words, add_special_tokens=False)]}),
+             ({"guided_decoding_type": "regex", "guided_decoding_guide": "[a-z ]+"},) * 2]
     for beam_extra, greedy_extra in cases:
         [one_beam] = llm.beam_search(text, 1, SamplingParams(max_tokens=N, eos_token_id=never, **beam_extra))
         want = llm.generate([text], SamplingParams(max_tokens=N, eos_token_id=never, temperature=0, **greedy_extra),
                             use_tqdm=False)[0].outputs[0]
         assert one_beam.outputs[0].token_ids == want.token_ids, beam_extra
         assert one_beam.outputs[0].finish_reason == want.finish_reason, beam_extra
+    [guided] = llm.beam_search(text, 3, SamplingParams(max_tokens=N, guided_decoding_type="regex",
+                                                       guided_decoding_guide="[a-z ]+"))
+    assert all(re.fullmatch("[a-z ]+", c.text) for c in guided.outputs), [c.text for c in guided.outputs]
     [one_beam] = llm.beam_search(text, 1, SamplingParams(max_tokens=N, eos_token_id=never, stop_token_sequences=[pair]))
     assert one_beam.outputs[0].token_ids == greedy.token_ids[:4] and one_beam.outputs[0].finish_reason == "stop"
     assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0
@@ -198,3 +204,17 @@ def test_step_params_turn_penalties_over_the_beam_into_a_logit_bias():
     assert step.logit_bias == {5: -1.0, 7: 0.25, 8: 2.0}
     assert (step.presence_penalty, step.frequency_penalty, step.stop, step.stop_token_sequences) == (0, 0, [], [])
     assert step.max_tokens == 1 and step.logprobs == 4
+
+
+def test_a_guide_prefix_must_keep_to_the_guide(llm):
+    """guided_decoding_prefix (beam search's step requests) needs a guide, and its tokens must be ones the guide
+    takes: otherwise a ValueError naming it, and the engine runs on."""
+    with pytest.raises(ValueError, match="guided_decoding_prefix"):
+        SamplingParams(guided_decoding_prefix=[1])
+    digit = llm.tokenizer.encode("7", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=2, guided_decoding_type="regex", guided_decoding_guide="[a-z]+",
+                            guided_decoding_prefix=[digit])
+    with pytest.raises(ValueError, match="guided_decoding_prefix: token"):
+        llm.generate(["hello"], params, use_tqdm=False)
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0

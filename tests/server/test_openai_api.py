@@ -278,7 +278,7 @@ def test_use_beam_search_gives_the_n_best_beams_as_choices(client, offline, serv
     resp = client.completions.create(model="ensemble", prompt=text, max_tokens=6, n=3, stop=[word],
                                      extra_body={"use_beam_search": True})
     assert [c.text for c in resp.choices] == [c.text for c in stopped.outputs]
-    for extra, param in (({"guided_regex": "[a-z]+"}, "guided_regex"),
+    for extra, param in (({"prompt_logprobs": 2}, "prompt_logprobs"),
                          ({"stream": True}, "use_beam_search"), ({"n": 11}, "n")):
         body = {"model": "ensemble", "prompt": text, "max_tokens": 4, "n": 2, "use_beam_search": True, **extra}
         r = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -280,9 +281,11 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
                                                                        presence_penalty=0.5, frequency_penalty=0.3))
     r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json={**body, **extra}, timeout=60)
     assert r.status_code == 200 and r.json()["text_output"] == [c.text for c in stopped.outputs[:2]], r.text
-    guided = {**body, "guided_decoding_guide_type": "json"}
+    # guided decoding: every beam keeps to the guide (its mask comes before the log-probs the beams rank by)
+    guided = {**body, "guided_decoding_guide_type": "regex", "guided_decoding_guide": "[a-z ]+"}
     r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", json=guided, timeout=60)
-    assert r.status_code == 400 and "guided_decoding_guide_type" in r.text
+    assert r.status_code == 200 and len(r.json()["text_output"]) == 2, r.text
+    assert all(re.fullmatch("[a-z ]+", t) for t in r.json()["text_output"]), r.text
     proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", server.grpc_url,
                            "--model_type", "llava", "--text", text, "--request-output-len", "8", "-b", "3",
                            "--image", ""], capture_output=True, text=True, timeout=120)
