@@ -36,9 +36,10 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
 @triton.jit
 def _magic_float(u, DTYPE: tl.constexpr, OFFSET: tl.constexpr):
     """u (unsigned, < 1024) - OFFSET as exact DTYPE values, with no int-to-float conversion instructions (they run
-    at a fraction of the FMA rate and bounded the int4 GEMV): u is OR-ed into the mantissa of 2^10 (fp16) or 2^23
-    (fp32), and that float less 2^10 + OFFSET (2^23 + OFFSET) is u - OFFSET. bf16's 7-bit mantissa is too short:
-    it goes through fp32."""
+    at a fraction of the FMA rate): u is OR-ed into the mantissa of 2^10 (fp16) or 2^23 (fp32), and that float less
+    2^10 + OFFSET (2^23 + OFFSET) is u - OFFSET. bf16's 7-bit mantissa is too short: it goes through fp32. Measured
+    faster in the tensor-core GEMM at 32 rows; in the one-row int4 GEMV one measurement had it slower than shifts and
+    int-to-float instructions (docs/benchmarks.md, weight-only section)."""
     if DTYPE == tl.float16:
         return (u.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
     else:
