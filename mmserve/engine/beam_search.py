@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.engine.request_output import ends_with_any
 from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class BeamSearch:
         self.running = running
 
     def ends_with_stop(self, tokens: list[int]) -> bool:
-        return any(tokens[-len(seq):] == seq for seq in self.stop_sequences if len(seq) <= len(tokens))
+        return ends_with_any(tokens, self.stop_sequences)
 
     def _finish(self, beam: Beam) -> None:
         self.finished.append((beam.normalized(self.length_penalty), beam))

@@ -1,8 +1,10 @@
-"""What the engine reports for a request: whether a new token finishes it (`finish_status`) and its RequestOutput
-(`request_output`), from the request's state and its incremental detokenizer."""
+"""What the engine reports for a request: whether a new token finishes it (`finish_status`, with `ends_with_any`
+for stop token sequences) and its RequestOutput (`request_output`), from the request's state and its incremental
+detokenizer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -24,15 +26,18 @@ def finish_status(req: Request, token: int, detok: IncrementalDetokenizer, stop_
         if matched is not None:
             req.stop_reason = matched
             return RequestStatus.FINISHED_STOPPED
-    if req.params.stop_token_sequences and num_out >= req.params.min_tokens:
-        out = req.output_token_ids[:num_out]
-        for seq in req.params.stop_token_sequences:
-            if len(seq) <= num_out and out[num_out - len(seq):] == seq:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+    if (req.params.stop_token_sequences and num_out >= req.params.min_tokens
+            and ends_with_any(req.output_token_ids[:num_out], req.params.stop_token_sequences)):
+        req.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
     if num_out >= req.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def ends_with_any(tokens: list[int], sequences: Sequence[list[int]]) -> bool:
+    """Whether `tokens` end with one of `sequences` (stop token sequences; beam search's stop words too)."""
+    return any(len(seq) <= len(tokens) and tokens[len(tokens) - len(seq):] == seq for seq in sequences)
 
 
 def request_output(req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
