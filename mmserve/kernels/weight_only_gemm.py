@@ -17,7 +17,7 @@ import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
 from mmserve.kernels.gemv import int4_as_float, int8_as_float
-from mmserve.kernels.pdl import pdl_options, wait_for_previous
+from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
 SMALL_M = 64
 # BLOCK_N is the tensor cores' M side here (operands swapped, module docstring): Hopper's wgmma wants 64 or more;
@@ -70,6 +70,7 @@ def _weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_
         else:
             w = tl.load(w_rows + k + rk[None, :], mask=n_mask[:, None] & ((k + rk) < K)[None, :], other=0)
             acc = tl.dot(int8_as_float(w, x.dtype), tl.trans(x), acc)
+    release_dependents(PDL)
     y = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -89,7 +90,8 @@ def weight_only_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             y.stride(0), _m_tile(m))
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))   # noqa: E731
-        _weight_only_gemm_kernel[grid](*args, INT4=int4, HAS_BIAS=bias is not None, **pdl_options(x.device))
+        _weight_only_gemm_kernel[grid](*args, INT4=int4, HAS_BIAS=bias is not None,
+                                       **pdl_options(x.device, release_after_loop=True))
     else:   # Triton's interpreter (CPU tests): one fixed config
         _weight_only_gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](
             *args, INT4=int4, HAS_BIAS=bias is not None, PDL=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
