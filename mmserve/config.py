@@ -56,8 +56,11 @@ class ModelConfig:
     # None: as the checkpoint is (FP8 checkpoints load as FP8); "fp8": decoder linears to e4m3 at load
     quantization: str | None = None
     max_loras: int = 8              # LoRA adapters loaded at once (Engine.add_lora)
+    tensor_parallel_size: int = 1   # GPUs the language model is sharded over (one process each)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.attention_backend not in ("auto", "torch", "triton"):

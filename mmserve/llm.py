@@ -37,11 +37,12 @@ class LLM:
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False, async_scheduling: bool = True, quantization: str | None = None,
                  media: MediaConfig | None = None, lora_modules: dict[str, str] | None = None,
-                 max_loras: int = 8, preprocess_on_gpu: bool = True) -> None:
+                 max_loras: int = 8, preprocess_on_gpu: bool = True, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               attention_backend=attention_backend, enforce_eager=enforce_eager,
                               quantization=quantization, max_loras=max_loras,
+                              tensor_parallel_size=tensor_parallel_size,
                               preprocess_on_gpu=preprocess_on_gpu),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_size_gb=kv_cache_size_gb,
@@ -56,6 +57,16 @@ class LLM:
             self.engine.add_lora(name, path)
         self._ids = itertools.count()
         self._preprocess = ThreadPoolExecutor(4, thread_name_prefix="mmserve-llm-preprocess")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -49,6 +49,7 @@ class LatencyConfig:
     kv_cache_memory_fraction: float = 0.9
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
+    tensor_parallel_size: int = 1        # mmserve's language model over this many GPUs
     block_size: int = 16                 # mmserve: tokens per KV cache block
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default
@@ -118,7 +119,7 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
               quantization=cfg.quantization, seed=cfg.seed,
-              block_size=cfg.block_size)
+              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size)
     samples: dict[int, list[dict]] = {}
     try:
         bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")
@@ -132,6 +133,7 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
                 bar.update(1)
         bar.close()
     finally:
+        llm.close()
         del llm
         free_device_memory(cfg.device)
     return samples
@@ -181,7 +183,7 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     mib = cfg.bandwidth_mib or (1024 if cfg.device.startswith("cuda") else 64)
     bandwidth = measure_copy_bandwidth(cfg.device, mib * 2**20)
     free_device_memory(cfg.device)  # the probe's buffers must not shrink mmserve's KV pool
-    shape = lm_shape(model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization)
+    shape = lm_shape(model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.tensor_parallel_size)
     spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}

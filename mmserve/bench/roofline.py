@@ -58,6 +58,7 @@ class LMShape:
     # counted (nor the cross keys/values it reads per step, as for Mllama's cross layers)
     cross_attention: bool = False
     embed_norm: bool = False       # a LayerNorm over the (scaled) embeddings before the first layer (MBart)
+    tp: int = 1                    # tensor-parallel ranks: each GPU reads 1/tp of the matrices and KV heads
 
     @property
     def weight_bytes(self) -> int:
@@ -79,11 +80,12 @@ class LMShape:
         cross_matrices = 2 * h * q + self.mlp_matrices * h * i
         cross_per_layer = 2 * norm + 2 * self.head_dim + 2
         matrix_bytes = int((selfs * matrices + cross * cross_matrices) * (self.linear_dtype_bytes or self.dtype_bytes))
-        return (selfs * per_layer + cross * cross_per_layer + head) * self.dtype_bytes + matrix_bytes
+        return (selfs * per_layer + cross * cross_per_layer + head) * self.dtype_bytes + matrix_bytes // self.tp
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return (2 * (self.layers - self.cross_layers) * self.kv_heads * self.head_dim
+        kv_heads = max(1, self.kv_heads // self.tp)   # per GPU (replicated when fewer heads than ranks)
+        return (2 * (self.layers - self.cross_layers) * kv_heads * self.head_dim
                 * (self.kv_dtype_bytes or self.dtype_bytes))
 
 
@@ -98,10 +100,11 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 _LINEAR_BYTES = {"fp8": 1, "int8": 1, "int4": 0.5}   # --quantization -> stored bytes per matrix element
 
 
-def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None) -> LMShape:
+def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None,
+             tp: int = 1) -> LMShape:
     """Read the text model's sizes from a vision-language (or plain decoder) config.json; quantized decoder matrices
     count their stored bytes: one per element for FP8 (`quantization="fp8"`, or a checkpoint quantized to FP8) and
-    int8, half a byte for int4."""
+    int8, half a byte for int4. `tp`: the bytes one GPU of that many tensor-parallel ranks reads."""
     import torch
 
     from mmserve.config import CacheConfig
@@ -130,7 +133,7 @@ def lm_shape(model_dir: str, dtype: str, kv_cache_dtype: str = "auto", quantizat
                   head_dim=int(text.get("head_dim") or hidden // heads),
                   dtype_bytes=torch.finfo(model_dtype).bits // 8, kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
                   linear_dtype_bytes=_LINEAR_BYTES.get(quantization) or (
-                      1 if checkpoint_quantization(config.get("quantization_config")) == "fp8" else None))
+                      1 if checkpoint_quantization(config.get("quantization_config")) == "fp8" else None), tp=tp)
     if text.get("model_type") == "opt":
         bias = bool(text.get("enable_bias", True))
         return LMShape(**common, intermediate=int(text["ffn_dim"]), kv_heads=heads, mlp_matrices=2, qkv_bias=bias,

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from mmserve.config import EngineConfig, resolve_device, resolve_dtype
+from mmserve.config import EngineConfig, resolve_device
+from mmserve.distributed.workers import TPWorkers, check_tensor_parallel, rank_device
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.guided import GrammarCache
 from mmserve.engine.cross_blocks import CrossBlockAllocator
@@ -20,7 +21,7 @@ from mmserve.engine.scheduler import Scheduler, SchedulerOutput
 from mmserve.engine.step_stats import StepStats
 from mmserve.lora import LoRAManager
 from mmserve.lora.trtllm_format import adapter_from_trtllm
-from mmserve.models.loader import build_model, load_hf_config, text_config_of
+from mmserve.models.loader import load_hf_config, load_model
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.multimodal.processors import InputProcessor, ProcessedInputs
 from mmserve.outputs import Logprob, RequestOutput
@@ -48,12 +49,23 @@ class Engine:
         self.config = config
         mc = config.model
         self.device = resolve_device(mc.device)
-        self.hf_config = load_hf_config(mc.model)
-        self.text_config = text_config_of(self.hf_config)
-        self.dtype = resolve_dtype(mc.dtype, self.device, getattr(self.text_config, "dtype", None)
-                                   or getattr(self.hf_config, "torch_dtype", None))
-        torch.manual_seed(mc.seed)
-        self.model = build_model(mc.model, self.hf_config, self.device, self.dtype, mc.quantization)
+        self.tp_workers = None
+        if mc.tensor_parallel_size > 1:
+            check_tensor_parallel(load_hf_config(mc.model), mc)
+            self.device = rank_device(self.device, 0)
+            self.tp_workers = TPWorkers.start(config, self.device)
+        try:
+            self._build(config, media)
+        except BaseException:
+            self.close()   # no worker process outlives an engine that failed to start
+            raise
+
+    def _build(self, config: EngineConfig, media: MediaConfig | None) -> None:
+        """Everything of __init__ after the processes: the model, the runner and its KV cache, the scheduler."""
+        mc = config.model
+        loaded = load_model(mc, self.device)
+        self.hf_config, self.text_config, self.dtype, self.model = (loaded.hf_config, loaded.text_config,
+                                                                    loaded.dtype, loaded.model)
         preprocess_device = self.device if self.device.type == "cuda" and mc.preprocess_on_gpu else None
         self.inputs = InputProcessor(mc.model, self.hf_config, type(self.model), media, preprocess_device)
         self.tokenizer = self.inputs.tokenizer
@@ -62,6 +74,7 @@ class Engine:
                                  getattr(self.text_config, "max_position_embeddings", None) or 4096)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.cache, self.text_config.vocab_size,
                                   mc.attention_backend)
+        self.runner.tp = self.tp_workers
         self.lora = self.runner.lora = LoRAManager(self.model, self.device, self.dtype, mc.max_loras)
         prompt_ends = None
         if config.cache.enable_prefix_caching and config.cache.prompt_end_cache_size:
@@ -70,15 +83,17 @@ class Engine:
         blank = self._blank_image_item()
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
             self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
-        peak = self.runner.profile_peak_activation_bytes(min(config.scheduler.max_num_batched_tokens,
-                                                             self.max_model_len), blank)
-        num_blocks = self.runner.num_blocks_for(config.cache, peak)
-        self.runner.allocate_kv_cache(num_blocks)
+        profile_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
+        # tensor-parallel workers encode no pictures: their profile is the language model's alone
+        num_blocks, others = self._on_every_rank("plan_kv_cache", (config.cache, profile_tokens, blank),
+                                                 (config.cache, profile_tokens, None))
+        num_blocks = min([num_blocks] + others)
+        self._on_every_rank("allocate_kv_cache", (num_blocks,))
         self.runner.allocate_cross_kv()
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
-            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len,
-                                            config.scheduler.max_num_batched_tokens, blank)
+            self._on_every_rank("capture_cuda_graphs", (config.scheduler.max_num_seqs, self.max_model_len,
+                                                        config.scheduler.max_num_batched_tokens, blank))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:
@@ -95,6 +110,14 @@ class Engine:
         self.grammars = GrammarCache(self.tokenizer, self.text_config.vocab_size, list(self.default_eos))
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", type(self.model).__name__,
                     self.device, self.dtype, num_blocks, config.cache.block_size, self.runner.kv_dtype)
+
+    def _on_every_rank(self, name: str, args: tuple, worker_args: tuple | None = None) -> tuple[Any, list]:
+        """runner.name(*args) here and, under tensor parallelism, on every worker at once (worker_args if given):
+        (this rank's result, the workers' results)."""
+        pending = self.tp_workers.call(name, *(args if worker_args is None else worker_args)) \
+            if self.tp_workers is not None else None
+        result = getattr(self.runner, name)(*args)
+        return result, pending() if pending is not None else []
 
     def _blank_image_item(self):
         """A blank picture's encoder inputs, for warming up the encoder graphs and for the memory profile of the
@@ -119,8 +142,21 @@ class Engine:
         ids += extra if isinstance(extra, list) else [extra]
         return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do at TP=1)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
+            if hasattr(self, "runner"):
+                self.runner.tp = None
+
+    def _refuse_lora_under_tp(self) -> None:
+        if self.tp_workers is not None:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+
     def add_lora(self, name: str, path: str) -> None:
         """Load the PEFT LoRA adapter at `path`; prompts name it with {"lora": name}. ValueError if it does not fit."""
+        self._refuse_lora_under_tp()
         self.lora.add(name, path)
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, path, self.lora.get(name).rank,
                     len(self.lora.get(name).targets))
@@ -128,6 +164,7 @@ class Engine:
     def add_lora_tensors(self, name: str, weights, config) -> None:
         """Serve the adapter sent as TensorRT-LLM tensors (Triton `lora_weights` [rows, width], `lora_config`
         [rows, 3]; lora/trtllm_format.py) as `name`, as TensorRT-LLM caches a task's adapter (LoRAManager.put)."""
+        self._refuse_lora_under_tp()
         adapter = adapter_from_trtllm(name, weights, config, self.model, self.device, self.dtype)
         if self.lora.put(adapter, held={r.lora for r in self.requests.values()}):
             logger.info("LoRA adapter %r loaded from request tensors (%d modules)", name, len(adapter.targets))

@@ -58,6 +58,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="PEFT LoRA adapters to load; OpenAI requests name one as their `model`")
     p.add_argument("--max-loras", type=int, default=8, help="LoRA adapters loaded at once")
+    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1, metavar="N",
+                   help="shard the language model over GPUs 0..N-1, one process each (TensorRT-LLM's --tp_size / "
+                        "--world_size); the vision encoders run on GPU 0")
     p.add_argument("--log-level", default="info")
 
 
@@ -67,7 +70,7 @@ def build_engine_config(args: argparse.Namespace):
         model=ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           seed=args.seed, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                           preprocess_on_gpu=not args.cpu_preprocess, quantization=args.quantization,
-                          max_loras=args.max_loras),
+                          max_loras=args.max_loras, tensor_parallel_size=args.tensor_parallel_size),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           cross_kv_cache_fraction=args.cross_kv_cache_fraction,
@@ -148,6 +151,7 @@ async def _serve(args: argparse.Namespace) -> None:
         if grpc_server is not None:
             await grpc_server.stop(grace=2)
         state.engine.shutdown()
+        engine.close()
 
 
 def _demo_model(args: argparse.Namespace) -> None:

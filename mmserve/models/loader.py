@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +30,28 @@ def text_config_of(hf_config):
     if getattr(hf_config, "is_encoder_decoder", False) and getattr(hf_config, "decoder", None) is not None:
         return hf_config.decoder
     return getattr(hf_config, "text_config", None) or hf_config
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's model built for serving, with the configs and dtype it was built from."""
+
+    hf_config: Any
+    text_config: Any          # the language model's (text_config_of)
+    dtype: torch.dtype
+    model: nn.Module
+
+
+def load_model(mc, device: torch.device) -> LoadedModel:
+    """Build `mc.model` (a ModelConfig) on `device` as the engine serves it: its dtype resolved, the global RNG
+    seeded, `mc.quantization` applied. Every tensor-parallel rank calls it, and shards by its rank."""
+    from mmserve.config import resolve_dtype
+    hf_config = load_hf_config(mc.model)
+    text_config = text_config_of(hf_config)
+    dtype = resolve_dtype(mc.dtype, device, getattr(text_config, "dtype", None)
+                          or getattr(hf_config, "torch_dtype", None))
+    torch.manual_seed(mc.seed)
+    return LoadedModel(hf_config, text_config, dtype, build_model(mc.model, hf_config, device, dtype, mc.quantization))
 
 
 def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype,

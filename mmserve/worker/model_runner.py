@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,10 @@ from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.step_batch import FlatBatch, flatten
 from mmserve.worker.transfer import to_device
+from mmserve.worker.tp_mirror import run_mirrored
+
+if TYPE_CHECKING:
+    from mmserve.distributed.workers import TPWorkers
 
 
 # cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
@@ -71,6 +76,7 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         self.prompt_ends: torch.Tensor | None = None   # [slots, H] final hidden states of prompts (PromptEndCache)
         self.lora: LoRAManager | None = None   # the engine's adapters; steps with LoRA rows run eagerly
+        self.tp: TPWorkers | None = None   # the driver's tensor-parallel workers: they mirror each forward
 
     def _select_backend(self, name: str) -> str:
         if name == "auto":
@@ -144,6 +150,10 @@ class ModelRunner:
             with self._vision_kernels():   # a graph keeps the kernels chosen while it was captured
                 self.encoder_graphs.warm_up(self._on_device(template),
                                             cdiv(max_num_batched_tokens, template.length) + 1)
+
+    def plan_kv_cache(self, cache_config: CacheConfig, num_tokens: int, template: MultiModalItem | None = None) -> int:
+        """The KV pool's size in blocks after profiling a step of `num_tokens` (and `template`'s encoding)."""
+        return self.num_blocks_for(cache_config, self.profile_peak_activation_bytes(num_tokens, template))
 
     def profile_peak_activation_bytes(self, num_tokens: int, template: MultiModalItem | None = None) -> int:
         """The memory a step needs beyond weights and KV cache, measured on CUDA (0 elsewhere): see
@@ -236,6 +246,9 @@ class ModelRunner:
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
         each, views of the graph's buffers valid until its next replay."""
+        if self.tp is not None:
+            self.tp.forward("decode", (batch.input_ids, batch.positions, batch.slots, batch.seq_lens,
+                                       batch.block_tables), list(batch.fill) if batch.fill is not None else [])
         return self.graphs.run(batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
                                batch.fill, cross)
 
@@ -250,8 +263,16 @@ class ModelRunner:
             self._merge_mm_embeddings(computed, qsl, embeds)
         n = len(batch.input_ids)
         if graphs_ok and self.prefill_graphs is not None and self.prefill_graphs.fits(len(computed), n):
+            kind = "prefill"
+        elif graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(n):
+            kind = "piecewise"
+        else:
+            kind = "eager"
+        if self.tp is not None:
+            self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables), [embeds])
+        if kind == "prefill":
             return self.prefill_graphs.run(embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables)
-        if graphs_ok and self.piecewise_graphs is not None and self.piecewise_graphs.fits(n):
+        if kind == "piecewise":
             # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
             meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev,
                                       self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
@@ -262,6 +283,11 @@ class ModelRunner:
                                                self.attn_layers[0].backend, self.cross_encode_batch)
         with self.lora.step(lora) if lora else contextlib.nullcontext():
             return self.model(embeds, to_device(batch.positions, torch.int64, dev), meta)
+
+    def run_mirrored(self, kind: str, host: tuple, specs: list) -> None:
+        """A tensor-parallel worker's side of a driver's forward (distributed/workers.py): the same graph or eager
+        pass over inputs received from rank 0; the hidden states are the driver's business."""
+        run_mirrored(self, kind, host, specs)
 
     def _finish(self, batch: FlatBatch, logits: torch.Tensor | None, hidden: torch.Tensor, loads: list,
                 loaded: torch.Tensor | None) -> LaunchedStep:

@@ -1,0 +1,164 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of `--tensor-parallel-size N`.
+
+The engine's process is rank 0, the driver: it schedules, preprocesses, runs the vision encoders, samples, and
+holds shard 0 of the language model. Each worker holds another shard and mirrors the driver's ModelRunner in
+lockstep, so the collectives inside the forward passes (the row-parallel linears' all-reduces) meet:
+
+- runner calls that run the model (activation profile, KV cache allocation, CUDA graph capture) are sent as
+  ("call", name, args) and run by the worker's own ModelRunner with the same arguments;
+- each step's forward is sent as ("forward", kind, host inputs, tensor specs): the host-side layout (positions,
+  KV slots, block tables, query offsets) over a pipe, the device inputs (the embeddings, with the pictures already
+  merged in by the driver, or a decode's token ids filled from the last step's samples) broadcast from rank 0
+  over NCCL (gloo on the CPU), without a host sync on the driver.
+
+Workers compute hidden states the driver also computes and drop them; sampling, logits and the encoder cache
+live on the driver only.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmserve.distributed import TIMEOUT, init_tensor_parallel, shutdown_tensor_parallel
+
+logger = logging.getLogger(__name__)
+CUDA_OPT_IN = "MMSERVE_EXPERIMENTAL_CUDA_TP"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of `rank`: GPU `rank` on CUDA, the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def check_tensor_parallel(hf_config, mc) -> None:
+    """ValueError, before any process starts, when `mc.tensor_parallel_size` cannot shard this checkpoint."""
+    from mmserve.models.loader import text_config_of
+    from mmserve.models.registry import get_model_class
+    size = mc.tensor_parallel_size
+    cls = get_model_class(hf_config)
+    if getattr(cls, "uses_cross_attention", False) or getattr(cls, "encoder_decoder", False):
+        raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} (cross-attention / encoder-decoder) runs on "
+                         "one GPU only; use tensor_parallel_size 1")
+    text = text_config_of(hf_config)
+    for name in ("num_attention_heads", "intermediate_size", "ffn_dim"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the language model's {name} ({value})")
+    if mc.device.startswith("cuda:"):
+        raise ValueError(f"tensor_parallel_size {size} uses GPUs 0..{size - 1}: give device 'cuda' or 'auto', "
+                         f"not {mc.device!r} (CUDA_VISIBLE_DEVICES picks which)")
+    on_cuda = mc.device == "cuda" or (mc.device == "auto" and torch.cuda.is_available())
+    if on_cuda and os.environ.get(CUDA_OPT_IN, "") in ("", "0"):
+        raise ValueError(f"tensor_parallel_size {size} on CUDA is not verified yet: its first run on two GPUs "
+                         f"(2026-11-26) did not finish starting in the time it had. Set {CUDA_OPT_IN}=1 to try it (a stuck collective then "
+                         f"fails after {TIMEOUT.seconds} s), or shard on the CPU (device 'cpu')")
+
+
+class TPWorkers:
+    """The driver's handle on its worker processes (rank 0 joins the group in `start`)."""
+
+    def __init__(self, procs: list, conns: list) -> None:
+        self.procs, self.conns = procs, conns
+
+    @classmethod
+    def start(cls, config, device: torch.device) -> TPWorkers:
+        size = config.model.tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs, conns = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, size, init_method, config, device.type, child),
+                               name=f"mmserve-tp{rank}", daemon=True)
+            proc.start()
+            procs.append(proc)
+            conns.append(parent)
+        init_tensor_parallel(0, size, init_method, rank_device(device, 0))
+        return cls(procs, conns)
+
+    def call(self, name: str, *args: Any) -> Callable[[], list]:
+        """Start runner.name(*args) on every worker and return a function that waits for their results. The
+        driver runs the same call between the two: their collectives meet."""
+        for conn in self.conns:
+            conn.send(("call", (name, args)))
+        return lambda: [self._reply(conn) for conn in self.conns]
+
+    def forward(self, kind: str, host: tuple, tensors: list[torch.Tensor]) -> None:
+        """Have every worker run this step's forward of `kind` (ModelRunner.run_mirrored); broadcasts `tensors`."""
+        from mmserve.distributed import tp_broadcast
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        for conn in self.conns:
+            conn.send(("forward", (kind, host, specs)))
+        for t in tensors:
+            tp_broadcast(t.contiguous())
+
+    def _reply(self, conn) -> Any:
+        status, value = conn.recv()
+        if status == "error":
+            raise RuntimeError(f"tensor-parallel worker failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.procs, self.conns = [], []
+        shutdown_tensor_parallel()
+
+
+def worker_main(rank: int, size: int, init_method: str, config, device_type: str, conn) -> None:
+    """A worker's life: join the group, build shard `rank` of the model and its ModelRunner, then serve the
+    driver's calls and forwards until told to stop."""
+    from mmserve.models.loader import load_model
+    from mmserve.worker.model_runner import ModelRunner
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    device = rank_device(torch.device(device_type), rank)
+    init_tensor_parallel(rank, size, init_method, device)
+    logger.info("joined the tensor-parallel group on %s", device)
+    mc = config.model
+    loaded = load_model(mc, device)
+    runner = ModelRunner(loaded.model, device, loaded.dtype, config.cache, loaded.text_config.vocab_size,
+                         mc.attention_backend)
+    logger.info("shard %d of %d loaded", rank, size)
+    with torch.inference_mode():
+        while True:
+            op, payload = conn.recv()
+            if op == "stop":
+                break
+            if op == "forward":
+                try:
+                    runner.run_mirrored(*payload)
+                except Exception:   # the group cannot go on without this rank: stop, so the driver's next
+                    logger.exception("tensor-parallel rank %d: a forward failed", rank)   # collective fails
+                    break
+                continue
+            name, args = payload
+            try:
+                result = getattr(runner, name)(*args)
+                logger.info("%s done", name)
+                conn.send(("ok", result))
+            except Exception:   # the driver raises it; this worker stays to be stopped
+                conn.send(("error", traceback.format_exc()))
+    shutdown_tensor_parallel()

@@ -1,0 +1,49 @@
+"""A tensor-parallel worker's replay of the driver's forward passes (distributed/workers.py).
+
+The driver's ModelRunner decides each step's kind of pass (a decode graph, a prefill graph, piecewise graphs or
+eager) and sends it with the step's host-side layout; its device inputs arrive by broadcast from rank 0. The worker
+runs the same pass over its own shard of the model, so the all-reduces inside meet the driver's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmserve.distributed import tp_broadcast
+from mmserve.worker.batch_inputs import attention_metadata
+from mmserve.worker.transfer import to_device
+
+if TYPE_CHECKING:
+    from mmserve.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _SeqLayout:
+    """What attention_metadata reads of a scheduled sequence."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> None:
+    """Receive the broadcast inputs described by `specs` ((shape, dtype) each) and run pass `kind` on them."""
+    tensors = [tp_broadcast(torch.empty(shape, dtype=dtype, device=runner.device)) for shape, dtype in specs]
+    if kind == "decode":
+        input_ids, positions, slots, seq_lens, tables = host
+        runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None)
+        return
+    positions, slots, qsl, seq_lens, tables = host
+    embeds = tensors[0]
+    if kind == "prefill":
+        runner.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, tables)
+        return
+    seqs = [_SeqLayout(t, qsl[i + 1] - qsl[i]) for i, t in enumerate(tables)]
+    if kind == "piecewise":
+        meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device,
+                                  runner.piecewise_graphs.inputs.slot_mapping[:len(slots)])
+        runner.piecewise_graphs.run(embeds, positions, slots, meta)
+        return
+    meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device)
+    runner.model(embeds, to_device(positions, torch.int64, runner.device), meta)
