@@ -141,6 +141,9 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
 
     placeholder_in_prompt = False   # the processor writes <image>, the span and </image> itself
+    # its sub-LayerNorms normalise the whole attention output and the whole MLP activation before the row-parallel
+    # projections: sharding them needs a gather per layer, not written
+    tensor_parallel = False
 
     def __init__(self, config) -> None:
         super().__init__()

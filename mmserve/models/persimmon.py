@@ -9,6 +9,7 @@ from torch import nn
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
+from mmserve.distributed import get_tp_size
 from mmserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mmserve.layers.rotary import PartialRotaryEmbedding, rope_inv_freq
 
@@ -17,8 +18,8 @@ class PersimmonAttention(nn.Module):
     def __init__(self, config, rotary: PartialRotaryEmbedding) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        self.head_dim = hidden // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // get_tp_size()   # this rank's heads
         # the checkpoint's rows are [head 0: q, k, v; head 1: q, k, v; ...], which a column split keeps per head
         self.query_key_value = ColumnParallelLinear(hidden, 3 * hidden, bias=True)
         self.dense = RowParallelLinear(hidden, hidden, bias=True)

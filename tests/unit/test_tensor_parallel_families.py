@@ -1,0 +1,55 @@
+"""Tensor parallelism over each decoder-only family (CPU, gloo, a real worker process): two shards give one
+process's greedy tokens and log-probs for a prompt with pictures (Qwen2-VL: M-RoPE positions; BLIP-2: OPT;
+Fuyu: Persimmon with q/k LayerNorms; LLaVA-NeXT / OneVision: any-resolution tiles; Pixtral: its ViT). Kosmos-2,
+whose sub-LayerNorms need whole activations, is refused with a message naming it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.testing import make_test_image
+from mmserve.testing.blip2 import make_blip2_checkpoint
+from mmserve.testing.fuyu import make_fuyu_checkpoint
+from mmserve.testing.kosmos2 import make_kosmos2_checkpoint
+from mmserve.testing.llava_next import make_llava_next_checkpoint
+from mmserve.testing.llava_onevision import make_llava_onevision_checkpoint
+from mmserve.testing.pixtral import make_pixtral_checkpoint
+from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
+
+N = 8
+GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=2)
+_QWEN = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
+FAMILIES = {
+    "qwen2_vl": (make_qwen2_vl_checkpoint, lambda i: _QWEN.format(f"what is {i}?"), (56, 84)),
+    "blip2": (make_blip2_checkpoint, lambda i: f"Question: what is {i}? Answer:", None),
+    "fuyu": (make_fuyu_checkpoint, lambda i: f"What is number {i} here?", (40, 30)),
+    "llava_next": (make_llava_next_checkpoint, lambda i: f"[INST] <image>\ntell me about {i} [/INST]", (50, 70)),
+    "llava_onevision": (make_llava_onevision_checkpoint,
+                        lambda i: f"<|im_start|>user <image>\nwhat is {i}<|im_end|>\n<|im_start|>assistant\n",
+                        (50, 70)),
+    "pixtral": (make_pixtral_checkpoint, lambda i: f"[INST][IMG]tell me about {i}[/INST]", (40, 56)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_shards_give_one_process_tokens(family, tmp_path):
+    make, text, size = FAMILIES[family]
+    model_dir = str(make(tmp_path / family, preset="tiny", seed=0))
+    prompts = [{"prompt": text(i), "images": [make_test_image(3 * i + 1, size) if size else make_test_image(3 * i + 1)]}
+               for i in range(2)]
+    with LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        two = llm.generate(prompts, GREEDY, use_tqdm=False)
+    one = LLM(model_dir, device="cpu", dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(two, one):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in lb.items():
+                assert math.isclose(la[tok].logprob, lp.logprob, abs_tol=1e-4)
+
+
+def test_kosmos2_is_refused(tmp_path):
+    model_dir = str(make_kosmos2_checkpoint(tmp_path / "kosmos2", preset="tiny", seed=0))
+    with pytest.raises(ValueError, match="Kosmos2ForConditionalGeneration does not shard"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=2)
