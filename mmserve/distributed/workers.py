@@ -97,6 +97,7 @@ class TPWorkers:
     def call(self, name: str, *args: Any) -> Callable[[], list]:
         """Start runner.name(*args) on every worker and return a function that waits for their results. The
         driver runs the same call between the two: their collectives meet."""
+        self._check_alive()
         for conn in self.conns:
             conn.send(("call", (name, args)))
         return lambda: [self._reply(conn) for conn in self.conns]
@@ -105,10 +106,19 @@ class TPWorkers:
         """Have every worker run this step's forward of `kind` (ModelRunner.run_mirrored); broadcasts `tensors`."""
         from mmserve.distributed import tp_broadcast
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        self._check_alive()
         for conn in self.conns:
             conn.send(("forward", (kind, host, specs)))
         for t in tensors:
             tp_broadcast(t.contiguous())
+
+    def _check_alive(self) -> None:
+        """RuntimeError when a worker has exited: the group cannot run a forward without it (its collectives would
+        wait for that rank until they time out)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                                   "the engine cannot go on without it")
 
     def _reply(self, conn) -> Any:
         status, value = conn.recv()

@@ -96,3 +96,12 @@ def test_a_failed_start_leaves_no_worker_behind(tiny_llava_dir):
     with pytest.raises(ValueError, match="KV cache would get 0 blocks"):
         LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_size_gb=1e-9)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("mmserve-tp")]
+
+
+def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tiny_llava_dir):
+    with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        worker = llm.engine.tp_workers.procs[0]
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(RuntimeError, match="tensor-parallel worker 1 .* exited"):
+            llm.generate([_prompt(1, 1)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
