@@ -152,6 +152,10 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     logger.info("joined the tensor-parallel group on %s", device)
     mc = config.model
     loaded = load_model(mc, device)
+    if hasattr(loaded.model, "drop_encoders"):
+        loaded.model.drop_encoders()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     runner = ModelRunner(loaded.model, device, loaded.dtype, config.cache, loaded.text_config.vocab_size,
                          mc.attention_backend)
     logger.info("shard %d of %d loaded", rank, size)

@@ -91,6 +91,13 @@ class MultiModalCausalLM(nn.Module):
         return None, sum(self.cross_kv_tokens(it) for it in items)
 
 
+    def drop_encoders(self) -> None:
+        """Free every submodule but the language model: a tensor-parallel worker runs the text path only (the
+        driver encodes the pictures and sends their embeddings merged into the prompt's)."""
+        for name, _ in list(self.named_children()):
+            if name != "language_model":
+                setattr(self, name, None)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
         return self.language_model.embed_input_ids(input_ids)

@@ -131,6 +131,10 @@ class ModelRunner:
                                                 token_buckets(max_num_batched_tokens), mrope, pool=self.graphs.pool)
         self.piecewise_graphs.capture()
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's model parameters and buffers."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     def _hidden_size(self) -> int:
         return self.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device=self.device)).shape[-1]
 

@@ -36,6 +36,13 @@ def test_two_shards_match_transformers_and_one_process(tiny_llava_dir, device, m
              block_size=4) as llm:
         engine = llm.engine
         assert engine.tp_workers is not None and all(p.is_alive() for p in engine.tp_workers.procs)
+        # the worker holds half of the language model's layers and none of the vision tower or projector
+        lm = engine.model.language_model
+        lm_bytes = sum(t.numel() * t.element_size() for t in (*lm.parameters(), *lm.buffers()))
+        encoder_bytes = engine.runner.weight_bytes() - lm_bytes
+        assert encoder_bytes > 0
+        (worker_bytes,) = engine.tp_workers.call("weight_bytes")()
+        assert worker_bytes == lm_bytes
         outs = run_staggered(engine, prompts, GREEDY)
         repeat = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]   # the same picture and text again
         assert not engine.scheduler.running and engine.kv.pool.num_free == engine.kv.num_blocks
