@@ -143,6 +143,7 @@ class TPWorkers:
 def worker_main(rank: int, size: int, init_method: str, config, device_type: str, conn) -> None:
     """A worker's life: join the group, build shard `rank` of the model and its ModelRunner, then serve the
     driver's calls and forwards until told to stop."""
+    from mmserve.lora import LoRAManager
     from mmserve.models.loader import load_model
     from mmserve.worker.model_runner import ModelRunner
 
@@ -158,6 +159,7 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
             torch.cuda.empty_cache()
     runner = ModelRunner(loaded.model, device, loaded.dtype, config.cache, loaded.text_config.vocab_size,
                          mc.attention_backend)
+    runner.lora = LoRAManager(loaded.model, device, loaded.dtype, mc.max_loras)   # the driver's adapters, sharded
     logger.info("shard %d of %d loaded", rank, size)
     with torch.inference_mode():
         while True:

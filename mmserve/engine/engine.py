@@ -155,24 +155,24 @@ class Engine:
             if hasattr(self, "runner"):
                 self.runner.tp = None
 
-    def _refuse_lora_under_tp(self) -> None:
-        if self.tp_workers is not None:
-            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
-
     def add_lora(self, name: str, path: str) -> None:
         """Load the PEFT LoRA adapter at `path`; prompts name it with {"lora": name}. ValueError if it does not fit."""
-        self._refuse_lora_under_tp()
         self.lora.add(name, path)
+        if self.tp_workers is not None:   # each worker loads its shard of the adapter
+            self.tp_workers.call("lora_sync", [], name, str(path), False)()
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, path, self.lora.get(name).rank,
                     len(self.lora.get(name).targets))
 
     def add_lora_tensors(self, name: str, weights, config) -> None:
         """Serve the adapter sent as TensorRT-LLM tensors (Triton `lora_weights` [rows, width], `lora_config`
         [rows, 3]; lora/trtllm_format.py) as `name`, as TensorRT-LLM caches a task's adapter (LoRAManager.put)."""
-        self._refuse_lora_under_tp()
         adapter = adapter_from_trtllm(name, weights, config, self.model, self.device, self.dtype)
+        before = set(self.lora.adapters)
         if self.lora.put(adapter, held={r.lora for r in self.requests.values()}):
             logger.info("LoRA adapter %r loaded from request tensors (%d modules)", name, len(adapter.targets))
+            if self.tp_workers is not None:   # the workers evict what this rank evicted and load their shards
+                self.tp_workers.call("lora_sync", sorted(before - set(self.lora.adapters)), name,
+                                     (weights, config), True)()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams) -> Request:

@@ -59,6 +59,27 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
 
+    def full_in_features(self) -> int:
+        """Input features of the unsharded layer (a row-parallel rank holds a slice of them)."""
+        return self.in_features
+
+    def full_rows(self, shard_id: object = None) -> int:
+        """Output rows of a checkpoint part (None: the whole layer) in the unsharded model."""
+        return self.out_features
+
+    def lora_shard(self, shard_id: object, r: int, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, torch.Tensor,
+                                                                                               torch.Tensor]:
+        """(first output row, rows, A, B) of a rank-r LoRA delta on this rank, from the unsharded A [r, full in] and
+        B [full rows of the part, r]; ValueError naming the shapes that do not fit."""
+        offset, size, start = self._out_rows(shard_id)
+        full_in, rows = self.full_in_features(), self.full_rows(shard_id)
+        if a.shape != (r, full_in) or b.shape != (rows, r):
+            raise ValueError(f"A {list(a.shape)} and B {list(b.shape)}; the model's layer needs [{r}, {full_in}] and "
+                             f"[{rows}, {r}]")
+        if self.in_features != full_in:   # row-parallel: this rank's input columns
+            a = a.narrow(1, get_tp_rank() * self.in_features, self.in_features)
+        return offset, size, a, b.narrow(0, start, size)
+
     @property
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
@@ -133,6 +154,9 @@ class ColumnParallelLinear(LinearBase):
         size = self.out_features
         return 0, size, get_tp_rank() * size
 
+    def full_rows(self, shard_id: object = None) -> int:
+        return self.out_features * get_tp_size()
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         offset, size, start = self._out_rows(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
@@ -151,6 +175,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = get_tp_size()
         size = self.output_sizes[shard_id] // tp
         return sum(self.output_sizes[:shard_id]) // tp, size, get_tp_rank() * size
+
+    def full_rows(self, shard_id: object = None) -> int:
+        return super().full_rows() if shard_id is None else self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -173,6 +200,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank = get_tp_rank() if shard_id == "q" else get_tp_rank() // self._kv_replicas
         return offset, size, rank * size
 
+    def full_rows(self, shard_id: object = None) -> int:
+        if shard_id is None:
+            return super().full_rows()
+        heads = self.num_heads if shard_id == "q" else self.num_kv_heads
+        return heads * get_tp_size() // (1 if shard_id == "q" else self._kv_replicas) * self.head_dim
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; outputs summed with an all-reduce."""
@@ -181,6 +214,9 @@ class RowParallelLinear(LinearBase):
         tp = get_tp_size()
         assert in_features % tp == 0, f"{in_features} input features do not split over TP={tp}"
         super().__init__(in_features // tp, out_features, bias)
+
+    def full_in_features(self) -> int:
+        return self.in_features * get_tp_size()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:   # bias: full on every rank, added once after the reduce

@@ -26,8 +26,9 @@ class LoRATarget:
 
     offset: int
     size: int
-    a: torch.Tensor   # [rank, in]
+    a: torch.Tensor   # [rank, in] (this tensor-parallel rank's input columns)
     b: torch.Tensor   # [size, rank], scaling folded in
+    reduce: bool = False   # a row-parallel layer's: each rank's delta is a partial sum, all-reduced before adding
 
 
 @dataclass
@@ -72,13 +73,13 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter {name!r}: {stem} has no lora_{'B' if 'A' in ab else 'A'}")
             module_name, shard = _resolve(model, params, stem.removeprefix(_PEFT_PREFIX), name)
             module = model.get_submodule(module_name)
-            offset, size, _ = module._out_rows(shard) if shard is not None else (0, module.out_features, 0)
-            a, b = ab["A"], ab["B"]
-            if a.shape != (rank, module.in_features) or b.shape != (size, rank):
-                raise ValueError(f"LoRA adapter {name!r}: {stem} has A {list(a.shape)} and B {list(b.shape)}; "
-                                 f"the model's layer needs [{rank}, {module.in_features}] and [{size}, {rank}]")
+            try:
+                offset, size, a, b = module.lora_shard(shard, rank, ab["A"], ab["B"])
+            except ValueError as e:
+                raise ValueError(f"LoRA adapter {name!r}: {stem} has {e}") from None
             adapter.targets.setdefault(module_name, []).append(
-                LoRATarget(offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype)))
+                LoRATarget(offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype),
+                           reduce=module.full_in_features() != module.in_features))
         if not adapter.targets:
             raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
         return adapter

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmserve.distributed import tp_all_reduce
 from mmserve.layers.linear import LinearBase
 from mmserve.lora.adapter import LoRAAdapter
 
@@ -45,7 +46,7 @@ class LoRAManager:
         if name not in self.adapters and len(self.adapters) >= self.max_loras:
             raise ValueError(f"{len(self.adapters)} LoRA adapters are loaded already (max_loras {self.max_loras})")
         adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
-        self._install(adapter, evictable=False)
+        self.install(adapter, evictable=False)
         return adapter
 
     def _check_loadable(self, name: str) -> None:
@@ -56,7 +57,7 @@ class LoRAManager:
             if module.is_fp8:
                 raise ValueError("LoRA adapters on FP8 weights are not supported")
 
-    def _install(self, adapter: LoRAAdapter, evictable: bool) -> None:
+    def install(self, adapter: LoRAAdapter, evictable: bool) -> None:
         """Serve a built adapter under its name; `evictable`: `put` may unload it to make room."""
         for module_name in adapter.targets:
             if module_name not in self._hooked:
@@ -87,7 +88,7 @@ class LoRAManager:
                                  "loaded at startup or in use")
             self.remove(victim)
             logger.info("LoRA adapter %r evicted for %r", victim, adapter.name)
-        self._install(adapter, evictable=True)
+        self.install(adapter, evictable=True)
         return True
 
     def remove(self, name: str) -> None:
@@ -128,6 +129,8 @@ class LoRAManager:
             for adapter, rows in self._groups:
                 for t in adapter.targets.get(module_name, ()):
                     delta = (x[rows] @ t.a.T) @ t.b.T
+                    if t.reduce:   # this rank's input columns only: the sum over ranks is the delta
+                        delta = tp_all_reduce(delta)
                     output[rows, t.offset:t.offset + t.size] += delta.to(output.dtype)
             return output
         return add_deltas

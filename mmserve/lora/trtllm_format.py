@@ -64,17 +64,17 @@ def adapter_from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, mode
             raise ValueError(f"{where}: this module of this layer has an earlier row")
         seen.add((module_name, shard if shard is not None else -1))
         module = model.get_submodule(module_name)
-        offset, size, _ = module._out_rows(shard) if shard is not None else (0, module.out_features, 0)
-        n_in, n_out = rank * module.in_features, size * rank
+        full_in, rows = module.full_in_features(), module.full_rows(shard)
+        n_in, n_out = rank * full_in, rows * rank
         if n_in + n_out > weights.shape[1]:
             raise ValueError(f"lora_weights row {row}: {MODULES[module_id][0]} of layer {layer} with adapter size "
-                             f"{rank} needs {n_in} + {n_out} values ([{rank}, {module.in_features}] then "
-                             f"[{size}, {rank}]), the row has {weights.shape[1]}")
+                             f"{rank} needs {n_in} + {n_out} values ([{rank}, {full_in}] then "
+                             f"[{rows}, {rank}]), the row has {weights.shape[1]}")
         values = torch.from_numpy(np.ascontiguousarray(weights[row, :n_in + n_out])).float()
-        a = values[:n_in].reshape(rank, module.in_features)
-        b = values[n_in:].reshape(size, rank)
-        adapter.targets.setdefault(module_name, []).append(LoRATarget(offset, size, a.to(device, dtype),
-                                                                      b.to(device, dtype)))
+        offset, size, a, b = module.lora_shard(shard, rank, values[:n_in].reshape(rank, full_in),
+                                               values[n_in:].reshape(rows, rank))
+        adapter.targets.setdefault(module_name, []).append(
+            LoRATarget(offset, size, a.to(device, dtype), b.to(device, dtype), reduce=full_in != module.in_features))
     return adapter
 
 

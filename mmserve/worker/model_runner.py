@@ -22,7 +22,7 @@ from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
 from mmserve.worker.batch_inputs import attention_metadata
-from mmserve.worker.request_inputs import cross_attention_batch, cross_decode_inputs, lora_row_groups
+from mmserve.worker.request_inputs import cross_attention_batch, cross_decode_inputs, lora_row_groups, lora_rows
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_graphs import EncoderGraphs
@@ -235,9 +235,8 @@ class ModelRunner:
         if not computed:
             return self._sample([s.request for s in loads], self.model.compute_logits(loaded))
         batch = flatten(computed, prev, self.block_size, self.device, self.uses_mrope)
-        lora = lora_row_groups(computed, batch.qsl, self.lora, self.device) \
-            if self.lora is not None and self.lora.adapters else []
-        graphs_ok = not lora
+        rows_by_adapter = lora_rows(computed, batch.qsl) if self.lora is not None and self.lora.adapters else {}
+        graphs_ok = not rows_by_adapter
         cross = None
         if graphs_ok and self.graphs is not None and self.graphs.cross is not None and batch.one_token_each:
             cross = cross_decode_inputs(computed, self.graphs.cross_blocks, self.block_size)
@@ -245,7 +244,7 @@ class ModelRunner:
         if graphs_ok and self.graphs is not None and batch.one_token_each and len(computed) <= self.graphs.max_batch:
             # 1-token prompt chunks ride here too and sample nothing
             return self._finish(batch, *self._run_decode_graph(batch, cross), loads, loaded)
-        return self._finish(batch, None, self._run_forward(batch, lora, graphs_ok), loads, loaded)
+        return self._finish(batch, None, self._run_forward(batch, rows_by_adapter, graphs_ok), loads, loaded)
 
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
@@ -256,8 +255,9 @@ class ModelRunner:
         return self.graphs.run(batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
                                batch.fill, cross)
 
-    def _run_forward(self, batch: FlatBatch, lora: list, graphs_ok: bool) -> torch.Tensor:
-        """The model over every token of `batch` (prefill graphs, piecewise graphs or eager): final hidden states."""
+    def _run_forward(self, batch: FlatBatch, rows_by_adapter: dict[str, list[int]], graphs_ok: bool) -> torch.Tensor:
+        """The model over every token of `batch` (prefill graphs, piecewise graphs or eager, which applies the LoRA
+        adapters of `rows_by_adapter`): final hidden states."""
         dev, computed, qsl, slots = self.device, batch.seqs, batch.qsl, batch.slots
         ids = to_device(batch.input_ids, torch.int64, dev)
         if batch.fill is not None:
@@ -273,7 +273,8 @@ class ModelRunner:
         else:
             kind = "eager"
         if self.tp is not None:
-            self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables), [embeds])
+            self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables, rows_by_adapter),
+                            [embeds])
         if kind == "prefill":
             return self.prefill_graphs.run(embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables)
         if kind == "piecewise":
@@ -285,8 +286,26 @@ class ModelRunner:
         if self.uses_cross_attention:
             meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
                                                self.attn_layers[0].backend, self.cross_encode_batch)
+        return self.run_eager(embeds, to_device(batch.positions, torch.int64, dev), meta, rows_by_adapter)
+
+    def run_eager(self, embeds: torch.Tensor, positions: torch.Tensor, meta, rows_by_adapter: dict[str, list[int]]
+                  ) -> torch.Tensor:
+        """The model without graphs, with the LoRA adapters of `rows_by_adapter` on their rows."""
+        lora = lora_row_groups(rows_by_adapter, self.lora, self.device) if rows_by_adapter else []
         with self.lora.step(lora) if lora else contextlib.nullcontext():
-            return self.model(embeds, to_device(batch.positions, torch.int64, dev), meta)
+            return self.model(embeds, positions, meta)
+
+    def lora_sync(self, removed: list[str], name: str, source, evictable: bool) -> None:
+        """A tensor-parallel worker's copy of the driver's adapter change: unload `removed`, then load `name` from a
+        PEFT directory (`source` a path) or TensorRT-LLM tensors (`source` (weights, config)), sharded for this
+        rank."""
+        from mmserve.lora.adapter import LoRAAdapter
+        from mmserve.lora.trtllm_format import adapter_from_trtllm
+        for gone in removed:
+            self.lora.remove(gone)
+        adapter = LoRAAdapter.load(name, source, self.model, self.device, self.dtype) if isinstance(source, str) \
+            else adapter_from_trtllm(name, *source, self.model, self.device, self.dtype)
+        self.lora.install(adapter, evictable)
 
     def run_mirrored(self, kind: str, host: tuple, specs: list) -> None:
         """A tensor-parallel worker's side of a driver's forward (distributed/workers.py): the same graph or eager

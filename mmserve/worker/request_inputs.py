@@ -13,13 +13,17 @@ from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.transfer import to_device
 
 
-def lora_row_groups(computed: list, qsl: list[int], lora, device: torch.device) -> list:
-    """(adapter, its rows of the flat batch) for each LoRA adapter the step's sequences use (`lora`: the engine's
-    LoRAManager; sequence i owns rows qsl[i]..qsl[i + 1])."""
+def lora_rows(computed: list, qsl: list[int]) -> dict[str, list[int]]:
+    """Rows of the flat batch by the LoRA adapter their sequence uses (sequence i owns rows qsl[i]..qsl[i + 1])."""
     rows: dict[str, list[int]] = {}
     for i, s in enumerate(computed):
         if s.request.lora is not None:
             rows.setdefault(s.request.lora, []).extend(range(qsl[i], qsl[i + 1]))
+    return rows
+
+
+def lora_row_groups(rows: dict[str, list[int]], lora, device: torch.device) -> list:
+    """(adapter, its rows on the device) for each adapter of `rows` (lora_rows; `lora`: a LoRAManager)."""
     return [(lora.get(name), to_device(r, torch.int64, device)) for name, r in rows.items()]
 
 

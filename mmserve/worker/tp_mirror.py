@@ -34,7 +34,7 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         input_ids, positions, slots, seq_lens, tables = host
         runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None)
         return
-    positions, slots, qsl, seq_lens, tables = host
+    positions, slots, qsl, seq_lens, tables, rows_by_adapter = host
     embeds = tensors[0]
     if kind == "prefill":
         runner.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, tables)
@@ -46,4 +46,4 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         runner.piecewise_graphs.run(embeds, positions, slots, meta)
         return
     meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device)
-    runner.model(embeds, to_device(positions, torch.int64, runner.device), meta)
+    runner.run_eager(embeds, to_device(positions, torch.int64, runner.device), meta, rows_by_adapter)

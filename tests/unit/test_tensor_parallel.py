@@ -88,14 +88,26 @@ def _with_device(model_dir: str, device: str) -> ModelConfig:
     return config
 
 
-def test_lora_is_refused_with_two_shards(tiny_llava_dir, lora_adapters):
-    with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
-        with pytest.raises(ValueError, match="LoRA"):
-            llm.engine.add_lora("alpha", lora_adapters["alpha"])
-        # the engine keeps serving
-        out = llm.generate([_prompt(3, 1)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) == 4
+def test_lora_adapters_with_two_shards_give_one_process_tokens(tiny_llava_dir, lora_adapters):
+    """PEFT adapters loaded at startup and an adapter sent as TensorRT-LLM tensors (evicting another, max_loras 3)
+    apply on both ranks: each rank holds its slice (row-parallel layers' deltas all-reduced), and a batch mixing
+    adapters and the base model gives one process's tokens."""
+    from mmserve.testing.lora import trtllm_lora_tensors
 
+    weights, config = (t.numpy() for t in trtllm_lora_tensors(lora_adapters["beta"], torch.float32))
+    prompts = [dict(_prompt(i, 1), lora=name) for i, name in [(0, "alpha"), (1, "beta"), (0, None), (1, "task"),
+                                                                (2, "alpha")]]
+    outs = []
+    for tp in (2, 1):
+        with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=tp, max_loras=3,
+                 lora_modules={"alpha": lora_adapters["alpha"], "beta": lora_adapters["beta"]}) as llm:
+            llm.engine.add_lora_tensors("spare", weights, config)     # takes the last slot
+            llm.engine.add_lora_tensors("task", weights, config)      # evicts "spare" on every rank
+            assert llm.engine.lora.names == ("alpha", "beta", "task")
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    assert outs[0][1] == outs[0][3]   # beta from its directory and from tensors
+    assert outs[0][0] != outs[0][2]   # the adapter changes the answer
 
 def test_a_failed_start_leaves_no_worker_behind(tiny_llava_dir):
     import multiprocessing
