@@ -6,17 +6,21 @@ and no data-dependent shapes (`encoder_cuda_graphs = True`), the runner replays 
 are captured per (shapes, bucket) pair: at startup by `warm_up` for the checkpoint's usual image shape and
 every bucket a step can need (a capture on first use cost that request 170-420 ms on an H100 for the first
 bucket, ~30 ms for later ones), other pairs on first use. The batch is padded to the bucket with the
-previous contents of the static input buffers (their outputs are never read).
+previous contents of the static input buffers (their outputs are never read). `vision_kernels` is the kernel
+setting every vision-encoder run uses, in a graph or not.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.graph_capture import graph_capture
@@ -87,3 +91,31 @@ class EncoderGraphs:
         logger.info("captured the vision encoder's graph for %d items of %s in %.0f ms", bucket,
                     self.shape_key(template), (time.perf_counter() - t0) * 1000)
         return cap
+
+
+# cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
+# eager vision tower host-bound (about 10 ms for one CLIP-L image); flash / memory-efficient launch in µs
+_VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def vision_kernels(dtype: torch.dtype) -> Iterator[None]:
+    """The kernel settings every vision-encoder run (eager, or captured into a graph) uses: flash /
+    memory-efficient attention (_VISION_SDPA) and, for an fp32 model, exact fp32 convolutions."""
+    with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(dtype == torch.float32):
+        yield
+
+
+@contextlib.contextmanager
+def _exact_fp32_convolutions(enabled: bool):
+    """cuDNN runs fp32 convolutions in TF32 by default and picks its algorithm per batch size, so an fp32
+    model's patch embeddings would depend on how many images share a step; fp32 means fp32 here."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous

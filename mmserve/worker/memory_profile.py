@@ -1,5 +1,6 @@
 """The activation memory profile that sizes the KV cache: one step's peak beyond weights and KV cache, measured
-on the GPU with a text prefill of the step budget (and the vision encoder's, for models whose encoder runs eagerly)."""
+on the GPU with a text prefill of the step budget (and the vision encoder's, for models whose encoder runs eagerly),
+and the pool size that leaves (`kv_pool_blocks`)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
+from mmserve.config import CacheConfig
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.request import MultiModalItem
 from mmserve.worker.cross_kv import CrossKVPool
@@ -88,3 +90,35 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         row_bytes = embeds.shape[-1] * embeds.element_size()
     cache_bound = runner.encoder_cache.capacity * row_bytes if template else 0
     return max(peak, encoder_peak) + cache_bound
+
+
+def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_peak: int = 0) -> int:
+    """Pool size: fixed, else a fraction of the GPU memory free after weights and the activation
+    peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU. A
+    cross-attention family keeps `cross_kv_cache_fraction` of that budget for its requests' encoder
+    keys/values (`cross_kv_budget`, bytes; with a fixed pool, in that proportion to it)."""
+    runner.cross_kv_budget = 0
+    if cache_config.num_blocks is not None:
+        if runner.uses_cross_attention:
+            f = cache_config.cross_kv_cache_fraction
+            runner.cross_kv_budget = int(cache_config.num_blocks * runner.kv_bytes_per_block() * f / (1 - f))
+        return cache_config.num_blocks
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        budget = max(0, free - activation_peak) * cache_config.kv_cache_memory_fraction
+        source = (f"kv_cache_memory_fraction {cache_config.kv_cache_memory_fraction} of the "
+                  f"{free / 2**30:.2f} GiB free after the weights, less the activation peak of "
+                  f"{activation_peak / 2**30:.2f} GiB")
+    else:
+        budget = cache_config.kv_cache_size_gb * 2**30
+        source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
+    if runner.uses_cross_attention:
+        runner.cross_kv_budget = int(budget * cache_config.cross_kv_cache_fraction)
+        budget -= runner.cross_kv_budget
+        source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"
+    blocks = int(budget // runner.kv_bytes_per_block())
+    if blocks < 2:
+        raise ValueError(f"the KV cache would get {blocks} blocks of {runner.kv_bytes_per_block()} bytes "
+                         f"({source}): free GPU memory, raise the fraction or the size, or set num_blocks")
+    return blocks

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
@@ -25,26 +23,23 @@ from mmserve.worker.batch_inputs import attention_metadata
 from mmserve.worker.request_inputs import cross_attention_batch, cross_decode_inputs, lora_row_groups, lora_rows
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
-from mmserve.worker.encoder_graphs import EncoderGraphs
+from mmserve.worker.encoder_graphs import EncoderGraphs, vision_kernels
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
 from mmserve.worker.prompt_logprobs import chunk_logprobs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
-from mmserve.worker.memory_profile import peak_activation_bytes
+from mmserve.worker.memory_profile import kv_pool_blocks, peak_activation_bytes
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.step_batch import FlatBatch, flatten
 from mmserve.worker.transfer import to_device
-from mmserve.worker.tp_mirror import run_mirrored
+from mmserve.worker.tp_mirror import lora_sync, run_mirrored
 
 if TYPE_CHECKING:
     from mmserve.distributed.workers import TPWorkers
 
 
-# cuDNN attention, PyTorch's first choice on Hopper, spends ~0.4 ms of host time per call, which makes an
-# eager vision tower host-bound (about 10 ms for one CLIP-L image); flash / memory-efficient launch in µs
-_VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CROSS_ENCODE_BATCH = 8   # Llama 3.2 Vision: 8 pictures of 4 tiles are ~51k vision tokens, enough to fill an H100
 
 
@@ -171,35 +166,8 @@ class ModelRunner:
         return per_layer * len(self.attn_layers)
 
     def num_blocks_for(self, cache_config: CacheConfig, activation_peak: int = 0) -> int:
-        """Pool size: fixed, else a fraction of the GPU memory free after weights and the activation
-        peak (like TensorRT-LLM's kv_cache_free_gpu_mem_fraction), else kv_cache_size_gb on CPU. A
-        cross-attention family keeps `cross_kv_cache_fraction` of that budget for its requests' encoder
-        keys/values (`cross_kv_budget`, bytes; with a fixed pool, in that proportion to it)."""
-        self.cross_kv_budget = 0
-        if cache_config.num_blocks is not None:
-            if self.uses_cross_attention:
-                f = cache_config.cross_kv_cache_fraction
-                self.cross_kv_budget = int(cache_config.num_blocks * self.kv_bytes_per_block() * f / (1 - f))
-            return cache_config.num_blocks
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = max(0, free - activation_peak) * cache_config.kv_cache_memory_fraction
-            source = (f"kv_cache_memory_fraction {cache_config.kv_cache_memory_fraction} of the "
-                      f"{free / 2**30:.2f} GiB free after the weights, less the activation peak of "
-                      f"{activation_peak / 2**30:.2f} GiB")
-        else:
-            budget = cache_config.kv_cache_size_gb * 2**30
-            source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
-        if self.uses_cross_attention:
-            self.cross_kv_budget = int(budget * cache_config.cross_kv_cache_fraction)
-            budget -= self.cross_kv_budget
-            source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"
-        blocks = int(budget // self.kv_bytes_per_block())
-        if blocks < 2:
-            raise ValueError(f"the KV cache would get {blocks} blocks of {self.kv_bytes_per_block()} bytes "
-                             f"({source}): free GPU memory, raise the fraction or the size, or set num_blocks")
-        return blocks
+        """The KV pool's size in blocks (memory_profile.kv_pool_blocks); sets `cross_kv_budget`."""
+        return kv_pool_blocks(self, cache_config, activation_peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
@@ -296,16 +264,8 @@ class ModelRunner:
             return self.model(embeds, positions, meta)
 
     def lora_sync(self, removed: list[str], name: str, source, evictable: bool) -> None:
-        """A tensor-parallel worker's copy of the driver's adapter change: unload `removed`, then load `name` from a
-        PEFT directory (`source` a path) or TensorRT-LLM tensors (`source` (weights, config)), sharded for this
-        rank."""
-        from mmserve.lora.adapter import LoRAAdapter
-        from mmserve.lora.trtllm_format import adapter_from_trtllm
-        for gone in removed:
-            self.lora.remove(gone)
-        adapter = LoRAAdapter.load(name, source, self.model, self.device, self.dtype) if isinstance(source, str) \
-            else adapter_from_trtllm(name, *source, self.model, self.device, self.dtype)
-        self.lora.install(adapter, evictable)
+        """A tensor-parallel worker's copy of the driver's adapter change (tp_mirror.lora_sync)."""
+        lora_sync(self, removed, name, source, evictable)
 
     def run_mirrored(self, kind: str, host: tuple, specs: list) -> None:
         """A tensor-parallel worker's side of a driver's forward (distributed/workers.py): the same graph or eager
@@ -417,12 +377,9 @@ class ModelRunner:
                 self.encoder_cache.put(item.content_hash, emb)
         return out
 
-    @contextlib.contextmanager
-    def _vision_kernels(self) -> Iterator[None]:
-        """The kernel settings every vision-encoder run (eager, or captured into a graph) uses: flash /
-        memory-efficient attention (_VISION_SDPA) and, for an fp32 model, exact fp32 convolutions."""
-        with sdpa_kernel(_VISION_SDPA), _exact_fp32_convolutions(self.dtype == torch.float32):
-            yield
+    def _vision_kernels(self) -> contextlib.AbstractContextManager:
+        """encoder_graphs.vision_kernels for this model's dtype."""
+        return vision_kernels(self.dtype)
 
     def _on_device(self, item: MultiModalItem) -> MultiModalItem:
         """`item` with its floating encoder inputs on the device in the model's dtype, copied without a host sync;
@@ -437,18 +394,3 @@ class ModelRunner:
             else:
                 data[k] = v.to(self.device, self.dtype)
         return dataclasses.replace(item, data=data)
-
-
-@contextlib.contextmanager
-def _exact_fp32_convolutions(enabled: bool):
-    """cuDNN runs fp32 convolutions in TF32 by default and picks its algorithm per batch size, so an fp32
-    model's patch embeddings would depend on how many images share a step; fp32 means fp32 here."""
-    if not enabled:
-        yield
-        return
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = previous

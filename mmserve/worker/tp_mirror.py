@@ -2,7 +2,8 @@
 
 The driver's ModelRunner decides each step's kind of pass (a decode graph, a prefill graph, piecewise graphs or
 eager) and sends it with the step's host-side layout; its device inputs arrive by broadcast from rank 0. The worker
-runs the same pass over its own shard of the model, so the all-reduces inside meet the driver's.
+runs the same pass over its own shard of the model, so the all-reduces inside meet the driver's. `lora_sync`
+applies the driver's LoRA adapter changes to the worker's slices.
 """
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         return
     meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device)
     runner.run_eager(embeds, to_device(positions, torch.int64, runner.device), meta, rows_by_adapter)
+
+
+def lora_sync(runner: ModelRunner, removed: list[str], name: str, source, evictable: bool) -> None:
+    """A tensor-parallel worker's copy of the driver's adapter change: unload `removed`, then load `name` from a
+    PEFT directory (`source` a path) or TensorRT-LLM tensors (`source` (weights, config)), sharded for this
+    rank."""
+    from mmserve.lora.adapter import LoRAAdapter
+    from mmserve.lora.trtllm_format import adapter_from_trtllm
+    for gone in removed:
+        runner.lora.remove(gone)
+    adapter = LoRAAdapter.load(name, source, runner.model, runner.device, runner.dtype) if isinstance(source, str) \
+        else adapter_from_trtllm(name, *source, runner.model, runner.device, runner.dtype)
+    runner.lora.install(adapter, evictable)
