@@ -48,7 +48,9 @@ def _preamble(result: dict[str, Any]) -> list[str]:
             + (f", mmserve KV cache {result['config']['kv_cache_dtype']}"
                if result["config"].get("kv_cache_dtype", "auto") != "auto" else "")
             + (f", mmserve weights {result['config']['quantization']} (decoder linears; transformers unquantized)"
-               if result["config"].get("quantization") else "")]
+               if result["config"].get("quantization") else "")
+            + (f", mmserve's language model over {result['config']['tensor_parallel_size']} GPUs (tensor parallel; "
+               "transformers on one)" if result["config"].get("tensor_parallel_size", 1) > 1 else "")]
 
 
 def _latency_md(result: dict[str, Any]) -> list[str]:

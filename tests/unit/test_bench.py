@@ -244,6 +244,23 @@ def test_roofline_counts_quantized_decoder_matrices_at_their_stored_bytes(tiny_l
     assert plain - int4 == elements * (4 - 0.5)
 
 
+def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(tiny_llava_dir, tmp_path):
+    rc = main(["latency", "--model", tiny_llava_dir, "--device", "cpu", "--batch-sizes", "1", "--input-len", "8",
+               "--output-len", "2", "--warmup", "0", "--iters", "1", "--baseline", "none", "--tensor-parallel-size",
+               "2", *_outputs(tmp_path)])
+    assert rc == 0
+    result = _strict_json(tmp_path / "r.json")
+    assert result["errors"] == [] and result["config"]["tensor_parallel_size"] == 2
+    assert _positive(result["results"][0]["mmserve"]["decode_tok_s"])
+    assert "language model over 2 GPUs (tensor parallel" in (tmp_path / "b.md").read_text()
+    # each GPU reads half of the decoder's matrices and KV heads; norms, embeddings and the LM head whole
+    one, two = (lm_shape(tiny_llava_dir, "float32", tp=t) for t in (1, 2))
+    q, kv = one.heads * one.head_dim, one.kv_heads * one.head_dim
+    elements = one.layers * (2 * one.hidden * q + 2 * one.hidden * kv + 3 * one.hidden * one.intermediate)
+    assert one.weight_bytes - two.weight_bytes == elements * one.dtype_bytes // 2
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token
+
+
 @pytest.mark.parametrize("variant", [{"do_layer_norm_before": False},       # post-LN, no final norm
                                      {"word_embed_proj_dim": 24, "tie_word_embeddings": False}])  # project_in/out
 def test_roofline_weight_bytes_of_opt_variants(variant, tmp_path):
