@@ -60,6 +60,7 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
                    help="mmserve's decoder linear weights to e4m3 (fp8) or int8 / int4 (weight-only) at load (the "
                         "transformers baseline stays as is)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--enforce-eager", action="store_true", help="mmserve without CUDA graphs (to compare)")
     g.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1, metavar="N",
                    help="mmserve's language model sharded over GPUs 0..N-1 (transformers runs on one)")
 
@@ -133,6 +134,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                             kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                             block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+                            enforce_eager=args.enforce_eager,
                             bandwidth_mib=args.bandwidth_mib, image_size=args.image_size, **common)
         return run_latency, cfg
     if args.bench == "throughput":
@@ -144,6 +146,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                                block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+                               enforce_eager=args.enforce_eager,
                                image_size=args.image_size, same_image=args.same_image,
                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                profile_dir=args.profile_dir, **common)

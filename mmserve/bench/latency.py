@@ -50,6 +50,7 @@ class LatencyConfig:
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
     tensor_parallel_size: int = 1        # mmserve's language model over this many GPUs
+    enforce_eager: bool = False          # mmserve without CUDA graphs
     block_size: int = 16                 # mmserve: tokens per KV cache block
     bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
     hf_attn: str | None = None           # transformers attn_implementation; None = its default
@@ -119,7 +120,8 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
               quantization=cfg.quantization, seed=cfg.seed,
-              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size)
+              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size,
+              enforce_eager=cfg.enforce_eager)
     samples: dict[int, list[dict]] = {}
     try:
         bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")

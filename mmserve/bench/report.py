@@ -50,7 +50,8 @@ def _preamble(result: dict[str, Any]) -> list[str]:
             + (f", mmserve weights {result['config']['quantization']} (decoder linears; transformers unquantized)"
                if result["config"].get("quantization") else "")
             + (f", mmserve's language model over {result['config']['tensor_parallel_size']} GPUs (tensor parallel; "
-               "transformers on one)" if result["config"].get("tensor_parallel_size", 1) > 1 else "")]
+               "transformers on one)" if result["config"].get("tensor_parallel_size", 1) > 1 else "")
+            + (", mmserve without CUDA graphs (--enforce-eager)" if result["config"].get("enforce_eager") else "")]
 
 
 def _latency_md(result: dict[str, Any]) -> list[str]:

@@ -49,6 +49,7 @@ class ThroughputConfig:
     kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
     quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
     tensor_parallel_size: int = 1        # mmserve's language model over this many GPUs
+    enforce_eager: bool = False          # mmserve without CUDA graphs
     block_size: int = 16                 # mmserve: tokens per KV cache block
     hf_attn: str | None = None
     image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
@@ -94,7 +95,8 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
               max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
               kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
               quantization=cfg.quantization, seed=cfg.seed,
-              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size)
+              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size,
+              enforce_eager=cfg.enforce_eager)
     params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, ignore_eos=True)
     try:

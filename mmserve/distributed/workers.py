@@ -66,8 +66,9 @@ def check_tensor_parallel(hf_config, mc) -> None:
     on_cuda = mc.device == "cuda" or (mc.device == "auto" and torch.cuda.is_available())
     if on_cuda and os.environ.get(CUDA_OPT_IN, "") in ("", "0"):
         raise ValueError(f"tensor_parallel_size {size} on CUDA is not verified yet: its first run on two GPUs "
-                         f"(2026-11-26) did not finish starting in the time it had. Set {CUDA_OPT_IN}=1 to try it (a stuck collective then "
-                         f"fails after {TIMEOUT.seconds} s), or shard on the CPU (device 'cpu')")
+                         f"(2026-11-26) did not finish starting in the time it had. Set {CUDA_OPT_IN}=1 to try it "
+                         f"(a stuck collective then fails after {TIMEOUT.seconds} s), or shard on the CPU (device "
+                         "'cpu')")
 
 
 class TPWorkers:

@@ -247,12 +247,13 @@ def test_roofline_counts_quantized_decoder_matrices_at_their_stored_bytes(tiny_l
 def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(tiny_llava_dir, tmp_path):
     rc = main(["latency", "--model", tiny_llava_dir, "--device", "cpu", "--batch-sizes", "1", "--input-len", "8",
                "--output-len", "2", "--warmup", "0", "--iters", "1", "--baseline", "none", "--tensor-parallel-size",
-               "2", *_outputs(tmp_path)])
+               "2", "--enforce-eager", *_outputs(tmp_path)])
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["errors"] == [] and result["config"]["tensor_parallel_size"] == 2
     assert _positive(result["results"][0]["mmserve"]["decode_tok_s"])
-    assert "language model over 2 GPUs (tensor parallel" in (tmp_path / "b.md").read_text()
+    md = (tmp_path / "b.md").read_text()
+    assert "language model over 2 GPUs (tensor parallel" in md and "without CUDA graphs" in md
     # each GPU reads half of the decoder's matrices and KV heads; norms, embeddings and the LM head whole
     one, two = (lm_shape(tiny_llava_dir, "float32", tp=t) for t in (1, 2))
     q, kv = one.heads * one.head_dim, one.kv_heads * one.head_dim
