@@ -124,3 +124,24 @@ def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tiny_llava_dir):
         worker.join(timeout=10)
         with pytest.raises(RuntimeError, match="tensor-parallel worker 1 .* exited"):
             llm.generate([_prompt(1, 1)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+
+def test_beam_search_prompt_logprobs_and_n_with_two_shards(tiny_llava_dir):
+    prompts = [_prompt(4, 1), _prompt(5, 0)]
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, prompt_logprobs=2)
+    runs = []
+    for tp in (2, 1):
+        with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
+            beams = llm.beam_search(prompts, 3, SamplingParams(max_tokens=6))
+            sampled = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(([[c.token_ids for c in o.outputs] for o in beams],
+                         [[c.token_ids for c in o.outputs] for o in sampled],
+                         [o.prompt_logprobs for o in sampled]))
+    (beams2, sampled2, plp2), (beams1, sampled1, plp1) = runs
+    assert beams2 == beams1 and all(len(b) == 3 for b in beams2)
+    assert sampled2 == sampled1 and all(len(s) == 2 for s in sampled2)
+    for a, b in zip(plp2, plp1):
+        assert len(a) == len(b) > 1
+        for pa, pb in zip(a[1:], b[1:]):   # the first prompt token has none
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
