@@ -1,8 +1,9 @@
 """Tensor parallelism (`tensor_parallel_size` 2): a real worker process holds the other shard of the language model
 (gloo on the CPU, NCCL on two GPUs) and mirrors every forward; greedy ids and log-probs match transformers and the
 one-process engine, through chunked prefill that cuts an image's tokens, mixed steps, prefix-cache hits and batches
-joining mid-flight; nothing leaks, and the workers stop with the engine. Shapes that cannot shard, families that
-cannot, and LoRA under TP are refused before anything starts."""
+joining mid-flight; LoRA adapters, beam search, n sampled sequences and prompt logprobs give one process's results;
+nothing leaks, and the workers stop with the engine (also when its start fails, and a dead worker fails the next
+step). Shapes and families that cannot shard are refused before anything starts."""
 from __future__ import annotations
 
 import pytest
