@@ -97,7 +97,8 @@ class TPWorkers:
 
     def call(self, name: str, *args: Any) -> Callable[[], list]:
         """Start runner.name(*args) on every worker and return a function that waits for their results. The
-        driver runs the same call between the two: their collectives meet."""
+        driver runs the same call between the two: their collectives meet. Arguments go by pipe: host values only
+        (a CUDA tensor would travel by CUDA IPC onto the driver's GPU)."""
         self._check_alive()
         for conn in self.conns:
             conn.send(("call", (name, args)))

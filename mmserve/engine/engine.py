@@ -97,8 +97,9 @@ class Engine:
         self.runner.allocate_cross_kv()
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
-            self._on_every_rank("capture_cuda_graphs", (config.scheduler.max_num_seqs, self.max_model_len,
-                                                        config.scheduler.max_num_batched_tokens, blank))
+            # the template (device tensors on this GPU) matters to cross-attention families only, which do not shard
+            graph_sizes = (config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
+            self._on_every_rank("capture_cuda_graphs", graph_sizes + (blank,), graph_sizes + (None,))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:
