@@ -50,15 +50,6 @@ def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_min(value: int) -> int:
-    """The smallest of every rank's `value` (the KV cache size all ranks can hold)."""
-    if _TP_SIZE == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def shutdown_tensor_parallel() -> None:
     global _TP_RANK, _TP_SIZE
     if dist.is_initialized():

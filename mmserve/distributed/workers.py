@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mmserve.distributed import TIMEOUT, init_tensor_parallel, shutdown_tensor_parallel
+from mmserve.distributed import TIMEOUT, init_tensor_parallel, shutdown_tensor_parallel, tp_broadcast
 
 logger = logging.getLogger(__name__)
 CUDA_OPT_IN = "MMSERVE_EXPERIMENTAL_CUDA_TP"
@@ -106,7 +106,6 @@ class TPWorkers:
 
     def forward(self, kind: str, host: tuple, tensors: list[torch.Tensor]) -> None:
         """Have every worker run this step's forward of `kind` (ModelRunner.run_mirrored); broadcasts `tensors`."""
-        from mmserve.distributed import tp_broadcast
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
         self._check_alive()
         for conn in self.conns:
@@ -155,10 +154,9 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     logger.info("joined the tensor-parallel group on %s", device)
     mc = config.model
     loaded = load_model(mc, device)
-    if hasattr(loaded.model, "drop_encoders"):
-        loaded.model.drop_encoders()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    loaded.model.drop_encoders()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     runner = ModelRunner(loaded.model, device, loaded.dtype, config.cache, loaded.text_config.vocab_size,
                          mc.attention_backend)
     runner.lora = LoRAManager(loaded.model, device, loaded.dtype, mc.max_loras)   # the driver's adapters, sharded

@@ -76,9 +76,9 @@ class Engine:
                                   mc.attention_backend)
         self.runner.tp = self.tp_workers
         if self.tp_workers is not None:
-            _, worker_bytes = self._on_every_rank("weight_bytes", ())
+            own_bytes, worker_bytes = self._on_every_rank("weight_bytes", ())
             logger.info("tensor parallelism over %d ranks: weights %s GiB here (with the encoders), %s GiB on the "
-                        "workers", len(worker_bytes) + 1, f"{self.runner.weight_bytes() / 2**30:.2f}",
+                        "workers", len(worker_bytes) + 1, f"{own_bytes / 2**30:.2f}",
                         ", ".join(f"{b / 2**30:.2f}" for b in worker_bytes))
         self.lora = self.runner.lora = LoRAManager(self.model, self.device, self.dtype, mc.max_loras)
         prompt_ends = None

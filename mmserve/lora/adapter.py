@@ -28,7 +28,6 @@ class LoRATarget:
     size: int
     a: torch.Tensor   # [rank, in] (this tensor-parallel rank's input columns)
     b: torch.Tensor   # [size, rank], scaling folded in
-    reduce: bool = False   # a row-parallel layer's: each rank's delta is a partial sum, all-reduced before adding
 
 
 @dataclass
@@ -78,8 +77,7 @@ class LoRAAdapter:
             except ValueError as e:
                 raise ValueError(f"LoRA adapter {name!r}: {stem} has {e}") from None
             adapter.targets.setdefault(module_name, []).append(
-                LoRATarget(offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype),
-                           reduce=module.full_in_features() != module.in_features))
+                LoRATarget(offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype)))
         if not adapter.targets:
             raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
         return adapter

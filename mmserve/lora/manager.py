@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mmserve.distributed import tp_all_reduce
-from mmserve.layers.linear import LinearBase
+from mmserve.layers.linear import LinearBase, RowParallelLinear
 from mmserve.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -126,11 +126,13 @@ class LoRAManager:
             if self._groups is None:
                 return None
             x = inputs[0]
+            # a row-parallel layer's rank holds some input columns: its delta is a partial sum, as its output was
+            partial = isinstance(module, RowParallelLinear)
             for adapter, rows in self._groups:
                 for t in adapter.targets.get(module_name, ()):
                     delta = (x[rows] @ t.a.T) @ t.b.T
-                    if t.reduce:   # this rank's input columns only: the sum over ranks is the delta
-                        delta = tp_all_reduce(delta)
+                    if partial:
+                        delta = tp_all_reduce(delta)   # identity at TP=1
                     output[rows, t.offset:t.offset + t.size] += delta.to(output.dtype)
             return output
         return add_deltas

@@ -74,7 +74,7 @@ def adapter_from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, mode
         offset, size, a, b = module.lora_shard(shard, rank, values[:n_in].reshape(rank, full_in),
                                                values[n_in:].reshape(rows, rank))
         adapter.targets.setdefault(module_name, []).append(
-            LoRATarget(offset, size, a.to(device, dtype), b.to(device, dtype), reduce=full_in != module.in_features))
+            LoRATarget(offset, size, a.to(device, dtype), b.to(device, dtype)))
     return adapter
 
 
