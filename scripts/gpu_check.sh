@@ -5,7 +5,7 @@
 #                             [serve-profile] [tp]
 #   (default: all but throughput-same, weight-only, serve-profile and tp; weight-only: decode latency of fp16, int8 and
 #   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
-#   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, NCCL_DEBUG=INFO)
+#   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -64,11 +64,9 @@ for step in $steps; do
              --concurrency 32 --num-requests 192 --input-len 24 --output-len 128 --request-timeout 120 \
              --out "$OUT/serve_profiled.json" --markdown "$OUT/serve_profiled.md" 2> "$OUT/serve_profiled.err"
            wait $P; kill $S; cat "$OUT/serve_profiled.md" ;;
-    tp) # tensor parallelism on two GPUs (not verified on CUDA yet, docs/api.md): the one-GPU bench first warms the
-        # Triton cache, then two shards eager (no graphs) and with graphs, NCCL logging on, each with a time limit
-        export MMSERVE_EXPERIMENTAL_CUDA_TP=1 NCCL_DEBUG=${NCCL_DEBUG:-INFO}
+    tp) # tensor parallelism on two GPUs: one GPU, then two shards with and without CUDA graphs, then the GPU test
         for run in "1 " "2 --enforce-eager" "2 "; do set -- $run; tp=$1; shift
-          tag=tp${tp}${1:+_eager}; date -u +%FT%TZ
+          tag=tp${tp}${1:+_eager}
           timeout 280 $bench latency --preset llava-1.5-7b --batch-sizes 1,8,32 --input-len 24 --output-len 48 \
             --baseline none --tensor-parallel-size "$tp" "$@" --out "$OUT/latency_$tag.json" \
             --markdown "$OUT/latency_$tag.md" > "$OUT/latency_$tag.log" 2>&1

@@ -7,6 +7,8 @@ and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on
 """
 from __future__ import annotations
 
+import logging
+import threading
 from datetime import timedelta
 
 import torch
@@ -15,6 +17,8 @@ import torch.distributed as dist
 _TP_RANK = 0
 _TP_SIZE = 1
 TIMEOUT = timedelta(minutes=5)   # a collective stuck this long fails instead of hanging the server
+SHUTDOWN_WAIT = timedelta(seconds=60)
+logger = logging.getLogger(__name__)
 
 
 def get_tp_rank() -> int:
@@ -36,7 +40,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the tensor-parallel group (identity at TP=1)."""
+    """Sum x over the tensor-parallel group, in place (identity at TP=1)."""
     if _TP_SIZE == 1:
         return x
     dist.all_reduce(x)
@@ -50,8 +54,20 @@ def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def shutdown_tensor_parallel() -> None:
+def shutdown_tensor_parallel(abort: bool = False) -> None:
+    """Leave the group: destroy it (every rank at about the same time; on CUDA after this rank's graphs that
+    captured collectives are gone), or abort it when a peer has died (NCCL only; gloo needs no peer to leave).
+    A teardown still stuck after SHUTDOWN_WAIT is left behind with a warning rather than hanging the caller."""
     global _TP_RANK, _TP_SIZE
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _TP_RANK, _TP_SIZE = 0, 1
+    if not dist.is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+    abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)   # NCCL only, PyTorch >= 2.6
+    leave = abort_group if abort and nccl and abort_group is not None else dist.destroy_process_group
+    thread = threading.Thread(target=leave, name="mmserve-tp-shutdown", daemon=True)
+    thread.start()
+    thread.join(SHUTDOWN_WAIT.total_seconds())
+    if thread.is_alive():
+        logger.warning("the tensor-parallel process group did not shut down within %d s; leaving it",
+                       SHUTDOWN_WAIT.seconds)

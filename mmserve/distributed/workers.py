@@ -16,9 +16,11 @@ live on the driver only.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -26,10 +28,9 @@ from typing import Any
 
 import torch
 
-from mmserve.distributed import TIMEOUT, init_tensor_parallel, shutdown_tensor_parallel, tp_broadcast
+from mmserve.distributed import init_tensor_parallel, shutdown_tensor_parallel, tp_broadcast
 
 logger = logging.getLogger(__name__)
-CUDA_OPT_IN = "MMSERVE_EXPERIMENTAL_CUDA_TP"
 
 
 def _free_port() -> int:
@@ -63,12 +64,6 @@ def check_tensor_parallel(hf_config, mc) -> None:
     if mc.device.startswith("cuda:"):
         raise ValueError(f"tensor_parallel_size {size} uses GPUs 0..{size - 1}: give device 'cuda' or 'auto', "
                          f"not {mc.device!r} (CUDA_VISIBLE_DEVICES picks which)")
-    on_cuda = mc.device == "cuda" or (mc.device == "auto" and torch.cuda.is_available())
-    if on_cuda and os.environ.get(CUDA_OPT_IN, "") in ("", "0"):
-        raise ValueError(f"tensor_parallel_size {size} on CUDA is not verified yet: its first run on two GPUs "
-                         f"(2026-11-26) did not finish starting in the time it had. Set {CUDA_OPT_IN}=1 to try it "
-                         f"(a stuck collective then fails after {TIMEOUT.seconds} s), or shard on the CPU (device "
-                         "'cpu')")
 
 
 class TPWorkers:
@@ -128,17 +123,20 @@ class TPWorkers:
         return value
 
     def close(self) -> None:
+        """Stop the workers and leave the group. Every rank destroys its communicator at the same time (NCCL's
+        teardown waits on the peers); when a worker is already gone the group is aborted instead, which waits on
+        no one."""
         for conn in self.conns:
             try:
                 conn.send(("stop", None))
             except (BrokenPipeError, OSError):
                 pass
+        shutdown_tensor_parallel(abort=not all(proc.is_alive() for proc in self.procs))
         for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
         self.procs, self.conns = [], []
-        shutdown_tensor_parallel()
 
 
 def worker_main(rank: int, size: int, init_method: str, config, device_type: str, conn) -> None:
@@ -149,7 +147,11 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     from mmserve.worker.model_runner import ModelRunner
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>`: where is this worker stuck?
     device = rank_device(torch.device(device_type), rank)
+    # the driver keeps its threads (it preprocesses and, on the CPU, computes shard 0); N processes that each
+    # spin up a thread per core starve one another
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     init_tensor_parallel(rank, size, init_method, device)
     logger.info("joined the tensor-parallel group on %s", device)
     mc = config.model
@@ -169,9 +171,9 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
             if op == "forward":
                 try:
                     runner.run_mirrored(*payload)
-                except Exception:   # the group cannot go on without this rank: stop, so the driver's next
-                    logger.exception("tensor-parallel rank %d: a forward failed", rank)   # collective fails
-                    break
+                except Exception:   # the group cannot go on without this rank: exit (no teardown, which would
+                    logger.exception("tensor-parallel rank %d: a forward failed", rank)   # wait on the driver),
+                    os._exit(1)   # so the driver's next step sees a dead worker
                 continue
             name, args = payload
             try:
@@ -180,4 +182,5 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
                 conn.send(("ok", result))
             except Exception:   # the driver raises it; this worker stays to be stopped
                 conn.send(("error", traceback.format_exc()))
+    runner.release_cuda_graphs()
     shutdown_tensor_parallel()

@@ -151,6 +151,8 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at TP=1)."""
         if self.tp_workers is not None:
+            if hasattr(self, "runner"):
+                self.runner.release_cuda_graphs()   # before the group goes (ModelRunner.release_cuda_graphs)
             self.tp_workers.close()
             self.tp_workers = None
             if hasattr(self, "runner"):

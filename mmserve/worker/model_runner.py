@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,6 +126,16 @@ class ModelRunner:
         self.piecewise_graphs = PiecewiseGraphs(self.model, self.device, self.dtype, hidden_size,
                                                 token_buckets(max_num_batched_tokens), mrope, pool=self.graphs.pool)
         self.piecewise_graphs.capture()
+
+    def release_cuda_graphs(self) -> None:
+        """Drop every captured graph. Under tensor parallelism this must come before the process group is
+        destroyed: NCCL will not tear down a communicator while a graph that captured its collectives exists."""
+        if self.graphs is None and self.prefill_graphs is None and self.piecewise_graphs is None:
+            return
+        self.graphs = self.prefill_graphs = self.piecewise_graphs = self.encoder_graphs = None
+        gc.collect()   # graph objects caught in reference cycles go now, not at some later collection
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's model parameters and buffers."""
