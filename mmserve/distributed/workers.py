@@ -53,11 +53,8 @@ def check_tensor_parallel(hf_config, mc) -> None:
     if getattr(cls, "uses_cross_attention", False) or getattr(cls, "encoder_decoder", False):
         raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} (cross-attention / encoder-decoder) runs on "
                          "one GPU only; use tensor_parallel_size 1")
-    if not getattr(cls, "tensor_parallel", True):
-        raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} does not shard its language model (yet); "
-                         "use tensor_parallel_size 1")
     text = text_config_of(hf_config)
-    for name in ("num_attention_heads", "intermediate_size", "ffn_dim"):
+    for name in ("num_attention_heads", "attention_heads", "intermediate_size", "ffn_dim"):
         value = getattr(text, name, None)
         if isinstance(value, int) and value % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the language model's {name} ({value})")

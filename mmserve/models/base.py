@@ -37,8 +37,6 @@ class MultiModalCausalLM(nn.Module):
 
     language_model: nn.Module
     uses_mrope: bool = False            # the runner passes positions [3, T] (t, h, w) instead of [T]
-    # the language model shards over tensor-parallel ranks (False: a layer needs whole activations, or not written)
-    tensor_parallel: bool = True
     placeholder_in_prompt: bool = True  # False: the HF processor inserts the placeholder tokens itself
     # True: get_mm_embeddings of items with equal input shapes has no host syncs and no data-dependent
     # shapes, so the runner may replay it from CUDA graphs (worker/encoder_graphs.py)

@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.distributed import get_tp_size
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_batched
 from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from mmserve.layers.norm import ShardedLayerNorm
 from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
@@ -57,9 +59,11 @@ class Kosmos2TextAttention(nn.Module):
         dim, heads = config.embed_dim, config.attention_heads
         self.head_dim = dim // heads
         self.qkv_proj = QKVParallelLinear(dim, self.head_dim, heads, heads, bias=True)
-        self.inner_attn_ln = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        # normalises the whole attention output; under tensor parallelism each rank holds its heads' part
+        self.inner_attn_ln = ShardedLayerNorm(dim, eps=config.layer_norm_eps)
         self.out_proj = RowParallelLinear(dim, dim, bias=True)
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim ** -0.5)
+        local = heads // get_tp_size()
+        self.attn = Attention(local, self.head_dim, local, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -71,7 +75,7 @@ class Kosmos2TextFFN(nn.Module):
         super().__init__()
         self.fc1 = ColumnParallelLinear(config.embed_dim, config.ffn_dim, bias=True)
         self.act = get_act_fn(config.activation_function)
-        self.ffn_layernorm = nn.LayerNorm(config.ffn_dim, eps=config.layer_norm_eps)
+        self.ffn_layernorm = ShardedLayerNorm(config.ffn_dim, eps=config.layer_norm_eps)   # fc1's columns
         self.fc2 = RowParallelLinear(config.ffn_dim, config.embed_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +145,6 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
 
     placeholder_in_prompt = False   # the processor writes <image>, the span and </image> itself
-    # its sub-LayerNorms normalise the whole attention output and the whole MLP activation before the row-parallel
-    # projections: sharding them needs a gather per layer, not written
-    tensor_parallel = False
 
     def __init__(self, config) -> None:
         super().__init__()
