@@ -50,11 +50,14 @@ def check_tensor_parallel(hf_config, mc) -> None:
     from mmserve.models.registry import get_model_class
     size = mc.tensor_parallel_size
     cls = get_model_class(hf_config)
-    if getattr(cls, "uses_cross_attention", False) or getattr(cls, "encoder_decoder", False):
-        raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} (cross-attention / encoder-decoder) runs on "
-                         "one GPU only; use tensor_parallel_size 1")
+    if getattr(cls, "encoder_decoder", False):
+        raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} (an encoder-decoder) runs on one GPU only; "
+                         "use tensor_parallel_size 1")
     text = text_config_of(hf_config)
-    for name in ("num_attention_heads", "attention_heads", "intermediate_size", "ffn_dim"):
+    names = ["num_attention_heads", "attention_heads", "intermediate_size", "ffn_dim"]
+    if getattr(cls, "uses_cross_attention", False):   # the cross-attention pool holds each rank's kv heads
+        names.append("num_key_value_heads")
+    for name in names:
         value = getattr(text, name, None)
         if isinstance(value, int) and value % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the language model's {name} ({value})")

@@ -94,10 +94,11 @@ class Engine:
                                                  (config.cache, profile_tokens, None))
         num_blocks = min([num_blocks] + others)
         self._on_every_rank("allocate_kv_cache", (num_blocks,))
-        self.runner.allocate_cross_kv()
+        cross_blocks, others = self._on_every_rank("cross_kv_num_blocks", ())
+        self._on_every_rank("allocate_cross_kv", (min([cross_blocks] + others),))   # the same block ids everywhere
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
-            # the template (device tensors on this GPU) matters to cross-attention families only, which do not shard
+            # the template (device tensors on this GPU) sizes cross-attention decode graphs, on one GPU only
             graph_sizes = (config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
             self._on_every_rank("capture_cuda_graphs", graph_sizes + (blank,), graph_sizes + (None,))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)

@@ -74,9 +74,15 @@ class MultiModalCausalLM(nn.Module):
         raise NotImplementedError
 
     def cross_kv_layout(self) -> CrossKVLayout:
-        """Cross-attention families: what `get_mm_embeddings` returns per encoder token (its keys/values of every
+        """Cross-attention families: what `cross_kv` returns per encoder token (its keys/values of every
         cross-attention layer, [tokens, layers, 2, kv heads, head_dim]), for sizing the cross-attention pool."""
         raise NotImplementedError
+
+    def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
+        """Cross-attention families: the keys/values the pool stores for one encoder output of `get_mm_embeddings`
+        (the identity where that output already is them; Mllama's is the projected image states, whose
+        keys/values each tensor-parallel rank computes for its own heads)."""
+        return encoded
 
     def cross_kv_tokens(self, item: MultiModalItem) -> int:
         """Cross-attention families: how many tokens `get_mm_embeddings` returns for `item`, known before

@@ -2,8 +2,9 @@
 attends through gated cross-attention layers placed between its Llama self-attention layers.
 
 Unlike the placeholder families, an image occupies one `<|image|>` token of the prompt, embedded as a normal
-token. What the encoder yields per image (`get_mm_embeddings`) is the keys and values of every cross-attention
-layer over the image's tiles ([tokens, cross layers, 2, kv heads, head_dim]); the runner writes them to the
+token. What the encoder yields per image (`get_mm_embeddings`) is its tiles' states at the text width, whose
+keys and values of every cross-attention layer (`cross_kv`: [tokens, cross layers, 2, kv heads, head_dim]; under
+tensor parallelism each rank projects its own heads from the same states) the runner writes to the
 request's blocks of the cross-attention pool (`cross_kv_order`: the real tiles its generated tokens attend
 first) and hands each step's sequences with images to the text model in `AttentionMetadata.cross`.
 
@@ -15,12 +16,14 @@ uniformly, as transformers does, and its cross-layer MLP output is dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch
+from mmserve.distributed import get_tp_size
 from mmserve.engine.request import MultiModalItem
 from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -114,14 +117,15 @@ class MllamaCrossAttention(nn.Module):
     def __init__(self, config, slot: int) -> None:
         super().__init__()
         self.slot = slot   # this layer's index among the cross layers (in the encoder's kv tensor)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        tp = get_tp_size()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.hidden_size // heads
+        self.num_heads, self.num_kv_heads = heads // tp, kv_heads // tp   # this tensor-parallel rank's
         hidden = config.hidden_size
-        self.q_proj = ColumnParallelLinear(hidden, self.num_heads * self.head_dim)
-        self.k_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim)
-        self.v_proj = ColumnParallelLinear(hidden, self.num_kv_heads * self.head_dim)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden)
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -241,16 +245,28 @@ class MllamaForConditionalGeneration(MultiModalCausalLM):
         return layer is None or int(layer) not in self.text_config.cross_attention_layers
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """Per image: the keys/values of every cross layer over its tiles, [tiles * patches, cross layers, 2,
-        kv heads, head_dim] (padding tiles included: rows attending no image see them)."""
+        """Per image: its tiles' states projected to the text model's width, [tiles * patches, hidden] (padding
+        tiles included: rows attending no image see them); `cross_kv` makes them keys/values."""
         dev = self.multi_modal_projector.weight.device
         pixels = torch.stack([it.data["pixel_values"] for it in items])
         ratio_ids = torch.stack([it.data["aspect_ratio_ids"] for it in items]).to(dev)
         ratio_mask = torch.stack([it.data["aspect_ratio_mask"] for it in items]).to(dev)
         states = self.vision_model(pixels, ratio_ids, ratio_mask)                    # [N, tiles, patches, vdim]
-        states = self.multi_modal_projector(states.flatten(1, 2))                     # [N, tiles * patches, hidden]
-        layers = self.language_model.model.cross_layers
-        return [torch.stack([layer.cross_attn.project_kv(s) for layer in layers], dim=1) for s in states]
+        return list(self.multi_modal_projector(states.flatten(1, 2)))               # [tiles * patches, hidden] each
+
+    def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
+        """Image states [T, hidden] -> the keys/values of every cross layer, [T, cross layers, 2, kv heads,
+        head_dim] (this tensor-parallel rank's heads)."""
+        return torch.stack([layer.cross_attn.project_kv(encoded) for layer in self.language_model.model.cross_layers],
+                           dim=1)
+
+    @staticmethod
+    def cross_item_layout(item: MultiModalItem) -> MultiModalItem:
+        """The item as the text model's cross-attention reads it (offset, tile counts), without its pixels: what a
+        tensor-parallel worker gets with each step."""
+        data = {"pixel_values": torch.empty(item.data["pixel_values"].shape[0], 0),
+                "num_tiles": torch.as_tensor(item.data["num_tiles"])}
+        return dataclasses.replace(item, data=data)
 
     def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.cross_layers

@@ -70,7 +70,7 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         pool = CrossKVPool(runner.model.cross_kv_layout(), runner.dtype, cdiv(len(states), runner.block_size),
                            runner.block_size, runner.device)   # a scratch pool of its blocks
         blocks = list(range(pool.num_blocks))
-        pool.write(states, blocks)
+        pool.write(runner.model.cross_kv(states), blocks)
         encoder_tokens = len(states)
         del states
         meta.cross = CrossAttentionBatch(

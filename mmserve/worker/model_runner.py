@@ -15,6 +15,7 @@ from torch import nn
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
 from mmserve.config import CacheConfig
+from mmserve.distributed import get_tp_size
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
@@ -109,7 +110,9 @@ class ModelRunner:
         max_blocks = cdiv(max_model_len, self.block_size)
         mrope = self.uses_mrope
         if self.uses_cross_attention:
-            if not getattr(self.model, "cross_decode_graphs", False) or template is None or self.cross_kv is None:
+            # under tensor parallelism the cross-attention decode graphs are not verified yet: eager decodes
+            if (not getattr(self.model, "cross_decode_graphs", False) or template is None or self.cross_kv is None
+                    or get_tp_size() > 1):
                 return
             self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size,
                                        max_model_len, cross=self.cross_kv, cross_backend=self.attn_layers[0].backend,
@@ -188,14 +191,19 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
-    def allocate_cross_kv(self) -> None:
-        """The cross-attention pool of a cross-attention family, from `cross_kv_budget` (after num_blocks_for)."""
+    def cross_kv_num_blocks(self) -> int:
+        """Blocks of the cross-attention pool that `cross_kv_budget` (set by plan_kv_cache) pays for."""
+        if not self.uses_cross_attention:
+            return 0
+        return CrossKVPool.blocks_for(self.model.cross_kv_layout(), self.dtype, self.cross_kv_budget, self.block_size)
+
+    def allocate_cross_kv(self, num_blocks: int) -> None:
+        """The cross-attention pool of a cross-attention family, num_blocks large (cross_kv_num_blocks, the
+        smallest over the tensor-parallel ranks: a request's blocks have the same ids on every rank)."""
         if not self.uses_cross_attention:
             return
-        layout = self.model.cross_kv_layout()
         self.cross_kv = None   # the old pool's memory goes back before the new one is taken
-        blocks = CrossKVPool.blocks_for(layout, self.dtype, self.cross_kv_budget, self.block_size)
-        self.cross_kv = CrossKVPool(layout, self.dtype, blocks, self.block_size, self.device)
+        self.cross_kv = CrossKVPool(self.model.cross_kv_layout(), self.dtype, num_blocks, self.block_size, self.device)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -251,9 +259,16 @@ class ModelRunner:
             kind = "piecewise"
         else:
             kind = "eager"
+        meta, cross_host, written = None, None, []
+        if kind == "eager":
+            meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev)
+            if self.uses_cross_attention:   # encodes and writes new requests' pictures: before the workers start
+                meta.cross, cross_host, written = cross_attention_batch(
+                    computed, qsl, self._encode, self.model, self.cross_kv, self.attn_layers[0].backend,
+                    self.cross_encode_batch, mirror=self.tp is not None)
         if self.tp is not None:
-            self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables, rows_by_adapter),
-                            [embeds])
+            self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables, rows_by_adapter,
+                                   cross_host), [embeds, *written])
         if kind == "prefill":
             return self.prefill_graphs.run(embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables)
         if kind == "piecewise":
@@ -261,10 +276,6 @@ class ModelRunner:
             meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev,
                                       self.piecewise_graphs.inputs.slot_mapping[:len(slots)])
             return self.piecewise_graphs.run(embeds, batch.positions, slots, meta)
-        meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev)
-        if self.uses_cross_attention:
-            meta.cross = cross_attention_batch(computed, qsl, self._encode, self.model, self.cross_kv,
-                                               self.attn_layers[0].backend, self.cross_encode_batch)
         return self.run_eager(embeds, to_device(batch.positions, torch.int64, dev), meta, rows_by_adapter)
 
     def run_eager(self, embeds: torch.Tensor, positions: torch.Tensor, meta, rows_by_adapter: dict[str, list[int]]

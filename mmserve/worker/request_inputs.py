@@ -3,6 +3,7 @@ families whose text attends encoder outputs (Mllama, encoder-decoders), both bui
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,14 +28,31 @@ def lora_row_groups(rows: dict[str, list[int]], lora, device: torch.device) -> l
     return [(lora.get(name), to_device(r, torch.int64, device)) for name, r in rows.items()]
 
 
+@dataclass
+class CrossStepHost:
+    """A step's cross-attention inputs as host values, for tensor-parallel workers (worker/tp_mirror.py): the pool
+    writes (each request's encoder output, in pool order, goes by broadcast beside this) and the batch layout."""
+
+    writes: list[list[int]] = field(default_factory=list)   # pool blocks of each encoder output written
+    # per sequence: (rows start, rows stop, start, prompt_len, items' layouts, pool blocks | None, order | None,
+    # encoder tokens)
+    seqs: list[tuple] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+
+
 def cross_attention_batch(computed: list, qsl: list[int],
                           encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]], model,
-                          pool: CrossKVPool, backend, encode_batch: int) -> CrossAttentionBatch:
+                          pool: CrossKVPool, backend, encode_batch: int, mirror: bool = False
+                          ) -> tuple[CrossAttentionBatch, CrossStepHost | None, list[torch.Tensor]]:
     """The step's sequences with media and where their encoder keys/values are: a request's items are encoded
     (`encode`: by content hash, the encoder cache first; about encode_batch items at a time, so a step that
     admits many requests stays within the activation profile) on its first step after admission and written to
     its blocks of the cross-attention pool, in the order `model.cross_kv_order` gives. The leading sequences
-    that hold one generated token each are the batch's decodes (the scheduler puts decodes first)."""
+    that hold one generated token each are the batch's decodes (the scheduler puts decodes first). With
+    `mirror`, also the step as host values and the encoder outputs written, in pool order (else None, [])."""
+    host = CrossStepHost() if mirror else None
+    written = []
     with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
     todo = [s.request for _, s in with_media if not s.request.cross_kv_written]
     while todo:
@@ -43,7 +61,10 @@ def cross_attention_batch(computed: list, qsl: list[int],
             group.append(todo.pop(0))
         encoded = encode([it for r in group for it in r.mm_items])
         for req in group:
-            _write_cross_kv(req, encoded, model, pool)
+            states = _write_cross_kv(req, encoded, model, pool)
+            if mirror:
+                host.writes.append(req.cross_block_ids)
+                written.append(states)
         del encoded
     dev = pool.storage.device
     seqs, decode_lens = [], []
@@ -51,16 +72,45 @@ def cross_attention_batch(computed: list, qsl: list[int],
         req = s.request
         seq = CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
                                 None, req.cross_kv_tokens)
+        blocks = order = None
         if len(decode_lens) == len(seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
             decode_lens.append(req.cross_decode_len)   # attends through decode_meta
         else:
-            seq.block_table = to_device(req.cross_block_ids, torch.int64, dev)
+            blocks = req.cross_block_ids
+            order = None if req.cross_kv_order is None else req.cross_kv_order.tolist()
+            seq.block_table = to_device(blocks, torch.int64, dev)
             seq.order = None if req.cross_kv_order is None else req.cross_kv_order.to(dev)
         seqs.append(seq)
+        if mirror:
+            host.seqs.append((qsl[i], qsl[i + 1], s.start, req.num_prompt_tokens,
+                              [model.cross_item_layout(it) for it in req.mm_items], blocks, order,
+                              req.cross_kv_tokens))
     batch = CrossAttentionBatch(seqs, pool.caches, len(decode_lens), None, backend)
     if decode_lens:
-        batch.decode_meta = decode_metadata([s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]],
-                                            decode_lens, pool.block_size, dev)
+        tables = [s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]]
+        batch.decode_meta = decode_metadata(tables, decode_lens, pool.block_size, dev)
+        if mirror:
+            host.decode_tables, host.decode_lens = tables, decode_lens
+    return batch, host, written
+
+
+def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], model, pool: CrossKVPool,
+                          backend) -> CrossAttentionBatch:
+    """A tensor-parallel worker's copy of the driver's step (cross_attention_batch with mirror): write the
+    broadcast encoder outputs' keys/values (this rank's heads) to their pool blocks, then the same batch."""
+    for blocks, states in zip(host.writes, written):
+        pool.write(model.cross_kv(states), blocks)
+    dev = pool.storage.device
+    seqs = []
+    for start_row, stop_row, start, prompt_len, items, blocks, order, tokens in host.seqs:
+        seq = CrossAttentionSeq(slice(start_row, stop_row), start, prompt_len, items, None, tokens)
+        if blocks is not None:
+            seq.block_table = to_device(blocks, torch.int64, dev)
+            seq.order = None if order is None else to_device(order, torch.int64, dev)
+        seqs.append(seq)
+    batch = CrossAttentionBatch(seqs, pool.caches, len(host.decode_lens), None, backend)
+    if host.decode_lens:
+        batch.decode_meta = decode_metadata(host.decode_tables, host.decode_lens, pool.block_size, dev)
     return batch
 
 
@@ -79,14 +129,17 @@ def cross_decode_inputs(computed: list, max_blocks: int, block_size: int) -> tup
     return tables, lens
 
 
-def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool) -> None:
-    """Write req's encoder outputs (by content hash in `encoded`) to its pool blocks in the family's order."""
+def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool) -> torch.Tensor:
+    """Write the keys/values of req's encoder outputs (by content hash in `encoded`) to its pool blocks in the
+    family's order; returns those outputs in that order."""
     states = [encoded[it.content_hash] for it in req.mm_items]
     states = states[0] if len(states) == 1 else torch.cat(states)
     req.cross_kv_order, decode_len = model.cross_kv_order(req.mm_items, req.num_prompt_tokens)
-    pool.write(states if req.cross_kv_order is None else states[req.cross_kv_order.to(states.device)],
-               req.cross_block_ids)
+    if req.cross_kv_order is not None:
+        states = states[req.cross_kv_order.to(states.device)]
+    pool.write(model.cross_kv(states), req.cross_block_ids)
     req.cross_kv_written, req.cross_kv_tokens, req.cross_decode_len = True, len(states), decode_len
+    return states
 
 
 def decode_metadata(block_tables: list[list[int]], seq_lens: list[int], block_size: int,

@@ -1,8 +1,10 @@
 """A tensor-parallel worker's replay of the driver's forward passes (distributed/workers.py).
 
 The driver's ModelRunner decides each step's kind of pass (a decode graph, a prefill graph, piecewise graphs or
-eager) and sends it with the step's host-side layout; its device inputs arrive by broadcast from rank 0. The worker
-runs the same pass over its own shard of the model, so the all-reduces inside meet the driver's. `lora_sync`
+eager) and sends it with the step's host-side layout; its device inputs arrive by broadcast from rank 0 (for
+Mllama also the states of the pictures the step writes to the cross-attention pool, whose keys/values each rank
+projects for its own heads). The worker runs the same pass over its own shard of the model, so the all-reduces
+inside meet the driver's. `lora_sync`
 applies the driver's LoRA adapter changes to the worker's slices.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from mmserve.distributed import tp_broadcast
 from mmserve.worker.batch_inputs import attention_metadata
+from mmserve.worker.request_inputs import cross_batch_from_host
 from mmserve.worker.transfer import to_device
 
 if TYPE_CHECKING:
@@ -35,7 +38,7 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         input_ids, positions, slots, seq_lens, tables = host
         runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None)
         return
-    positions, slots, qsl, seq_lens, tables, rows_by_adapter = host
+    positions, slots, qsl, seq_lens, tables, rows_by_adapter, cross_host = host
     embeds = tensors[0]
     if kind == "prefill":
         runner.prefill_graphs.run(embeds, positions, slots, qsl, seq_lens, tables)
@@ -47,6 +50,9 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         runner.piecewise_graphs.run(embeds, positions, slots, meta)
         return
     meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device)
+    if cross_host is not None:   # Mllama: the step's new pictures' states follow the embeddings
+        meta.cross = cross_batch_from_host(cross_host, tensors[1:], runner.model, runner.cross_kv,
+                                           runner.attn_layers[0].backend)
     runner.run_eager(embeds, to_device(positions, torch.int64, runner.device), meta, rows_by_adapter)
 
 

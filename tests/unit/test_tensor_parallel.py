@@ -74,10 +74,15 @@ def test_what_cannot_shard_is_refused_before_starting(tiny_llava_dir, tmp_path):
         check_tensor_parallel(hf_config, _with_device(tiny_llava_dir, "cuda:1"))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelConfig(tiny_llava_dir, tensor_parallel_size=0)
-    from mmserve.testing.mllama import make_mllama_checkpoint
+    from mmserve.testing.nougat import make_nougat_checkpoint
+    nougat = load_hf_config(str(make_nougat_checkpoint(tmp_path / "nougat", preset="tiny", seed=0)))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        check_tensor_parallel(nougat, ModelConfig(tiny_llava_dir, tensor_parallel_size=2))
+    from mmserve.testing.mllama import make_mllama_checkpoint   # cross-attention: its pool holds kv heads per rank
     mllama = load_hf_config(str(make_mllama_checkpoint(tmp_path / "mllama", preset="tiny", seed=0)))
-    with pytest.raises(ValueError, match="one GPU only"):
-        check_tensor_parallel(mllama, ModelConfig(tiny_llava_dir, tensor_parallel_size=2))
+    check_tensor_parallel(mllama, ModelConfig(tiny_llava_dir, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="num_key_value_heads"):   # 4 heads, 2 kv heads: 4 ranks cannot split them
+        check_tensor_parallel(mllama, ModelConfig(tiny_llava_dir, tensor_parallel_size=4))
 
 
 def _with_device(model_dir: str, device: str) -> ModelConfig:
