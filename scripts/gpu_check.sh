@@ -72,7 +72,8 @@ for step in $steps; do
             --markdown "$OUT/latency_$tag.md" > "$OUT/latency_$tag.log" 2>&1
           echo "== $tag (rc $?)"; grep "^| *[0-9]" "$OUT/latency_$tag.md" 2>/dev/null \
             || grep -v "it/s\]" "$OUT/latency_$tag.log" | tail -15; done
-        timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_tensor_parallel.py 2>&1 | tail -5 ;;
+        timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_tensor_parallel.py \
+          tests/unit/test_tensor_parallel_families.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,12 +1,15 @@
 """Tensor parallelism over each decoder-only family (CPU, gloo, a real worker process): two shards give one
 process's greedy tokens and log-probs for a prompt with pictures (Qwen2-VL: M-RoPE positions; BLIP-2: OPT;
 Fuyu: Persimmon with q/k LayerNorms; LLaVA-NeXT / OneVision: any-resolution tiles; Pixtral: its ViT; Kosmos-2:
-sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm)."""
+sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm); Llama 3.2 Vision's
+cross-attention over a staggered batch (each rank's own keys/values in its pool); preempted requests recompute
+(Mllama re-encoding its pictures) and still give one process's tokens."""
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
@@ -51,7 +54,9 @@ def test_two_shards_give_one_process_tokens(family, tmp_path):
 
 
 
-def test_mllama_cross_attention_over_two_shards(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
+def test_mllama_cross_attention_over_two_shards(tmp_path, device):
     """Llama 3.2 Vision: the driver encodes each picture once and broadcasts its states, each rank projects its
     own heads' cross-attention keys/values into its pool (the same blocks everywhere); a staggered batch mixing
     two images, adjacent images, text before an image and text-only requests, with prefill chunks beside decodes
@@ -66,7 +71,7 @@ def test_mllama_cross_attention_over_two_shards(tmp_path):
               for i, t in enumerate(texts)]
     images[4] = [images[1][0]]   # the same picture again: its states come from the encoder cache
     prompts = [{"prompt": "<|begin_of_text|>" + t, "images": im} for t, im in zip(texts, images)]
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=24, block_size=4)
+    kw = dict(device=device, dtype="float32", max_num_batched_tokens=24, block_size=4)
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         engine = llm.engine
         two = run_staggered(engine, prompts, GREEDY)
@@ -78,3 +83,23 @@ def test_mllama_cross_attention_over_two_shards(tmp_path):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in lb.items():
                 assert math.isclose(la[tok].logprob, lp.logprob, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llava", "mllama"])
+def test_preempted_requests_recompute_over_two_shards(family, tmp_path):
+    """A KV pool too small for every request at once: requests are preempted and recomputed (Mllama: their
+    pictures re-encoded and their states broadcast again), and two shards still give one process's tokens."""
+    from mmserve.testing.llava import make_llava_checkpoint
+    from mmserve.testing.mllama import make_mllama_checkpoint
+    make, text = {"llava": (make_llava_checkpoint, "USER: <image>\nq{} go on ASSISTANT:"),
+                  "mllama": (make_mllama_checkpoint, "<|begin_of_text|>q{} <|image|> go on")}[family]
+    model_dir = str(make(tmp_path / family, preset="tiny", seed=0))
+    prompts = [{"prompt": text.format(i), "images": [make_test_image(20 + i)]} for i in range(4)]
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+    kw = dict(device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False,
+              num_kv_blocks=24 if family == "llava" else 16)   # a few preemptions each
+    with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
+        two = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.stats()["num_preemptions"] > 0
+    one = LLM(model_dir, **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
