@@ -39,11 +39,11 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     _TP_RANK, _TP_SIZE = rank, size
 
 
-def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the tensor-parallel group, in place (identity at TP=1)."""
+def tp_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or `op` "max") x over the tensor-parallel group, in place (identity at TP=1)."""
     if _TP_SIZE == 1:
         return x
-    dist.all_reduce(x)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return x
 
 

@@ -35,10 +35,11 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype     # of the activations before quantization: the layer's output dtype
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude maps to 448."""
+def quantize_weight(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude (`amax` [N] when given:
+    a row-parallel shard's rows are part of longer ones) maps to 448."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = (w.abs().amax(dim=1) if amax is None else amax).clamp(min=AMAX_FLOOR) / FP8_MAX
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -92,12 +92,21 @@ class LinearBase(nn.Module):
     def to_weight_only(self, bits: int) -> None:
         """Quantize the loaded weight to int8 or int4 with one scale per output row (weight-only)."""
         if not self.is_weight_only:
-            self._set_quantized(*(quantize_weight_int8 if bits == 8 else quantize_weight_int4)(self.weight.data))
+            quantize = quantize_weight_int8 if bits == 8 else quantize_weight_int4
+            self._set_quantized(*quantize(self.weight.data, self._row_amax()))
 
     def to_fp8(self) -> None:
         """Quantize the loaded weight to e4m3 with one scale per output row (dynamic activation scales)."""
         if not self.is_fp8:
-            self._set_quantized(*quantize_weight(self.weight.data))
+            self._set_quantized(*quantize_weight(self.weight.data, self._row_amax()))
+
+    def _row_amax(self) -> torch.Tensor | None:
+        """A row-parallel shard's row maxima over the whole rows (a max over the tensor-parallel ranks: every rank
+        then scales its slice as one process scales the row); None where this rank holds whole rows. Collective:
+        every rank quantizes its layers in the same order."""
+        if self.in_features == self.full_in_features():
+            return None
+        return tp_all_reduce(self.weight.data.float().abs().amax(dim=1), op="max")
 
     def make_fp8(self) -> None:
         """Hold an e4m3 weight and its scales, to be filled from a pre-quantized checkpoint."""

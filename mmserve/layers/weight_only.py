@@ -25,20 +25,23 @@ INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
-def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude maps to 127."""
+def quantize_weight_int8(weight: torch.Tensor, amax: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude (`amax` [N] when
+    given: a row-parallel shard's rows are part of longer ones) maps to 127."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+    scale = (w.abs().amax(dim=1) if amax is None else amax).clamp(min=1e-12) / INT8_MAX
     return torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 weight [N, K / 2], fp32 scale [N]): each output row scaled so its largest magnitude maps to 7;
-    K must be even."""
+def quantize_weight_int4(weight: torch.Tensor, amax: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 weight [N, K / 2], fp32 scale [N]): each output row scaled so its largest magnitude (`amax`
+    as for int8) maps to 7; K must be even."""
     if weight.shape[1] % 2:
         raise ValueError(f"int4 weights pack two values per byte: in_features {weight.shape[1]} must be even")
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT4_MAX
+    scale = (w.abs().amax(dim=1) if amax is None else amax).clamp(min=1e-12) / INT4_MAX
     q = torch.round(w / scale[:, None]).clamp(-INT4_MAX, INT4_MAX).to(torch.int16)
     nibbles = q & 0xF                                            # two's complement in 4 bits
     return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8), scale

@@ -149,3 +149,27 @@ def test_beam_search_prompt_logprobs_and_n_with_two_shards(tiny_llava_dir):
         for pa, pb in zip(a[1:], b[1:]):   # the first prompt token has none
             assert pa.keys() == pb.keys()
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_quantized_weights_over_two_shards_are_one_process_slices(tiny_llava_dir):
+    """--quantization under tensor parallelism: a row-parallel shard scales each row by the whole row's maximum
+    (a max over the ranks), so int8 / int4 weight-only models give one process's tokens and log-probs, and FP8's
+    row-parallel weights and scales on rank 0 are the first half of one process's (its activations are scaled per
+    token over each rank's slice, so FP8 outputs may differ slightly)."""
+    prompts = [_prompt(i, 1) for i in range(3)]
+    for method in ("int8", "int4"):
+        with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2, quantization=method) as llm:
+            two = llm.generate(prompts, GREEDY, use_tqdm=False)
+        one = LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization=method).generate(
+            prompts, GREEDY, use_tqdm=False)
+        for a, b in zip(two, one):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, method
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert all(abs(la[t].logprob - lp.logprob) < 1e-4 for t, lp in lb.items()), method
+    whole = LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization="fp8").engine.model \
+        .language_model.model.layers[0].mlp.down_proj
+    with LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2, quantization="fp8") as llm:
+        sharded = llm.engine.model.language_model.model.layers[0].mlp.down_proj
+        assert sharded.in_features * 2 == whole.in_features
+        assert torch.equal(sharded.weight_scale, whole.weight_scale)
+        assert torch.equal(sharded.weight.float(), whole.weight[:, :sharded.in_features].float())
