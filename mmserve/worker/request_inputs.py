@@ -72,16 +72,16 @@ def cross_attention_batch(computed: list, qsl: list[int],
         req = s.request
         seq = CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
                                 None, req.cross_kv_tokens)
-        blocks = order = None
+        blocks = None
         if len(decode_lens) == len(seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
             decode_lens.append(req.cross_decode_len)   # attends through decode_meta
         else:
             blocks = req.cross_block_ids
-            order = None if req.cross_kv_order is None else req.cross_kv_order.tolist()
             seq.block_table = to_device(blocks, torch.int64, dev)
             seq.order = None if req.cross_kv_order is None else req.cross_kv_order.to(dev)
         seqs.append(seq)
         if mirror:
+            order = None if blocks is None or req.cross_kv_order is None else req.cross_kv_order.tolist()
             host.seqs.append((qsl[i], qsl[i + 1], s.start, req.num_prompt_tokens,
                               [model.cross_item_layout(it) for it in req.mm_items], blocks, order,
                               req.cross_kv_tokens))

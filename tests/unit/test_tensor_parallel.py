@@ -1,9 +1,10 @@
 """Tensor parallelism (`tensor_parallel_size` 2): a real worker process holds the other shard of the language model
 (gloo on the CPU, NCCL on two GPUs) and mirrors every forward; greedy ids and log-probs match transformers and the
 one-process engine, through chunked prefill that cuts an image's tokens, mixed steps, prefix-cache hits and batches
-joining mid-flight; LoRA adapters, beam search, n sampled sequences and prompt logprobs give one process's results;
-nothing leaks, and the workers stop with the engine (also when its start fails, and a dead worker fails the next
-step). Shapes and families that cannot shard are refused before anything starts."""
+joining mid-flight; LoRA adapters, beam search, n sampled sequences, prompt logprobs, int8 / int4 weight-only
+quantization and a ModelOpt FP8 checkpoint give one process's results (FP8 on-the-fly: weights and scales are
+one process's slices); nothing leaks, and the workers stop with the engine (also when its start fails, and a dead
+worker fails the next step). Shapes and families that cannot shard are refused before anything starts."""
 from __future__ import annotations
 
 import pytest
@@ -173,3 +174,15 @@ def test_quantized_weights_over_two_shards_are_one_process_slices(tiny_llava_dir
         assert sharded.in_features * 2 == whole.in_features
         assert torch.equal(sharded.weight_scale, whole.weight_scale)
         assert torch.equal(sharded.weight.float(), whole.weight[:, :sharded.in_features].float())
+
+
+def test_an_fp8_checkpoint_with_static_activation_scales_shards_exactly(tiny_llava_dir, tmp_path):
+    """A ModelOpt FP8 checkpoint (per-tensor weight and static activation scales, as TensorRT-LLM's FP8 flow
+    writes): every rank loads its slice and the same scales, and two shards give one process's tokens."""
+    from mmserve.testing.fp8 import write_fp8_checkpoint
+    fp8_dir = str(write_fp8_checkpoint(tiny_llava_dir, tmp_path / "fp8", style="modelopt"))
+    prompts = [_prompt(i, 1) for i in range(3)]
+    with LLM(fp8_dir, device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        two = llm.generate(prompts, GREEDY, use_tqdm=False)
+    one = LLM(fp8_dir, device="cpu", dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
