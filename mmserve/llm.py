@@ -53,8 +53,12 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       async_scheduling=async_scheduling))
         self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
-        for name, path in (lora_modules or {}).items():   # prompts name one with {"lora": name}
-            self.engine.add_lora(name, path)
+        try:
+            for name, path in (lora_modules or {}).items():   # prompts name one with {"lora": name}
+                self.engine.add_lora(name, path)
+        except BaseException:
+            self.engine.close()   # no tensor-parallel worker outlives a constructor that failed
+            raise
         self._ids = itertools.count()
         self._preprocess = ThreadPoolExecutor(4, thread_name_prefix="mmserve-llm-preprocess")
 

@@ -165,7 +165,11 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     logger.info("shard %d of %d loaded", rank, size)
     with torch.inference_mode():
         while True:
-            op, payload = conn.recv()
+            try:
+                op, payload = conn.recv()
+            except EOFError:   # the driver is gone without a word: no peer to leave the group with
+                logger.warning("tensor-parallel rank %d: the driver went away; exiting", rank)
+                os._exit(0)
             if op == "stop":
                 break
             if op == "forward":

@@ -114,12 +114,23 @@ def test_lora_adapters_with_two_shards_give_one_process_tokens(tiny_llava_dir, l
     assert outs[0][1] == outs[0][3]   # beta from its directory and from tensors
     assert outs[0][0] != outs[0][2]   # the adapter changes the answer
 
-def test_a_failed_start_leaves_no_worker_behind(tiny_llava_dir):
+def test_a_failed_start_leaves_no_worker_behind(tiny_llava_dir, tmp_path):
+    """An engine that cannot size its KV cache, and an LLM whose startup LoRA adapter is refused after the engine
+    started: no worker process outlives either."""
     import multiprocessing
+
+    from mmserve.testing.lora import make_lora_adapter
+
+    def workers() -> list:
+        return [p for p in multiprocessing.active_children() if p.name.startswith("mmserve-tp")]
 
     with pytest.raises(ValueError, match="KV cache would get 0 blocks"):
         LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_size_gb=1e-9)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("mmserve-tp")]
+    assert not workers()
+    bad = make_lora_adapter(tmp_path / "bad", tiny_llava_dir, targets=("no_such_proj",))
+    with pytest.raises(ValueError, match="has no LoRA weights"):   # none of its targets is in the model
+        LLM(tiny_llava_dir, device="cpu", dtype="float32", tensor_parallel_size=2, lora_modules={"bad": str(bad)})
+    assert not workers()
 
 
 def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tiny_llava_dir):
