@@ -33,6 +33,10 @@ from mmserve.distributed import init_tensor_parallel, shutdown_tensor_parallel, 
 logger = logging.getLogger(__name__)
 
 
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process has exited: the group cannot run another forward (the server stops)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +98,7 @@ class TPWorkers:
         """Start runner.name(*args) on every worker and return a function that waits for their results. The
         driver runs the same call between the two: their collectives meet. Arguments go by pipe: host values only
         (a CUDA tensor would travel by CUDA IPC onto the driver's GPU)."""
-        self._check_alive()
+        self.check_alive()
         for conn in self.conns:
             conn.send(("call", (name, args)))
         return lambda: [self._reply(conn) for conn in self.conns]
@@ -102,19 +106,22 @@ class TPWorkers:
     def forward(self, kind: str, host: tuple, tensors: list[torch.Tensor]) -> None:
         """Have every worker run this step's forward of `kind` (ModelRunner.run_mirrored); broadcasts `tensors`."""
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
-        self._check_alive()
+        self.check_alive()
         for conn in self.conns:
             conn.send(("forward", (kind, host, specs)))
         for t in tensors:
             tp_broadcast(t.contiguous())
 
-    def _check_alive(self) -> None:
-        """RuntimeError when a worker has exited: the group cannot run a forward without it (its collectives would
-        wait for that rank until they time out)."""
+    def check_alive(self, wait_s: float = 0.0) -> None:
+        """WorkerDied when a worker has exited: the group cannot run a forward without it (its collectives would
+        wait for that rank until they time out). `wait_s`: give a worker that is dying (a collective with it just
+        failed) that long to be seen gone."""
         for rank, proc in enumerate(self.procs, start=1):
+            if wait_s:
+                proc.join(timeout=wait_s)
             if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
-                                   "the engine cannot go on without it")
+                raise WorkerDied(f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                                 "the engine cannot go on without it")
 
     def _reply(self, conn) -> Any:
         status, value = conn.recv()

@@ -17,11 +17,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mmserve.distributed.workers import WorkerDied
 from mmserve.engine.engine import Engine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop has died (a tensor-parallel worker exited, or an error outside any step): the server can
+    serve no one. HTTP 503 / gRPC UNAVAILABLE, and /v2/health/ready says 503."""
 
 
 class AsyncEngine:
@@ -48,7 +54,7 @@ class AsyncEngine:
         before the first output.
         """
         if self.dead_error is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+            raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         inputs = await self.preprocess(prompt)
         async for out in self.generate_processed(inputs, params, request_id):
             yield out
@@ -61,7 +67,7 @@ class AsyncEngine:
                                  request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """generate() for a prompt already preprocessed (ProcessedInputs)."""
         if self.dead_error is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+            raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         if params.guided_decoding_type is not None:   # compiled here, so the engine thread only finds it cached
@@ -88,7 +94,7 @@ class AsyncEngine:
     async def add_lora_tensors(self, name: str, weights, config) -> None:
         """Engine.add_lora_tensors, run on the engine thread between steps; raises its ValueError."""
         if self.dead_error is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.dead_error}")
+            raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._commands.put(("lora", name, weights, config, loop, done))
@@ -150,7 +156,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except WorkerDied:   # no later step can run either: the loop dies, health turns 503
+                raise
             except Exception as e:  # a failed step must not take the server down with it
+                if self.engine.tp_workers is not None:   # unless a collective failed because a worker is gone
+                    self.engine.tp_workers.check_alive(wait_s=2.0)
                 logger.exception("engine step failed; aborting the running requests")
                 self._fail_all(e)
                 continue

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve.engine.async_engine import EngineStopped
 from mmserve.engine.engine import EngineOverloaded
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
 from mmserve.engine.guided import GUIDE_TYPES
@@ -44,7 +45,7 @@ def http_status(exc: BaseException) -> int:
     """Triton's error -> HTTP status map (PROTOCOL §2.3) for the exceptions mmserve raises."""
     if isinstance(exc, ModelNotFound):
         return 404
-    if isinstance(exc, (ServerBusy, EngineOverloaded)):
+    if isinstance(exc, (ServerBusy, EngineOverloaded, EngineStopped)):
         return 503
     if isinstance(exc, (ValueError, TypeError)):
         return 400
