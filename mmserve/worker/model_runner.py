@@ -268,7 +268,8 @@ class ModelRunner:
                     self.cross_encode_batch, mirror=self.tp is not None)
         if self.tp is not None:
             self.tp.forward(kind, (batch.positions, slots, qsl, batch.seq_lens, batch.block_tables, rows_by_adapter,
-                                   cross_host), [embeds, *written])
+                                   None if cross_host is None else cross_host.for_workers(self.model)),
+                            [embeds, *written])
         if kind == "prefill":
             return self.prefill_graphs.run(embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables)
         if kind == "piecewise":

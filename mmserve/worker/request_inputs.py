@@ -3,7 +3,7 @@ families whose text attends encoder outputs (Mllama, encoder-decoders), both bui
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,28 +30,36 @@ def lora_row_groups(rows: dict[str, list[int]], lora, device: torch.device) -> l
 
 @dataclass
 class CrossStepHost:
-    """A step's cross-attention inputs as host values, for tensor-parallel workers (worker/tp_mirror.py): the pool
-    writes (each request's encoder output, in pool order, goes by broadcast beside this) and the batch layout."""
+    """A step's cross-attention inputs as host values, the layout its CrossAttentionBatch is built from
+    (`cross_batch`): on the driver, and, sent by pipe (`for_workers`), on each tensor-parallel worker (worker/
+    tp_mirror.py) with the pool writes (the encoder outputs written travel beside this, by broadcast)."""
 
     writes: list[list[int]] = field(default_factory=list)   # pool blocks of each encoder output written
-    # per sequence: (rows start, rows stop, start, prompt_len, items' layouts, pool blocks | None, order | None,
+    # per sequence: (rows start, rows stop, start, prompt_len, items, pool blocks | None, pool order | None,
     # encoder tokens)
     seqs: list[tuple] = field(default_factory=list)
     decode_tables: list[list[int]] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
 
+    def for_workers(self, model) -> CrossStepHost:
+        """This layout as a worker gets it: items without their pixels (`model.cross_item_layout`), orders as
+        lists (a tensor would cross the pipe through shared memory)."""
+        seqs = [(*s[:4], [model.cross_item_layout(it) for it in s[4]], s[5], None if s[6] is None else s[6].tolist(),
+                 s[7]) for s in self.seqs]
+        return replace(self, seqs=seqs)
+
 
 def cross_attention_batch(computed: list, qsl: list[int],
                           encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]], model,
                           pool: CrossKVPool, backend, encode_batch: int, mirror: bool = False
-                          ) -> tuple[CrossAttentionBatch, CrossStepHost | None, list[torch.Tensor]]:
+                          ) -> tuple[CrossAttentionBatch, CrossStepHost, list[torch.Tensor]]:
     """The step's sequences with media and where their encoder keys/values are: a request's items are encoded
     (`encode`: by content hash, the encoder cache first; about encode_batch items at a time, so a step that
     admits many requests stays within the activation profile) on its first step after admission and written to
     its blocks of the cross-attention pool, in the order `model.cross_kv_order` gives. The leading sequences
-    that hold one generated token each are the batch's decodes (the scheduler puts decodes first). With
-    `mirror`, also the step as host values and the encoder outputs written, in pool order (else None, [])."""
-    host = CrossStepHost() if mirror else None
+    that hold one generated token each are the batch's decodes (the scheduler puts decodes first). Returns the
+    batch, its host layout and, with `mirror`, the encoder outputs written, in pool order (else [])."""
+    host = CrossStepHost()
     written = []
     with_media = [(i, s) for i, s in enumerate(computed) if s.request.mm_items]
     todo = [s.request for _, s in with_media if not s.request.cross_kv_written]
@@ -66,40 +74,21 @@ def cross_attention_batch(computed: list, qsl: list[int],
                 host.writes.append(req.cross_block_ids)
                 written.append(states)
         del encoded
-    dev = pool.storage.device
-    seqs, decode_lens = [], []
     for i, s in with_media:
         req = s.request
-        seq = CrossAttentionSeq(slice(qsl[i], qsl[i + 1]), s.start, req.num_prompt_tokens, req.mm_items,
-                                None, req.cross_kv_tokens)
-        blocks = None
-        if len(decode_lens) == len(seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
-            decode_lens.append(req.cross_decode_len)   # attends through decode_meta
+        if len(host.decode_lens) == len(host.seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
+            host.decode_tables.append(req.cross_block_ids)   # attends through decode_meta
+            host.decode_lens.append(req.cross_decode_len)
+            blocks, order = None, None
         else:
-            blocks = req.cross_block_ids
-            seq.block_table = to_device(blocks, torch.int64, dev)
-            seq.order = None if req.cross_kv_order is None else req.cross_kv_order.to(dev)
-        seqs.append(seq)
-        if mirror:
-            order = None if blocks is None or req.cross_kv_order is None else req.cross_kv_order.tolist()
-            host.seqs.append((qsl[i], qsl[i + 1], s.start, req.num_prompt_tokens,
-                              [model.cross_item_layout(it) for it in req.mm_items], blocks, order,
-                              req.cross_kv_tokens))
-    batch = CrossAttentionBatch(seqs, pool.caches, len(decode_lens), None, backend)
-    if decode_lens:
-        tables = [s.request.cross_block_ids for _, s in with_media[:len(decode_lens)]]
-        batch.decode_meta = decode_metadata(tables, decode_lens, pool.block_size, dev)
-        if mirror:
-            host.decode_tables, host.decode_lens = tables, decode_lens
-    return batch, host, written
+            blocks, order = req.cross_block_ids, req.cross_kv_order
+        host.seqs.append((qsl[i], qsl[i + 1], s.start, req.num_prompt_tokens, req.mm_items, blocks, order,
+                          req.cross_kv_tokens))
+    return cross_batch(host, pool, backend), host, written
 
 
-def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], model, pool: CrossKVPool,
-                          backend) -> CrossAttentionBatch:
-    """A tensor-parallel worker's copy of the driver's step (cross_attention_batch with mirror): write the
-    broadcast encoder outputs' keys/values (this rank's heads) to their pool blocks, then the same batch."""
-    for blocks, states in zip(host.writes, written):
-        pool.write(model.cross_kv(states), blocks)
+def cross_batch(host: CrossStepHost, pool: CrossKVPool, backend) -> CrossAttentionBatch:
+    """The step's CrossAttentionBatch over `pool` from its host layout."""
     dev = pool.storage.device
     seqs = []
     for start_row, stop_row, start, prompt_len, items, blocks, order, tokens in host.seqs:
@@ -112,6 +101,15 @@ def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], mode
     if host.decode_lens:
         batch.decode_meta = decode_metadata(host.decode_tables, host.decode_lens, pool.block_size, dev)
     return batch
+
+
+def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], model, pool: CrossKVPool,
+                          backend) -> CrossAttentionBatch:
+    """A tensor-parallel worker's copy of the driver's step (cross_attention_batch with mirror): write the
+    broadcast encoder outputs' keys/values (this rank's heads) to their pool blocks, then the same batch."""
+    for blocks, states in zip(host.writes, written):
+        pool.write(model.cross_kv(states), blocks)
+    return cross_batch(host, pool, backend)
 
 
 def cross_decode_inputs(computed: list, max_blocks: int, block_size: int) -> tuple[list[list[int]], list[int]] | None:
