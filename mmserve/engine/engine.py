@@ -89,9 +89,12 @@ class Engine:
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
             self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
         profile_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
-        # tensor-parallel workers encode no pictures: their profile is the language model's alone
+        # tensor-parallel workers encode no pictures: their profile is the language model's alone, attending
+        # zeros of the picture's shape where the driver's attends its encoder output (cross-attention families)
+        cross_template = (self.model.cross_item_layout(blank), self.model.cross_kv_tokens(blank)) \
+            if blank is not None and self.runner.uses_cross_attention and self.tp_workers is not None else None
         num_blocks, others = self._on_every_rank("plan_kv_cache", (config.cache, profile_tokens, blank),
-                                                 (config.cache, profile_tokens, None))
+                                                 (config.cache, profile_tokens, None, cross_template))
         num_blocks = min([num_blocks] + others)
         self._on_every_rank("allocate_kv_cache", (num_blocks,))
         cross_blocks, others = self._on_every_rank("cross_kv_num_blocks", ())

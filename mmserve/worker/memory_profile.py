@@ -21,11 +21,16 @@ logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None) -> int:
+def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None,
+                          cross_template: tuple[MultiModalItem, int] | None = None) -> int:
     """The memory a step needs beyond weights and KV cache, measured: the larger of one text-only prefill
     of num_tokens (through a scratch KV cache) and, for a vision model whose encoder runs eagerly (no
     encoder graphs, whose pool is taken before this), encoding as many copies of `template` as a step of
-    num_tokens overlaps; plus the encoder cache's bound (its capacity in rows at the LM's width)."""
+    num_tokens overlaps; plus the encoder cache's bound (its capacity in rows at the LM's width).
+
+    A cross-attention family's prefill attends `template`'s encoder output. A tensor-parallel worker, which
+    holds no encoder, gets `cross_template` instead, (the driver's template without pixels, its encoder tokens),
+    and attends zeros of that shape: every rank must run the same layers, whose collectives pair up."""
     if runner.device.type != "cuda":
         return 0
     if getattr(runner.model, "encoder_decoder", False) and template is None:
@@ -61,12 +66,17 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
     positions = torch.arange(num_tokens, device=runner.device)
     if runner.uses_mrope:
         positions = positions.expand(3, -1)
-    if runner.uses_cross_attention and template is not None:
+    embeds = runner.model.embed_input_ids(ids)
+    if runner.uses_cross_attention and (template is not None or cross_template is not None):
         # the prompt attends one picture's encoder output, as a request's steps do (an encoder-decoder's
         # decoder has nothing to attend without it)
-        item = runner._on_device(template)
-        with runner._vision_kernels():
-            states = runner.model.get_mm_embeddings([item])[0]
+        if template is not None:
+            item = runner._on_device(template)
+            with runner._vision_kernels():
+                states = runner.model.get_mm_embeddings([item])[0]
+        else:
+            item, encoder_tokens = cross_template
+            states = embeds.new_zeros(encoder_tokens, embeds.shape[-1])
         pool = CrossKVPool(runner.model.cross_kv_layout(), runner.dtype, cdiv(len(states), runner.block_size),
                            runner.block_size, runner.device)   # a scratch pool of its blocks
         blocks = list(range(pool.num_blocks))
@@ -77,7 +87,6 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
             [CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
                                torch.tensor(blocks, device=runner.device), encoder_tokens)],
             pool.caches, 0, None, runner.attn_layers[0].backend)
-    embeds = runner.model.embed_input_ids(ids)
     hidden = runner.model(embeds, positions, meta)
     runner.model.compute_logits(hidden[-64:])
     torch.cuda.synchronize(runner.device)

@@ -164,14 +164,17 @@ class ModelRunner:
                 self.encoder_graphs.warm_up(self._on_device(template),
                                             cdiv(max_num_batched_tokens, template.length) + 1)
 
-    def plan_kv_cache(self, cache_config: CacheConfig, num_tokens: int, template: MultiModalItem | None = None) -> int:
+    def plan_kv_cache(self, cache_config: CacheConfig, num_tokens: int, template: MultiModalItem | None = None,
+                      cross_template: tuple[MultiModalItem, int] | None = None) -> int:
         """The KV pool's size in blocks after profiling a step of `num_tokens` (and `template`'s encoding)."""
-        return self.num_blocks_for(cache_config, self.profile_peak_activation_bytes(num_tokens, template))
+        return self.num_blocks_for(cache_config,
+                                   self.profile_peak_activation_bytes(num_tokens, template, cross_template))
 
-    def profile_peak_activation_bytes(self, num_tokens: int, template: MultiModalItem | None = None) -> int:
+    def profile_peak_activation_bytes(self, num_tokens: int, template: MultiModalItem | None = None,
+                                      cross_template: tuple[MultiModalItem, int] | None = None) -> int:
         """The memory a step needs beyond weights and KV cache, measured on CUDA (0 elsewhere): see
         :func:`mmserve.worker.memory_profile.peak_activation_bytes`."""
-        return peak_activation_bytes(self, num_tokens, template)
+        return peak_activation_bytes(self, num_tokens, template, cross_template)
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
