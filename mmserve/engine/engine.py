@@ -89,10 +89,14 @@ class Engine:
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
             self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
         profile_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
+        # a blank picture's encoder tokens (cross-attention families): the shape of the workers' profile and of the
+        # cross-attention decode graphs, the same on every rank
+        cross_tokens = self.model.cross_kv_tokens(blank) \
+            if blank is not None and self.runner.uses_cross_attention else None
         # tensor-parallel workers encode no pictures: their profile is the language model's alone, attending
-        # zeros of the picture's shape where the driver's attends its encoder output (cross-attention families)
-        cross_template = (self.model.cross_item_layout(blank), self.model.cross_kv_tokens(blank)) \
-            if blank is not None and self.runner.uses_cross_attention and self.tp_workers is not None else None
+        # zeros of the picture's shape where the driver's attends its encoder output
+        cross_template = (self.model.cross_item_layout(blank), cross_tokens) \
+            if cross_tokens is not None and self.tp_workers is not None else None
         num_blocks, others = self._on_every_rank("plan_kv_cache", (config.cache, profile_tokens, blank),
                                                  (config.cache, profile_tokens, None, cross_template))
         num_blocks = min([num_blocks] + others)
@@ -101,9 +105,8 @@ class Engine:
         self._on_every_rank("allocate_cross_kv", (min([cross_blocks] + others),))   # the same block ids everywhere
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
-            # the template (device tensors on this GPU) sizes cross-attention decode graphs, on one GPU only
-            graph_sizes = (config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
-            self._on_every_rank("capture_cuda_graphs", graph_sizes + (blank,), graph_sizes + (None,))
+            self._on_every_rank("capture_cuda_graphs", (config.scheduler.max_num_seqs, self.max_model_len,
+                                                        config.scheduler.max_num_batched_tokens, cross_tokens))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:

@@ -15,7 +15,6 @@ from torch import nn
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.attention.kv_quant import is_fp8
 from mmserve.config import CacheConfig
-from mmserve.distributed import get_tp_size
 from mmserve.engine.request import MultiModalItem
 from mmserve.engine.kv_cache import cdiv
 from mmserve.engine.scheduler import SchedulerOutput
@@ -100,23 +99,21 @@ class ModelRunner:
             self.sampler.warm_up(self.model.compute_logits(self.model.embed_input_ids(token)), self.vocab_size)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                            template: MultiModalItem | None = None) -> None:
+                            cross_tokens: int | None = None) -> None:
         """Record decode-step graphs, whole-model graphs of small prefills and piecewise graphs of the other
         steps (CUDA + Triton backend only); call after allocate_kv_cache (and allocate_cross_kv). A cross-attention
         family gets decode graphs only, if it allows them (`cross_decode_graphs`), for decodes attending at most
-        two `template` pictures' worth of pool blocks."""
+        two pictures of `cross_tokens` encoder tokens (a blank picture's: the same number on every rank)."""
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
         max_blocks = cdiv(max_model_len, self.block_size)
         mrope = self.uses_mrope
         if self.uses_cross_attention:
-            # under tensor parallelism the cross-attention decode graphs are not verified yet: eager decodes
-            if (not getattr(self.model, "cross_decode_graphs", False) or template is None or self.cross_kv is None
-                    or get_tp_size() > 1):
+            if not getattr(self.model, "cross_decode_graphs", False) or cross_tokens is None or self.cross_kv is None:
                 return
             self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size,
                                        max_model_len, cross=self.cross_kv, cross_backend=self.attn_layers[0].backend,
-                                       cross_blocks=2 * cdiv(self.model.cross_kv_tokens(template), self.block_size))
+                                       cross_blocks=2 * cdiv(cross_tokens, self.block_size))
             self.graphs.capture()
             return
         self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks, self.block_size, max_model_len,
@@ -239,9 +236,9 @@ class ModelRunner:
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
         each, views of the graph's buffers valid until its next replay."""
-        if self.tp is not None:
+        if self.tp is not None:   # a cross-attention family's decodes also send their pool blocks and lengths
             self.tp.forward("decode", (batch.input_ids, batch.positions, batch.slots, batch.seq_lens,
-                                       batch.block_tables), list(batch.fill) if batch.fill is not None else [])
+                                       batch.block_tables, cross), list(batch.fill) if batch.fill is not None else [])
         return self.graphs.run(batch.input_ids, batch.positions, batch.slots, batch.seq_lens, batch.block_tables,
                                batch.fill, cross)
 

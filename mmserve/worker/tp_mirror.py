@@ -35,8 +35,8 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
     """Receive the broadcast inputs described by `specs` ((shape, dtype) each) and run pass `kind` on them."""
     tensors = [tp_broadcast(torch.empty(shape, dtype=dtype, device=runner.device)) for shape, dtype in specs]
     if kind == "decode":
-        input_ids, positions, slots, seq_lens, tables = host
-        runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None)
+        input_ids, positions, slots, seq_lens, tables, cross = host
+        runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None, cross)
         return
     positions, slots, qsl, seq_lens, tables, rows_by_adapter, cross_host = host
     embeds = tensors[0]
