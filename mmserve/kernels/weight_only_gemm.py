@@ -1,6 +1,8 @@
 """Triton GEMM for activation rows against weight-only int8 / packed int4 weights (layers/weight_only.py):
 y [M, N] = (x [M, K] @ q^T) * s[n] (+ bias). Up to SMALL_M rows (batched decode) a step reads the weights once and
-is bound by their bytes; more rows (prompt chunks) are compute-bound and get larger tiles.
+is bound by their bytes; more rows (prompt chunks) are compute-bound and get larger tiles. The same kernel takes
+weights in the activations' dtype (`small_m_gemm`, no scales): a candidate against cuBLAS for batched decode
+(layers/linear.py `linear` times both per shape).
 
 The operands are swapped: each program computes a [BLOCK_N, BLOCK_M] tile of y^T = W x^T, so the weight tile,
 turned into the activations' dtype in registers (kernels/gemv.py `int8_as_float` / `int4_as_float`: exact, and
@@ -43,12 +45,13 @@ def _prune_m_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
 
 
-@triton.autotune(configs=_SMALL_M_CONFIGS + _LARGE_M_CONFIGS, key=["M_TILE", "N", "K", "INT4"],
+@triton.autotune(configs=_SMALL_M_CONFIGS + _LARGE_M_CONFIGS, key=["M_TILE", "N", "K", "INT4", "FLOAT_W"],
                  prune_configs_by={"early_config_prune": _prune_m_tiles}, do_bench=bench_ms)
 @triton.jit
 def _weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, M_TILE,
-                             INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             INT4: tl.constexpr, FLOAT_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr):
     wait_for_previous(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,11 +70,17 @@ def _weight_only_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_
             x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
             acc = tl.dot(low, tl.trans(x_even), acc)
             acc = tl.dot(high, tl.trans(x_odd), acc)
+        elif FLOAT_W:   # weights in x's dtype: the tile as loaded
+            w = tl.load(w_rows + k + rk[None, :], mask=n_mask[:, None] & ((k + rk) < K)[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
         else:
             w = tl.load(w_rows + k + rk[None, :], mask=n_mask[:, None] & ((k + rk) < K)[None, :], other=0)
             acc = tl.dot(int8_as_float(w, x.dtype), tl.trans(x), acc)
     release_dependents(PDL)
-    y = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    if FLOAT_W:
+        y = acc
+    else:
+        y = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], y.to(y_ptr.dtype.element_ty),
@@ -82,17 +91,28 @@ def weight_only_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """y [M, N] in x's dtype for x [M, K] (unit stride along K) and an int8 [N, K] or packed int4 uint8 [N, K / 2]
     weight with fp32 row scales [N]."""
+    return _gemm(x, weight, scale, bias)
+
+
+def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] (unit stride along K) and weight [N, K] in x's dtype."""
+    return _gemm(x, weight, None, bias)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+          ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    int4 = weight.dtype == torch.uint8
+    int4, float_w = weight.dtype == torch.uint8, scale is None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    args = (x, weight, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0),
+    dummy = weight if float_w else scale   # unread pointers (no scale / no bias)
+    args = (x, weight, dummy, bias if bias is not None else dummy, y, m, n, k, x.stride(0), weight.stride(0),
             y.stride(0), _m_tile(m))
+    flags = dict(INT4=int4, FLOAT_W=float_w, HAS_BIAS=bias is not None)
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))   # noqa: E731
-        _weight_only_gemm_kernel[grid](*args, INT4=int4, HAS_BIAS=bias is not None,
-                                       **pdl_options(x.device, release_after_loop=True))
+        _weight_only_gemm_kernel[grid](*args, **flags, **pdl_options(x.device, release_after_loop=True))
     else:   # Triton's interpreter (CPU tests): one fixed config
         _weight_only_gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](
-            *args, INT4=int4, HAS_BIAS=bias is not None, PDL=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+            *args, **flags, PDL=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
     return y

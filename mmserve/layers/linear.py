@@ -22,11 +22,22 @@ from mmserve.layers.weight_only import quantize_weight_int4, quantize_weight_int
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a single fp16/bf16 row on CUDA (batch-1 decode) may go to the Triton GEMV instead."""
-    if x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) \
-            and weight.dtype == x.dtype and weight.stride(-1) == 1:
-        from mmserve.kernels.gemv import linear_one_row
-        return linear_one_row(x, weight, bias)
+    """F.linear; on CUDA in fp16/bf16 a single row (batch-1 decode) may go to the Triton GEMV instead, and up to
+    SMALL_M rows (batched decode) to the Triton small-M GEMM, per shape whichever timed faster than cuBLAS."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype \
+            and weight.stride(-1) == 1:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            from mmserve.kernels.gemv import linear_one_row
+            return linear_one_row(x, weight, bias)
+        from mmserve.kernels.weight_only_gemm import SMALL_M, small_m_gemm
+        if rows <= SMALL_M:
+            from mmserve.kernels.fastest import run_fastest
+            from mmserve.layers.weight_only import rows_bucket
+            x2 = x.reshape(rows, -1).contiguous()
+            key = ("linear_small_m", tuple(weight.shape), x.dtype, bias is not None, rows_bucket(rows), x.device)
+            y = run_fastest(key, [lambda: F.linear(x2, weight, bias), lambda: small_m_gemm(x2, weight, bias)])
+            return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

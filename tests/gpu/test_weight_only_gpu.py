@@ -43,3 +43,26 @@ def test_weight_only_gemv_replays_in_a_cuda_graph(method: str) -> None:
     x.copy_(torch.randn(1, 4096, device=CUDA, dtype=torch.float16))
     graph.replay()
     torch.testing.assert_close(y, weight_only_linear(x, w, s), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008), (4096, 2048)])
+@pytest.mark.parametrize("m", [2, 7, 33, 64])
+def test_small_m_gemm_over_float_weights_matches_cublas(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """The fp16 / bf16 small-M GEMM (layers/linear.py's candidate for batched decode) against cuBLAS, and `linear`
+    whichever it chose, replayed from a CUDA graph equal to an eager call."""
+    from mmserve.kernels.weight_only_gemm import small_m_gemm
+    from mmserve.layers.linear import linear
+    g = torch.Generator(device=CUDA).manual_seed(m + n + k)
+    w = (torch.randn(n, k, device=CUDA, generator=g) * 0.02).to(dtype)
+    x = torch.randn(m, k, device=CUDA, generator=g, dtype=dtype)
+    bias = torch.randn(n, device=CUDA, generator=g, dtype=dtype)
+    want = x.float() @ w.float().t() + bias.float()
+    for got in (small_m_gemm(x, w, bias), linear(x, w, bias)):
+        assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear(x, w, bias)
+    x.copy_(torch.randn(m, k, device=CUDA, generator=g, dtype=dtype))
+    graph.replay()
+    torch.testing.assert_close(y, linear(x, w, bias), atol=0, rtol=0)

@@ -113,6 +113,25 @@ def test_few_row_gemm_over_stored_weights_matches_the_formula(method):
     _in_interpreter(code)
 
 
+def test_few_row_gemm_over_float_weights_matches_f_linear():
+    """The same Triton GEMM over weights in the activations' dtype (small_m_gemm, layers/linear.py's candidate
+    against cuBLAS for batched decode), in its CPU interpreter: partial tiles in M, N and K, with and without
+    bias."""
+    code = (
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from mmserve.kernels.weight_only_gemm import small_m_gemm\n"
+        "g = torch.Generator().manual_seed(2)\n"
+        "w = torch.randn(41, 74, generator=g)\n"
+        "for m, bias in ((5, torch.randn(41, generator=g)), (17, None), (2, None)):\n"
+        "    x = torch.randn(m, 74, generator=g)\n"
+        "    y = small_m_gemm(x, w, bias)\n"
+        "    want = F.linear(x, w, bias)\n"
+        "    assert torch.allclose(y, want, atol=1e-4), (m, (y - want).abs().max())\n"
+        "print('ok')\n")
+    _in_interpreter(code)
+
+
 def test_int4_packs_two_values_per_byte_and_round_trips():
     from mmserve.layers.weight_only import dequantize, quantize_weight_int4, unpack_int4
 
