@@ -89,16 +89,9 @@ class Engine:
         if not mc.enforce_eager:   # before the KV cache is sized: the encoder graphs' memory is not free for it
             self.runner.capture_encoder_graphs(blank, config.scheduler.max_num_batched_tokens)
         profile_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
-        # a blank picture's encoder tokens (cross-attention families): the shape of the workers' profile and of the
-        # cross-attention decode graphs, the same on every rank
-        cross_tokens = self.model.cross_kv_tokens(blank) \
-            if blank is not None and self.runner.uses_cross_attention else None
-        # tensor-parallel workers encode no pictures: their profile is the language model's alone, attending
-        # zeros of the picture's shape where the driver's attends its encoder output
-        cross_template = (self.model.cross_item_layout(blank), cross_tokens) \
-            if cross_tokens is not None and self.tp_workers is not None else None
-        num_blocks, others = self._on_every_rank("plan_kv_cache", (config.cache, profile_tokens, blank),
-                                                 (config.cache, profile_tokens, None, cross_template))
+        here, workers = self._profile_templates(blank)
+        num_blocks, others = self._on_every_rank("plan_kv_cache", (config.cache, profile_tokens, *here),
+                                                 (config.cache, profile_tokens, *workers))
         num_blocks = min([num_blocks] + others)
         self._on_every_rank("allocate_kv_cache", (num_blocks,))
         cross_blocks, others = self._on_every_rank("cross_kv_num_blocks", ())
@@ -106,7 +99,8 @@ class Engine:
         self.runner.warm_up_sampler()
         if not mc.enforce_eager:
             self._on_every_rank("capture_cuda_graphs", (config.scheduler.max_num_seqs, self.max_model_len,
-                                                        config.scheduler.max_num_batched_tokens, cross_tokens))
+                                                        config.scheduler.max_num_batched_tokens,
+                                                        self._cross_tokens(blank)))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, prompt_ends)
         if self.runner.cross_kv is not None:
@@ -131,6 +125,24 @@ class Engine:
             if self.tp_workers is not None else None
         result = getattr(self.runner, name)(*args)
         return result, pending() if pending is not None else []
+
+    def _cross_tokens(self, blank) -> int | None:
+        """A cross-attention family's encoder tokens for the blank picture: the shape of the tensor-parallel
+        workers' profile and of the cross-attention decode graphs, the same on every rank (None: no such family
+        or no picture)."""
+        if blank is None or not self.runner.uses_cross_attention:
+            return None
+        return self.model.cross_kv_tokens(blank)
+
+    def _profile_templates(self, blank) -> tuple[tuple, tuple]:
+        """The activation profile's picture arguments (`ModelRunner.plan_kv_cache` / `profile_prefill`), here and
+        on the tensor-parallel workers. Workers encode no pictures: their profile is the language model's alone,
+        and a cross-attention family's attends zeros of the picture's shape where this rank's attends its
+        encoder output, so that every rank runs the same layers and collectives."""
+        tokens = self._cross_tokens(blank)
+        cross = (self.model.cross_item_layout(blank), tokens) \
+            if tokens is not None and self.tp_workers is not None else None
+        return (blank,), (None, cross)
 
     def _blank_image_item(self):
         """A blank picture's encoder inputs, for warming up the encoder graphs and for the memory profile of the

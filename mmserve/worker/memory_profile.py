@@ -4,6 +4,8 @@ and the pool size that leaves (`kv_pool_blocks`)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,23 +52,53 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         encoder_peak = torch.cuda.max_memory_allocated(runner.device) - base
         row_bytes = encoded[0][0].numel() * encoded[0].element_size()
         del encoded
+    with scratch_kv_cache(runner, cdiv(num_tokens, runner.block_size) + 1):
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        base = torch.cuda.memory_allocated(runner.device)
+        hidden_row_bytes = profile_prefill(runner, num_tokens, template, cross_template)
+        torch.cuda.synchronize(runner.device)
+        peak = torch.cuda.max_memory_allocated(runner.device) - base
+    torch.cuda.empty_cache()
+    if template is not None and runner.encoder_graphs is not None:
+        row_bytes = hidden_row_bytes
+    cache_bound = runner.encoder_cache.capacity * row_bytes if template else 0
+    return max(peak, encoder_peak) + cache_bound
+
+
+@contextmanager
+def scratch_kv_cache(runner: ModelRunner, num_blocks: int) -> Iterator[None]:
+    """A KV cache of num_blocks for the profile's prefill; the runner's own (if any) is back afterwards."""
+    saved = runner.kv_caches, [layer.kv_cache for layer in runner.attn_layers]
+    runner.allocate_kv_cache(num_blocks)
+    try:
+        yield
+    finally:
+        runner.kv_caches = saved[0]
+        for layer, cache in zip(runner.attn_layers, saved[1]):
+            layer.kv_cache = cache
+
+
+@torch.inference_mode()
+def profile_prefill(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None,
+                    cross_template: tuple[MultiModalItem, int] | None = None) -> int:
+    """The profile's forward pass, on any device, through the runner's current KV cache (`scratch_kv_cache`):
+    one prompt of num_tokens, attending `template`'s encoder output (cross-attention families; zeros shaped as
+    `cross_template` says on a tensor-parallel worker), and its last 64 rows' logits. Returns the bytes of one
+    hidden-state row. Every tensor-parallel rank runs it at once, with the same collectives."""
+    dev = runner.device
     blocks = cdiv(num_tokens, runner.block_size) + 1
-    runner.allocate_kv_cache(blocks)
-    torch.cuda.synchronize(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    base = torch.cuda.memory_allocated(runner.device)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=runner.device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=runner.device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=runner.device)[None],
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=runner.device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
         query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
         max_seq_len=num_tokens, block_size=runner.block_size)
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
-    positions = torch.arange(num_tokens, device=runner.device)
+    positions = torch.arange(num_tokens, device=dev)
     if runner.uses_mrope:
         positions = positions.expand(3, -1)
-    embeds = runner.model.embed_input_ids(ids)
+    embeds = runner.model.embed_input_ids(torch.zeros(num_tokens, dtype=torch.int64, device=dev))
     if runner.uses_cross_attention and (template is not None or cross_template is not None):
         # the prompt attends one picture's encoder output, as a request's steps do (an encoder-decoder's
         # decoder has nothing to attend without it)
@@ -78,27 +110,17 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
             item, encoder_tokens = cross_template
             states = embeds.new_zeros(encoder_tokens, embeds.shape[-1])
         pool = CrossKVPool(runner.model.cross_kv_layout(), runner.dtype, cdiv(len(states), runner.block_size),
-                           runner.block_size, runner.device)   # a scratch pool of its blocks
-        blocks = list(range(pool.num_blocks))
-        pool.write(runner.model.cross_kv(states), blocks)
-        encoder_tokens = len(states)
-        del states
+                           runner.block_size, dev)   # a scratch pool of its blocks
+        pool_blocks = list(range(pool.num_blocks))
+        pool.write(runner.model.cross_kv(states), pool_blocks)
         meta.cross = CrossAttentionBatch(
             [CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
-                               torch.tensor(blocks, device=runner.device), encoder_tokens)],
+                               torch.tensor(pool_blocks, device=dev), len(states))],
             pool.caches, 0, None, runner.attn_layers[0].backend)
+        del states
     hidden = runner.model(embeds, positions, meta)
     runner.model.compute_logits(hidden[-64:])
-    torch.cuda.synchronize(runner.device)
-    peak = torch.cuda.max_memory_allocated(runner.device) - base
-    runner.kv_caches = []
-    for layer in runner.attn_layers:
-        layer.kv_cache = None
-    torch.cuda.empty_cache()
-    if template is not None and runner.encoder_graphs is not None:
-        row_bytes = embeds.shape[-1] * embeds.element_size()
-    cache_bound = runner.encoder_cache.capacity * row_bytes if template else 0
-    return max(peak, encoder_peak) + cache_bound
+    return embeds.shape[-1] * embeds.element_size()
 
 
 def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_peak: int = 0) -> int:

@@ -30,7 +30,7 @@ from mmserve.worker.prompt_logprobs import chunk_logprobs
 from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
-from mmserve.worker.memory_profile import kv_pool_blocks, peak_activation_bytes
+from mmserve.worker.memory_profile import kv_pool_blocks, peak_activation_bytes, profile_prefill, scratch_kv_cache
 from mmserve.worker.launched_step import LaunchedStep, RunnerOutput
 from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.step_batch import FlatBatch, flatten
@@ -172,6 +172,14 @@ class ModelRunner:
         """The memory a step needs beyond weights and KV cache, measured on CUDA (0 elsewhere): see
         :func:`mmserve.worker.memory_profile.peak_activation_bytes`."""
         return peak_activation_bytes(self, num_tokens, template, cross_template)
+
+    def profile_prefill(self, num_tokens: int, template: MultiModalItem | None = None,
+                        cross_template: tuple[MultiModalItem, int] | None = None) -> None:
+        """The profile's forward pass alone, on any device, through a scratch KV cache (this runner's own stays):
+        on the CPU, where no memory is profiled, it shows that every tensor-parallel rank's profile runs the same
+        collectives (tests)."""
+        with scratch_kv_cache(self, cdiv(num_tokens, self.block_size) + 1):
+            profile_prefill(self, num_tokens, template, cross_template)
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

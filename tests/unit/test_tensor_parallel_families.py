@@ -109,3 +109,26 @@ def test_preempted_requests_recompute_over_two_shards(family, tmp_path):
         assert llm.engine.stats()["num_preemptions"] > 0
     one = LLM(model_dir, **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_every_rank_profiles_the_same_layers(tmp_path):
+    """The KV pool's activation profile (a prompt of the step budget, which on GPUs runs before the pool is sized)
+    runs on every rank at once: Mllama's workers, holding no vision tower, attend zeros shaped as the driver's
+    blank picture (`Engine._profile_templates`), so every rank runs the cross-attention layers and their
+    all-reduces pair up. On GPUs they did not, and startup hung; here the profile's forward runs on the CPU
+    (where no memory is profiled), and afterwards the ranks still give one process's tokens."""
+    from mmserve.testing.mllama import make_mllama_checkpoint
+    model_dir = str(make_mllama_checkpoint(tmp_path / "mllama", preset="tiny", seed=0))
+    prompts = [{"prompt": "<|begin_of_text|>Look at this: <|image|> what is it?", "images": [make_test_image(3)]}]
+    kw = dict(device="cpu", dtype="float32")
+    with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
+        engine = llm.engine
+        here, workers = engine._profile_templates(engine.inputs.blank_image_item())
+        assert workers[1] is not None and workers[1][1] == engine.model.cross_kv_tokens(here[0])
+        caches = list(engine.runner.kv_caches)
+        engine._on_every_rank("profile_prefill", (32, *here), (32, *workers))
+        assert all(a is b for a, b in zip(engine.runner.kv_caches, caches, strict=True))   # its own cache is back
+        assert engine.runner.attn_layers[0].kv_cache is caches[0]
+        two = llm.generate(prompts, GREEDY, use_tqdm=False)
+    one = LLM(model_dir, **kw).generate(prompts, GREEDY, use_tqdm=False)
+    assert two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
