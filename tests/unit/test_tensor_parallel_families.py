@@ -3,7 +3,8 @@ process's greedy tokens and log-probs for a prompt with pictures (Qwen2-VL: M-Ro
 Fuyu: Persimmon with q/k LayerNorms; LLaVA-NeXT / OneVision: any-resolution tiles; Pixtral: its ViT; Kosmos-2:
 sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm); Llama 3.2 Vision's
 cross-attention over a staggered batch (each rank's own keys/values in its pool); preempted requests recompute
-(Mllama re-encoding its pictures) and still give one process's tokens."""
+(Mllama re-encoding its pictures) and still give one process's tokens; every rank's activation profile runs the
+same layers. The family table and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
 from __future__ import annotations
 
 import math
