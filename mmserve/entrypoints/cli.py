@@ -51,6 +51,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="font Pix2Struct VQA models (Deplot) read the question in (default: Arial.TTF in the model "
                         "directory or the hub cache, else Pillow's built-in font)")
     p.add_argument("--accumulate-tokens", action="store_true", help="BLS streaming sends all text so far")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="APIS:KEY=VALUE",
+                   help="as Triton's: requests to these API groups (health, metadata, inference, model-config, "
+                        "model-repository, statistics, ...) need header KEY: VALUE, else 403; repeatable")
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
+                   help="as Triton's: gRPC calls of these groups need metadata triton-grpc-protocol-KEY: VALUE, "
+                        "else UNAVAILABLE; repeatable")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode steps, short prefills, vision towers)")
     p.add_argument("--cpu-preprocess", action="store_true", help="resize/normalise images on the CPU even on CUDA")
@@ -121,10 +127,16 @@ async def _serve(args: argparse.Namespace) -> None:
                         allowed_local_media_path=args.allowed_local_media_path,
                         fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
                         max_images_per_request=args.max_images_per_request, header_font_path=args.header_font)
-    server_config = ServerConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                                 max_concurrent_requests=args.max_concurrent_requests,
-                                 accumulate_tokens=args.accumulate_tokens)
+    try:
+        server_config = ServerConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                                     served_model_name=args.served_model_name,
+                                     max_request_bytes=args.max_request_bytes,
+                                     max_concurrent_requests=args.max_concurrent_requests,
+                                     accumulate_tokens=args.accumulate_tokens,
+                                     http_restricted_api=tuple(args.http_restricted_api),
+                                     grpc_restricted_protocol=tuple(args.grpc_restricted_protocol))
+    except ValueError as exc:   # a bad port or restriction: a usage error before the model loads
+        raise SystemExit(f"mmserve serve: {exc}") from None
     engine = Engine(build_engine_config(args), media)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")

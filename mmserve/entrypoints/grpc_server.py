@@ -16,6 +16,7 @@ import mmserve
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints import triton_run as tr
 from mmserve.entrypoints.triton_outputs import select_outputs
+from mmserve.entrypoints.restricted_apis import RestrictedProtocols
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
     BLS, MODEL_VERSION, has_sequence_parameters, model_config, model_metadata)
@@ -222,7 +223,7 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[g
         ("grpc.max_receive_message_length", state.config.max_request_bytes),
         ("grpc.max_send_message_length", 2**31 - 1),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=[RestrictedProtocols(state.config.grpc_restrictions)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonServicer(state), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -6,6 +6,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mmserve.entrypoints.restricted_apis import RestrictedApis
 from mmserve.entrypoints.state import ServerState
 
 
@@ -49,7 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mmserve", version="0.1.0")
     app.state.mm = state
 
-    app.add_middleware(LimitsAndCounts, state=state)
+    app.add_middleware(RestrictedApis, restrictions=state.config.http_restrictions)
+    app.add_middleware(LimitsAndCounts, state=state)   # added last = outermost: refusals are counted too
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

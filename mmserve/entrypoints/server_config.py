@@ -1,7 +1,9 @@
 """ServerConfig: what `mmserve serve` listens on and the limits it enforces at the edge."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from mmserve.entrypoints.restricted_apis import GRPC_HEADER_PREFIX, Restriction, parse_restrictions
 
 
 @dataclass
@@ -14,6 +16,11 @@ class ServerConfig:
     max_concurrent_requests: int = 1024     # beyond this, 503 with Retry-After
     decoupled: bool = True             # Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces
     accumulate_tokens: bool = False    # BLS streaming: each response carries all text so far (seed option)
+    # Triton's endpoint access limits, "APIS:KEY=VALUE" each (entrypoints/restricted_apis.py)
+    http_restricted_api: tuple[str, ...] = ()
+    grpc_restricted_protocol: tuple[str, ...] = ()
+    http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
+    grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -22,3 +29,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a port number, got {port}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        self.http_restrictions = parse_restrictions(self.http_restricted_api, "--http-restricted-api")
+        self.grpc_restrictions = parse_restrictions(self.grpc_restricted_protocol, "--grpc-restricted-protocol",
+                                                    GRPC_HEADER_PREFIX)
