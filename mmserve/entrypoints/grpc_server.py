@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -24,7 +25,7 @@ from mmserve.entrypoints.triton_tensors import (
     NP_DTYPES, check_datatype, check_shape, datatype_of, from_raw, to_raw)
 
 logger = logging.getLogger(__name__)
-EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters", "statistics"]
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
 # typed `contents` field of each datatype (FP16 has none: it must come as raw bytes)
@@ -130,6 +131,16 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                                                         state="READY" if alive else "UNAVAILABLE")
                   for name in self.state.model_names]
         return pb.RepositoryIndexResponse(models=[m for m in models if alive or not request.ready])
+
+    async def ModelStatistics(self, request, context):
+        state = self.state
+        if request.name:
+            try:
+                tp.check_model(state, request.name, request.version)
+            except Exception as exc:
+                await context.abort(*_status(exc))
+        names = [request.name] if request.name else state.model_names
+        return json_format.ParseDict(state.statistics.as_json(names, MODEL_VERSION), pb.ModelStatisticsResponse())
 
     # ---- inference ---------------------------------------------------------------------------------------
     async def ModelInfer(self, request, context):

@@ -5,7 +5,7 @@ Triton answers: HTTP 403 `{"error": "This API is restricted, expecting header 'K
 routes) and gRPC UNAVAILABLE "This protocol is restricted, expecting header '...'"; other endpoints stay open.
 
 mmserve also places its own HTTP routes in these groups: the OpenAI completions and chat routes and /tokenize,
-/detokenize under `inference`, /v1/models under `metadata`, /health under `health`, /metrics under `statistics`
+/detokenize under `inference`, /v1/models under `metadata`, /health under `health`, /metrics under `statistics` (with the model statistics)
 (so an OpenAI client's key, `Authorization: Bearer <key>`, is `inference,metadata:Authorization=Bearer <key>`)."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
 # (method, path pattern, category) of every HTTP route that a restriction can cover; first match wins
 _HTTP_ROUTES = [
+    ("GET", re.compile(r"/v2/models(?:/[^/]+(?:/versions/[^/]+)?)?/stats|/metrics"), "statistics"),
     ("GET", re.compile(r"/v2/health/(?:live|ready)|/health"), "health"),
     ("GET", re.compile(_MODEL + "/ready"), "health"),
     ("GET", re.compile(_MODEL + "/config"), "model-config"),
@@ -29,7 +30,6 @@ _HTTP_ROUTES = [
     ("POST", re.compile(_MODEL + r"/(?:infer|generate|generate_stream)"), "inference"),
     ("POST", re.compile(r"/v1/(?:chat/)?completions|/tokenize|/detokenize"), "inference"),
     ("POST", re.compile(r"/v2/repository/(?:index|models/[^/]+/(?:load|unload))"), "model-repository"),
-    ("GET", re.compile(r"/metrics"), "statistics"),
 ]
 _GRPC_METHODS = {
     "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",

@@ -13,6 +13,7 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
+from mmserve.entrypoints.triton_statistics import TritonStatistics
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class ServerState:
     model_dir: str
     model_type: str                     # HF config.model_type, e.g. "llava"
     metrics: Metrics = field(init=False)
+    statistics: TritonStatistics = field(init=False)   # Triton's statistics extension, per model name
     in_flight: int = 0
     # a client's request id (Triton's `id`) -> how to end each request running for it (an engine abort, a beam
     # search's stop), which a later request with that id and `stop` true calls (TensorRT-LLM's tensorrt_llm model)
@@ -39,6 +41,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
+        self.statistics = TritonStatistics()
 
     @property
     def model_name(self) -> str:

@@ -27,7 +27,8 @@ from mmserve.entrypoints.triton_tensors import (
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters", "generate"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters", "statistics",
+              "generate"]
 SEQUENCE_PARAMETERS = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
 
 
@@ -106,13 +107,30 @@ async def server_metadata() -> dict:
     return {"name": "mmserve", "version": mmserve.__version__, "extensions": EXTENSIONS}
 
 
-@_model_route("", "GET")
-async def get_model_metadata(request: Request, model: str, version: str = "") -> Response:
+@router.get("/v2/models/stats")   # before the model routes, which would take "stats" for a model name
+async def all_model_statistics(request: Request) -> Response:
+    state = _state(request)
+    return JSONResponse(state.statistics.as_json(state.model_names, MODEL_VERSION))
+
+
+def _about_model(request: Request, model: str, version: str, answer: Callable[[ServerState], Any]) -> Response:
+    """answer(state) as JSON for a known model and version, else the 404."""
+    state = _state(request)
     try:
-        tp.check_model(_state(request), model, version)
+        tp.check_model(state, model, version)
     except Exception as exc:
         return _error(exc)
-    return JSONResponse(model_metadata(model))
+    return JSONResponse(answer(state))
+
+
+@_model_route("/stats", "GET")
+async def model_statistics(request: Request, model: str, version: str = "") -> Response:
+    return _about_model(request, model, version, lambda state: state.statistics.as_json([model], MODEL_VERSION))
+
+
+@_model_route("", "GET")
+async def get_model_metadata(request: Request, model: str, version: str = "") -> Response:
+    return _about_model(request, model, version, lambda state: model_metadata(model))
 
 
 @_model_route("/ready", "GET")
@@ -124,12 +142,8 @@ async def get_model_ready(request: Request, model: str, version: str = "") -> Re
 
 @_model_route("/config", "GET")
 async def get_model_config(request: Request, model: str, version: str = "") -> Response:
-    state = _state(request)
-    try:
-        tp.check_model(state, model, version)
-    except Exception as exc:
-        return _error(exc)
-    return JSONResponse(model_config_json(model, state.config.decoupled, state.config.accumulate_tokens))
+    return _about_model(request, model, version, lambda state: model_config_json(
+        model, state.config.decoupled, state.config.accumulate_tokens))
 
 
 @router.post("/v2/repository/index")

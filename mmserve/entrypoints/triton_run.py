@@ -14,6 +14,7 @@ from mmserve.entrypoints.streams import merge
 from mmserve.entrypoints.triton_models import TRTLLM
 from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_protocol import TritonRequest, rename_fields
+from mmserve.entrypoints.triton_statistics import Execution
 from mmserve.outputs import CompletionOutput, RequestOutput, one_output
 from mmserve.sampling_params import SamplingParams, choice_params
 
@@ -62,11 +63,17 @@ def _block_size(state: ServerState) -> int:
 
 async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.ndarray]:
     """Run every batch item to completion (concurrently) and build the single response's tensors."""
+    with state.statistics.execution(reqs[0].model, len(reqs)) as execution:
+        return await _infer(state, reqs, execution)
+
+
+async def _infer(state: ServerState, reqs: list[TritonRequest], execution: Execution) -> dict[str, np.ndarray]:
     async def one(req: TritonRequest) -> Chunk:
         last = None
         async with aclosing(generate(state, req)) as outputs:
             async for out in outputs:
                 last = out
+        execution.finished(last)
         several = len(last.outputs) > 1   # beams, or sampled sequences
         if req.model == TRTLLM:   # token ids only: nothing to decode
             beams = [""] * len(last.outputs) if several else None
@@ -96,26 +103,29 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
         yield await infer(state, [req]), True
         return
     block_size = _block_size(state)
-    if req.num_return > 1 and req.beam_width == 1 and not req.cancel:
-        sent = [(0, 0)] * req.num_return
-        running = req.num_return
-        async with aclosing(_sampled_streams(state, req)) as outputs:
-            async for index, out in outputs:
-                chunk = _stream_chunk(req, out, *sent[index], accumulate)
-                running -= out.finished
-                if chunk is not None:
-                    sent[index] = len(out.outputs[0].text), len(out.outputs[0].token_ids)
-                    chunk.sequence_index = index
-                    yield make_outputs([chunk], req.model, block_size), running == 0
-        return
-    sent_chars = sent_tokens = 0
-    async with aclosing(generate(state, req)) as outputs:
-        async for out in outputs:
-            chunk = _stream_chunk(req, out, sent_chars, sent_tokens, accumulate)
-            if chunk is None:
-                continue
-            sent_chars, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
-            yield make_outputs([chunk], req.model, block_size), out.finished
+    with state.statistics.execution(req.model, 1) as execution:   # a stream closed early counts as a fail
+        if req.num_return > 1 and req.beam_width == 1 and not req.cancel:
+            sent = [(0, 0)] * req.num_return
+            running = req.num_return
+            async with aclosing(_sampled_streams(state, req)) as outputs:
+                async for index, out in outputs:
+                    chunk = _stream_chunk(req, out, *sent[index], accumulate)
+                    running -= out.finished
+                    if chunk is not None:
+                        sent[index] = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+                        chunk.sequence_index = index
+                        yield make_outputs([chunk], req.model, block_size), running == 0
+            return
+        sent_chars = sent_tokens = 0
+        async with aclosing(generate(state, req)) as outputs:
+            async for out in outputs:
+                if out.finished:
+                    execution.finished(out)
+                chunk = _stream_chunk(req, out, sent_chars, sent_tokens, accumulate)
+                if chunk is None:
+                    continue
+                sent_chars, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+                yield make_outputs([chunk], req.model, block_size), out.finished
 
 
 def _stream_chunk(req: TritonRequest, out: RequestOutput, sent_chars: int, sent_tokens: int,

@@ -118,7 +118,8 @@ def test_specs_are_parsed_as_triton_parses_them():
              ("GET", "/v2/models/ensemble/ready"): "health", ("GET", "/health"): "health",
              ("GET", "/v2/models/ensemble/versions/1/config"): "model-config", ("GET", "/v2"): "metadata",
              ("GET", "/v1/models/x"): "metadata", ("POST", "/v2/repository/index"): "model-repository",
-             ("GET", "/metrics"): "statistics", ("GET", "/v2/models/ensemble/generate"): None,
+             ("GET", "/metrics"): "statistics", ("GET", "/v2/models/stats"): "statistics",
+             ("GET", "/v2/models/ensemble/versions/1/stats"): "statistics", ("GET", "/v2/models/ensemble/generate"): None,
              ("GET", "/docs"): None}
     assert {k: http_category(*k) for k in table} == table
 
