@@ -50,8 +50,9 @@ class Execution:
         self.start = time.time()
         self.outputs: list[RequestOutput] = []
 
-    def finished(self, out: RequestOutput) -> None:
-        self.outputs.append(out)
+    def finished(self, out: RequestOutput | None) -> None:
+        if out is not None:
+            self.outputs.append(out)
 
 
 class TritonStatistics:
