@@ -20,6 +20,13 @@ def _rates(text: str) -> list[float]:
     return [math.inf if x.strip().lower() == "inf" else float(x) for x in text.split(",") if x.strip()]
 
 
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
 def _common(p: argparse.ArgumentParser, *, input_len: int, output_len: int, warmup: int, iters: int | None,
             baseline: str) -> None:
     g = p.add_argument_group("model")
@@ -101,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-duration", type=float, default=120.0, help="seconds per point before it stops sending")
     srv.add_argument("--request-timeout", type=float, default=300.0)
     srv.add_argument("--same-image", action="store_true", help="one image for all requests (cache hits)")
+    srv.add_argument("--header", action="append", default=[], metavar="KEY=VALUE", type=_header,
+                     help="sent with every request (HTTP header / gRPC metadata), e.g. for a server started with "
+                          "--http-restricted-api; repeatable")
     return parser
 
 
@@ -160,7 +170,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
                       request_rates=args.request_rates, concurrencies=args.concurrency,
                       num_requests=args.num_requests, max_duration_s=args.max_duration,
                       request_timeout_s=args.request_timeout, image_size=image_size,
-                      unique_images=not args.same_image, source=source, **common)
+                      unique_images=not args.same_image, source=source, headers=dict(args.header), **common)
     return run_serve, cfg
 
 

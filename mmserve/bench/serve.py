@@ -60,6 +60,9 @@ class ServeConfig:
     dtype: str = "float32"                    # hf baseline only
     hf_attn: str | None = None                # hf baseline: attn_implementation (None = its default)
     seed: int = 0
+    # sent with every request: HTTP headers, or gRPC metadata (a Triton server started with
+    # --grpc-restricted-protocol wants `triton-grpc-protocol-<key>`)
+    headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -162,7 +165,7 @@ async def _triton_grpc(client: Any, cfg: ServeConfig, text: str, image_uri: str,
         yield {"model_name": cfg.model_name, "inputs": inputs, "enable_empty_final_response": True,
                "outputs": [grpcclient.InferRequestedOutput("text_output")]}
 
-    async for result, error in client.stream_infer(requests()):
+    async for result, error in client.stream_infer(requests(), headers=cfg.headers or None):
         if error is not None:
             raise RuntimeError(str(error))
         out = result.as_numpy("text_output")
@@ -187,7 +190,7 @@ def _client(cfg: ServeConfig) -> Any:
     import httpx
 
     # trust_env=False: no proxy from the environment can redirect the load elsewhere.
-    return httpx.AsyncClient(timeout=cfg.request_timeout_s, trust_env=False,
+    return httpx.AsyncClient(timeout=cfg.request_timeout_s, trust_env=False, headers=cfg.headers,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
@@ -299,7 +302,7 @@ async def _resolve_model_name(cfg: ServeConfig) -> str:
         return "ensemble"
     import httpx
 
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=30, trust_env=False, headers=cfg.headers) as client:
         resp = await client.get(f"{cfg.url}/v1/models")
         resp.raise_for_status()
         ids = [m["id"] for m in resp.json()["data"]]
@@ -345,7 +348,8 @@ def run_serve(cfg: ServeConfig, argv: list[str] | None = None) -> dict[str, Any]
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     env = environment(cfg.device, argv)  # the machine the load generator ran on
-    return {"schema": "mmserve-bench/1", "bench": "serve", "env": env, "config": asdict(cfg),
+    config = asdict(cfg) | {"headers": {k: "<redacted>" for k in cfg.headers}}   # no credentials in results
+    return {"schema": "mmserve-bench/1", "bench": "serve", "env": env, "config": config,
             "model": {**model_record(cfg.source, model_dir), "served_name": cfg.model_name,
                       "input_len_exact": template is not None},
             "results": {"rate_sweep": rate_sweep, "concurrency_sweep": conc_sweep}, "errors": errors}

@@ -274,12 +274,24 @@ def make_images(n: int, size: int, seed: int = 0) -> list[Any]:
 
 # ---- environment ----------------------------------------------------------------------------
 
+def redact_headers(args: list[str]) -> list[str]:
+    """The command line with each `--header KEY=VALUE`'s value hidden: results files must not keep credentials."""
+    out, hide = [], False
+    for arg in args:
+        if hide or arg.startswith("--header="):
+            prefix = "--header=" if arg.startswith("--header=") else ""
+            arg = prefix + arg.removeprefix(prefix).partition("=")[0] + "=<redacted>"
+        hide = arg == "--header"
+        out.append(arg)
+    return out
+
+
 def environment(device: str, argv: list[str] | None) -> dict[str, Any]:
     """Device name, versions, UTC date and the exact command line of this run."""
     env: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "mmserve bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "process_argv": shlex.join(sys.argv),
+        "command": "mmserve bench " + shlex.join(redact_headers(argv if argv is not None else sys.argv[1:])),
+        "process_argv": shlex.join(redact_headers(sys.argv)),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

@@ -114,9 +114,17 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
         if dict(details.invocation_metadata or ()).get(restriction.header) == restriction.value:
             return handler
 
+        message = f"This protocol is restricted, expecting header '{restriction.header}'"
+
         async def refuse(_request, context) -> None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"This protocol is restricted, expecting header '{restriction.header}'")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        async def refuse_stream(requests, context) -> None:
+            # after the client's first message: a stream ended before the client wrote to it reads, on the client,
+            # as a failed write (INTERNAL) instead of this status
+            async for _ in requests:
+                break
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
         kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary is not None:
@@ -124,5 +132,5 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(refuse, **kw)
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(refuse, **kw)
-        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
+            return grpc.stream_unary_rpc_method_handler(refuse_stream, **kw)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)

@@ -130,3 +130,26 @@ def test_a_bad_spec_stops_serve_before_the_model_loads(tiny_llava_dir):
                            "inference:j=w"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--grpc-restricted-protocol: API 'inference' can not be in more than one group" in proc.stderr
+
+
+@pytest.mark.parametrize("protocol", ["triton-http", "triton-grpc", "openai"])
+def test_the_serve_bench_sends_headers_and_keeps_no_secret(restricted, tmp_path, protocol):
+    """`mmserve bench serve --header KEY=VALUE` reaches a restricted server over each protocol; its results files
+    name the header but not its value. Without it every request fails with the server's refusal."""
+    import json
+
+    from mmserve.bench.cli import main
+    url = restricted.grpc_url if protocol == "triton-grpc" else restricted.http_url
+    header = f"triton-grpc-protocol-{KEY}={SECRET}" if protocol == "triton-grpc" else "Authorization=Bearer tok"
+    secret = SECRET if protocol == "triton-grpc" else "Bearer tok"
+    common = ["serve", "--url", url, "--protocol", protocol, "--device", "cpu", "--request-rates", "inf",
+              "--concurrency", "", "--num-requests", "2", "--input-len", "4", "--output-len", "2", "--warmup", "0"]
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert main([*common, "--header", header, "--out", str(out), "--markdown", str(md)]) == 0
+    row = json.loads(out.read_text())["results"]["rate_sweep"][0]["mmserve"]
+    assert (row["completed"], row["failed"]) == (2, 0), row["errors"]
+    assert secret not in out.read_text() and secret not in md.read_text()
+    assert "<redacted>" in out.read_text()
+    assert main([*common, "--out", str(tmp_path / "x.json")]) == 0
+    refused = json.loads((tmp_path / "x.json").read_text())["results"]["rate_sweep"][0]["mmserve"]
+    assert refused["failed"] == 2 and "restricted" in str(refused["errors"])
