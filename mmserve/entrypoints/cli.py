@@ -54,6 +54,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-restricted-api", action="append", default=[], metavar="APIS:KEY=VALUE",
                    help="as Triton's: requests to these API groups (health, metadata, inference, model-config, "
                         "model-repository, statistics, ...) need header KEY: VALUE, else 403; repeatable")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (and --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
+    p.add_argument("--grpc-use-ssl", action="store_true", help="gRPC over TLS (--grpc-server-cert/-key)")
+    p.add_argument("--grpc-use-ssl-mutual", action="store_true",
+                   help="gRPC over TLS with client certificates signed by --grpc-root-cert")
+    p.add_argument("--grpc-server-cert", default=None, help="PEM certificate of the gRPC server")
+    p.add_argument("--grpc-server-key", default=None, help="PEM private key of the gRPC server")
+    p.add_argument("--grpc-root-cert", default=None, help="PEM CA certificate(s) that sign client certificates")
     p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="APIS:KEY=VALUE",
                    help="as Triton's: gRPC calls of these groups need metadata triton-grpc-protocol-KEY: VALUE, "
                         "else UNAVAILABLE; repeatable")
@@ -88,9 +96,9 @@ def build_engine_config(args: argparse.Namespace):
                                   async_scheduling=not args.no_async_scheduling))
 
 
-def _example_request(host: str, port: int) -> str:
+def _example_request(host: str, port: int, scheme: str = "http") -> str:
     return ("Ready. Try:\n"
-            f"  curl -s -X POST http://{host}:{port}/v2/models/ensemble/generate -d "
+            f"  curl -s -X POST {scheme}://{host}:{port}/v2/models/ensemble/generate -d "
             "'{\"text_input\": \"USER: <image>\\nWhat is in this picture? ASSISTANT:\", "
             "\"image_url_input\": \"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC\", "
             "\"max_tokens\": 16}'\n")
@@ -134,7 +142,11 @@ async def _serve(args: argparse.Namespace) -> None:
                                      max_concurrent_requests=args.max_concurrent_requests,
                                      accumulate_tokens=args.accumulate_tokens,
                                      http_restricted_api=tuple(args.http_restricted_api),
-                                     grpc_restricted_protocol=tuple(args.grpc_restricted_protocol))
+                                     grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
+                                     ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                     grpc_use_ssl=args.grpc_use_ssl, grpc_use_ssl_mutual=args.grpc_use_ssl_mutual,
+                                     grpc_server_cert=args.grpc_server_cert, grpc_server_key=args.grpc_server_key,
+                                     grpc_root_cert=args.grpc_root_cert)
     except ValueError as exc:   # a bad port or restriction: a usage error before the model loads
         raise SystemExit(f"mmserve serve: {exc}") from None
     engine = Engine(build_engine_config(args), media)
@@ -153,10 +165,12 @@ async def _serve(args: argparse.Namespace) -> None:
         grpc_server, port = await start_grpc_server(state, server_config.host, server_config.grpc_port)
         print(f"gRPC listening on {server_config.host}:{port}", flush=True)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.http_port,
-                            log_level=args.log_level, timeout_graceful_shutdown=5)
+                            log_level=args.log_level, timeout_graceful_shutdown=5,
+                            ssl_certfile=server_config.ssl_certfile, ssl_keyfile=server_config.ssl_keyfile)
     server = uvicorn.Server(config)
-    print(f"HTTP listening on {server_config.host}:{server_config.http_port}", flush=True)
-    print(_example_request(server_config.host, server_config.http_port), flush=True)
+    scheme = "HTTPS" if server_config.ssl_certfile else "HTTP"
+    print(f"{scheme} listening on {server_config.host}:{server_config.http_port}", flush=True)
+    print(_example_request(server_config.host, server_config.http_port, scheme.lower()), flush=True)
     try:
         await server.serve()
     finally:

@@ -236,7 +236,19 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[g
     ]
     server = grpc.aio.server(options=options, interceptors=[RestrictedProtocols(state.config.grpc_restrictions)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonServicer(state), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    cfg = state.config
+    if cfg.grpc_use_ssl:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_server_credentials(
+            [(read(cfg.grpc_server_key), read(cfg.grpc_server_cert))],
+            root_certificates=read(cfg.grpc_root_cert) if cfg.grpc_root_cert else None,
+            require_client_auth=cfg.grpc_use_ssl_mutual)
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()

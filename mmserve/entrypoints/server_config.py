@@ -1,6 +1,7 @@
 """ServerConfig: what `mmserve serve` listens on and the limits it enforces at the edge."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from mmserve.entrypoints.restricted_apis import GRPC_HEADER_PREFIX, Restriction, parse_restrictions
@@ -21,6 +22,15 @@ class ServerConfig:
     grpc_restricted_protocol: tuple[str, ...] = ()
     http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
+    # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options (mutual: clients must
+    # present a certificate signed by grpc_root_cert)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    grpc_use_ssl: bool = False
+    grpc_use_ssl_mutual: bool = False
+    grpc_server_cert: str | None = None
+    grpc_server_key: str | None = None
+    grpc_root_cert: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -32,3 +42,18 @@ class ServerConfig:
         self.http_restrictions = parse_restrictions(self.http_restricted_api, "--http-restricted-api")
         self.grpc_restrictions = parse_restrictions(self.grpc_restricted_protocol, "--grpc-restricted-protocol",
                                                     GRPC_HEADER_PREFIX)
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        self.grpc_use_ssl = self.grpc_use_ssl or self.grpc_use_ssl_mutual
+        if self.grpc_use_ssl and not (self.grpc_server_cert and self.grpc_server_key):
+            raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
+        if self.grpc_use_ssl_mutual and not self.grpc_root_cert:
+            raise ValueError("--grpc-use-ssl-mutual needs --grpc-root-cert (the CA that signs client certificates)")
+        for option, path in [("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
+                             ("--grpc-server-cert", self.grpc_server_cert),
+                             ("--grpc-server-key", self.grpc_server_key), ("--grpc-root-cert", self.grpc_root_cert)]:
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{option}: cannot read {path}")

@@ -7,6 +7,7 @@ import http.server
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -36,10 +37,11 @@ class ServerHandle:
     grpc_port: int
     model_dir: str
     log_path: Path
+    scheme: str = "http"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -50,8 +52,9 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def start_server(model_dir: str, log_dir: Path, *extra: str, timeout: float = 120.0):
-    """Start `mmserve serve` and wait for /v2/health/ready; always terminate it."""
+def start_server(model_dir: str, log_dir: Path, *extra: str, timeout: float = 120.0, https_ca: str | None = None):
+    """Start `mmserve serve` and wait for /v2/health/ready (over HTTPS trusting `https_ca` when given); always
+    terminate it."""
     http_port, grpc_port = free_port(), free_port()
     log_path = log_dir / f"server-{http_port}.log"
     cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model_dir, "--host", "127.0.0.1",
@@ -60,14 +63,16 @@ def start_server(model_dir: str, log_dir: Path, *extra: str, timeout: float = 12
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    handle = ServerHandle(proc, http_port, grpc_port, model_dir, log_path)
+    handle = ServerHandle(proc, http_port, grpc_port, model_dir, log_path, "https" if https_ca else "http")
     try:
         deadline = time.time() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
             try:
-                if httpx.get(f"{handle.http_url}/v2/health/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{handle.http_url}/v2/health/ready", timeout=1,
+                             verify=ssl.create_default_context(cafile=https_ca) if https_ca else True
+                             ).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
