@@ -437,6 +437,9 @@ class Engine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_prefilling": sum(r.num_computed_tokens < r.num_prompt_tokens for r in self.scheduler.running),
+            "max_num_seqs": self.config.scheduler.max_num_seqs,
+            "block_size": self.config.cache.block_size,
             "kv_cache_usage": self.kv.usage,
             "kv_cache_blocks_total": self.kv.num_blocks,
             "kv_cache_bytes_per_token": self.runner.kv_bytes_per_block() / self.config.cache.block_size,

@@ -13,6 +13,7 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
+from mmserve.entrypoints.triton_metrics import TritonCollector
 from mmserve.entrypoints.triton_statistics import TritonStatistics
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput
@@ -42,6 +43,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
         self.statistics = TritonStatistics()
+        self.metrics.registry.register(TritonCollector(self.statistics, self.engine.stats))
 
     @property
     def model_name(self) -> str:

@@ -83,3 +83,42 @@ def test_a_dropped_stream_counts_as_a_fail(server):
         time.sleep(0.05)
     after = _counts(_stats(server))
     assert after["fail"] == before["fail"] + 1 and after["success"] == before["success"]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of the /metrics sample `name` whose labels include `labels`."""
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} {labels} in /metrics")
+
+
+def test_triton_and_tensorrt_llm_metric_families_on_metrics(server):
+    """Dashboards and inference gateways set up for Triton + TensorRT-LLM read these names: the nv_inference_*
+    counters agree with the statistics extension, the nv_trt_llm_* gauges with the engine (a request running)."""
+    assert httpx.post(f"{server.http_url}/v2/models/ensemble/generate", json=GENERATE).status_code == 200
+    entry, text = _stats(server), httpx.get(f"{server.http_url}/metrics").text
+    assert "nv_inference_request_success{" in text and "nv_inference_request_success_total" not in text
+    stats = entry["inference_stats"]
+    assert _metric(text, "nv_inference_request_success", model="ensemble", version="1") == stats["success"]["count"]
+    assert _metric(text, "nv_inference_count", model="ensemble") == entry["inference_count"]
+    assert _metric(text, "nv_inference_compute_infer_duration_us", model="ensemble") == \
+        pytest.approx(stats["compute_infer"]["ns"] / 1000)
+    blocks_total = _metric(text, "mmserve_kv_cache_blocks_total")
+    assert _metric(text, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max",
+                   model="tensorrt_llm") == blocks_total > 0
+    assert _metric(text, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == 16
+    assert _metric(text, "nv_trt_llm_request_metrics", request_type="max", model="tensorrt_llm") >= 1
+    with httpx.stream("POST", f"{server.http_url}/v2/models/ensemble/generate_stream",
+                      json=GENERATE | {"stream": True, "max_tokens": 300, "min_tokens": 300}) as response:
+        lines = response.iter_lines()   # (kept: a dropped iterator closes the stream and aborts the request)
+        next(lines)                     # running now
+        busy = httpx.get(f"{server.http_url}/metrics").text
+        for _ in lines:
+            pass
+    assert _metric(busy, "nv_trt_llm_request_metrics", request_type="scheduled") >= 1
+    assert _metric(busy, "nv_trt_llm_request_metrics", request_type="active") >= 1
+    used = _metric(busy, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
+    free = _metric(busy, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free")
+    assert used >= 1 and used + free == blocks_total
+    assert 0 < _metric(busy, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="fraction") <= 1
