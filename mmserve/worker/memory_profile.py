@@ -52,7 +52,7 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         encoder_peak = torch.cuda.max_memory_allocated(runner.device) - base
         row_bytes = encoded[0][0].numel() * encoded[0].element_size()
         del encoded
-    with scratch_kv_cache(runner, cdiv(num_tokens, runner.block_size) + 1):
+    with scratch_kv_cache(runner, num_tokens):
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
         base = torch.cuda.memory_allocated(runner.device)
@@ -66,11 +66,16 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
     return max(peak, encoder_peak) + cache_bound
 
 
+def _prompt_blocks(runner: ModelRunner, num_tokens: int) -> int:
+    """Blocks of the profile's prompt of num_tokens: its scratch cache and its block table."""
+    return cdiv(num_tokens, runner.block_size) + 1
+
+
 @contextmanager
-def scratch_kv_cache(runner: ModelRunner, num_blocks: int) -> Iterator[None]:
-    """A KV cache of num_blocks for the profile's prefill; the runner's own (if any) is back afterwards."""
+def scratch_kv_cache(runner: ModelRunner, num_tokens: int) -> Iterator[None]:
+    """A KV cache for the profile's prompt of num_tokens; the runner's own (if any) is back afterwards."""
     saved = runner.kv_caches, [layer.kv_cache for layer in runner.attn_layers]
-    runner.allocate_kv_cache(num_blocks)
+    runner.allocate_kv_cache(_prompt_blocks(runner, num_tokens))
     try:
         yield
     finally:
@@ -87,7 +92,7 @@ def profile_prefill(runner: ModelRunner, num_tokens: int, template: MultiModalIt
     `cross_template` says on a tensor-parallel worker), and its last 64 rows' logits. Returns the bytes of one
     hidden-state row. Every tensor-parallel rank runs it at once, with the same collectives."""
     dev = runner.device
-    blocks = cdiv(num_tokens, runner.block_size) + 1
+    blocks = _prompt_blocks(runner, num_tokens)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),

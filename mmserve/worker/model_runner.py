@@ -178,7 +178,7 @@ class ModelRunner:
         """The profile's forward pass alone, on any device, through a scratch KV cache (this runner's own stays):
         on the CPU, where no memory is profiled, it shows that every tensor-parallel rank's profile runs the same
         collectives (tests)."""
-        with scratch_kv_cache(self, cdiv(num_tokens, self.block_size) + 1):
+        with scratch_kv_cache(self, num_tokens):
             profile_prefill(self, num_tokens, template, cross_template)
 
     # ---- KV cache --------------------------------------------------------------------------
