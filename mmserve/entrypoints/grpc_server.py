@@ -17,7 +17,7 @@ import mmserve
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints import triton_run as tr
 from mmserve.entrypoints.triton_outputs import select_outputs
-from mmserve.entrypoints.restricted_apis import RestrictedProtocols
+from mmserve.entrypoints.restricted_apis import Restriction, grpc_category
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
     BLS, MODEL_VERSION, has_sequence_parameters, model_config, model_metadata)
@@ -226,6 +226,42 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             queue.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=resp))
         finally:
             queue.put_nowait(_DONE)
+
+
+class RestrictedProtocols(grpc.aio.ServerInterceptor):
+    """gRPC: a call to a restricted group without its metadata value ends UNAVAILABLE, as Triton's does."""
+
+    def __init__(self, restrictions: dict[str, Restriction]) -> None:
+        self.restrictions = restrictions
+
+    async def intercept_service(self, continuation, details):
+        restriction = self.restrictions.get(grpc_category(details.method))
+        handler = await continuation(details)
+        if restriction is None or handler is None:
+            return handler
+        if dict(details.invocation_metadata or ()).get(restriction.header) == restriction.value:
+            return handler
+
+        message = f"This protocol is restricted, expecting header '{restriction.header}'"
+
+        async def refuse(_request, context) -> None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        async def refuse_stream(requests, context) -> None:
+            # after the client's first message: a stream ended before the client wrote to it reads, on the client,
+            # as a failed write (INTERNAL) instead of this status
+            async for _ in requests:
+                break
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(refuse, **kw)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(refuse_stream, **kw)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
 
 
 async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[grpc.aio.Server, int]:

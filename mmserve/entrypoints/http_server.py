@@ -1,4 +1,5 @@
-"""The HTTP app: health, metrics, and the Triton/KServe and OpenAI routers, over one ServerState."""
+"""The HTTP app: health, metrics, and the Triton/KServe and OpenAI routers, over one ServerState; its pure-ASGI
+middlewares (body limits and request counts; the restricted API groups' header check)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -6,7 +7,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from mmserve.entrypoints.restricted_apis import RestrictedApis
+from mmserve.entrypoints.openai_responses import edge_error_response
+from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
 
 
@@ -27,9 +29,7 @@ class LimitsAndCounts:
         length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
             message = f"request body of {length} bytes exceeds the limit of {limit} bytes"
-            body = ({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-                    if scope["path"].startswith("/v1/") else {"error": message})
-            await JSONResponse(body, status_code=413)(scope, receive, send)
+            await edge_error_response(scope["path"], 413, message)(scope, receive, send)
             self.state.metrics.count_request("unmatched", 413)
             return
         status = 500   # unless the app starts a response
@@ -44,6 +44,26 @@ class LimitsAndCounts:
             await self.app(scope, receive, send_and_note_status)
         finally:
             self.state.metrics.count_request(getattr(scope.get("route"), "path", "unmatched"), status)
+
+
+class RestrictedApis:
+    """Pure ASGI middleware (streams pass through untouched): a request to a restricted group without its
+    header value gets Triton's 403."""
+
+    def __init__(self, app, restrictions: dict[str, Restriction]) -> None:
+        self.app = app
+        self.restrictions = restrictions
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.restrictions:
+            restriction = self.restrictions.get(http_category(scope["method"], scope["path"]))
+            if restriction is not None:
+                sent = dict(scope["headers"]).get(restriction.header.encode("latin-1"))
+                if sent is None or sent.decode("latin-1") != restriction.value:
+                    message = f"This API is restricted, expecting header '{restriction.header}'"
+                    await edge_error_response(scope["path"], 403, message, "permission_error")(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:

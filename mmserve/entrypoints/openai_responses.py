@@ -36,6 +36,15 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def edge_error_response(path: str, status: int, message: str, openai_type: str = "invalid_request_error"
+                        ) -> JSONResponse:
+    """An error answered before any route runs (a middleware's): OpenAI's shape on /v1/ routes, Triton's
+    `{"error": message}` on the others."""
+    if path.startswith("/v1/"):
+        return OpenAIError(status, message, openai_type).response()
+    return JSONResponse({"error": message}, status_code=status)
+
+
 @dataclass
 class ResponseContext:
     """What every chunk of one response repeats."""

@@ -6,14 +6,16 @@ routes) and gRPC UNAVAILABLE "This protocol is restricted, expecting header '...
 
 mmserve also places its own HTTP routes in these groups: the OpenAI completions and chat routes and /tokenize,
 /detokenize under `inference`, /v1/models under `metadata`, /health under `health`, /metrics under `statistics` (with the model statistics)
-(so an OpenAI client's key, `Authorization: Bearer <key>`, is `inference,metadata:Authorization=Bearer <key>`)."""
+(so an OpenAI client's key, `Authorization: Bearer <key>`, is `inference,metadata:Authorization=Bearer <key>`).
+
+This module is the policy (parsing, which group a route or method is in) and imports no server package: ServerConfig
+parses the options for every CLI command. The checks live with the servers: http_server.RestrictedApis (a pure-ASGI
+middleware) and grpc_server.RestrictedProtocols (a grpc.aio interceptor)."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-import grpc
-from fastapi.responses import JSONResponse
 
 CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
               "statistics", "trace", "logging")
@@ -78,59 +80,6 @@ def http_category(method: str, path: str) -> str | None:
     return None
 
 
-class RestrictedApis:
-    """Pure ASGI middleware (streams pass through untouched): a request to a restricted group without its
-    header value gets Triton's 403."""
-
-    def __init__(self, app, restrictions: dict[str, Restriction]) -> None:
-        self.app = app
-        self.restrictions = restrictions
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.restrictions:
-            restriction = self.restrictions.get(http_category(scope["method"], scope["path"]))
-            if restriction is not None:
-                sent = dict(scope["headers"]).get(restriction.header.encode("latin-1"))
-                if sent is None or sent.decode("latin-1") != restriction.value:
-                    message = f"This API is restricted, expecting header '{restriction.header}'"
-                    body = ({"error": {"message": message, "type": "permission_error", "param": None, "code": None}}
-                            if scope["path"].startswith("/v1/") else {"error": message})
-                    await JSONResponse(body, status_code=403)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
-
-
-class RestrictedProtocols(grpc.aio.ServerInterceptor):
-    """gRPC: a call to a restricted group without its metadata value ends UNAVAILABLE, as Triton's does."""
-
-    def __init__(self, restrictions: dict[str, Restriction]) -> None:
-        self.restrictions = restrictions
-
-    async def intercept_service(self, continuation, details):
-        restriction = self.restrictions.get(_GRPC_METHODS.get(details.method.rsplit("/", 1)[-1]))
-        handler = await continuation(details)
-        if restriction is None or handler is None:
-            return handler
-        if dict(details.invocation_metadata or ()).get(restriction.header) == restriction.value:
-            return handler
-
-        message = f"This protocol is restricted, expecting header '{restriction.header}'"
-
-        async def refuse(_request, context) -> None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-        async def refuse_stream(requests, context) -> None:
-            # after the client's first message: a stream ended before the client wrote to it reads, on the client,
-            # as a failed write (INTERNAL) instead of this status
-            async for _ in requests:
-                break
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(refuse, **kw)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(refuse, **kw)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(refuse_stream, **kw)
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+def grpc_category(method: str) -> str | None:
+    """The restriction group of a gRPC method, given by its full name (`/inference.GRPCInferenceService/X`)."""
+    return _GRPC_METHODS.get(method.rsplit("/", 1)[-1])

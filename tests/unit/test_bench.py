@@ -336,6 +336,18 @@ def test_serve_bench_sweeps_rate_and_concurrency_against_a_real_server(bench_ser
         assert _positive(row["ratio"]["output_tok_s"])
 
 
+def test_the_cli_imports_no_server_package():
+    """`mmserve bench` runs on GPU machines that have torch and transformers but no server packages: importing the
+    CLI (which parses `serve`'s options, restricted API groups included) must not import grpc, fastapi, uvicorn or
+    tritonclient."""
+    import subprocess
+    import sys
+    code = ("import sys, mmserve.entrypoints.cli, mmserve.entrypoints.server_config; "
+            "print([m for m in ('grpc', 'fastapi', 'uvicorn', 'tritonclient') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
     rc = main(["serve", "--url", bench_server.http_url, "--protocol", "triton-http", "--device", "cpu",
                "--request-rates", "2", "--concurrency", "", "--num-requests", "50", "--input-len", "4",
