@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.sampling_params import RequestLimits
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -105,6 +107,8 @@ class CacheConfig:
             raise ValueError(f"cross_kv_cache_fraction must be in (0, 1), got {self.cross_kv_cache_fraction}")
         if self.prompt_end_cache_size < 0:
             raise ValueError(f"prompt_end_cache_size must be >= 0, got {self.prompt_end_cache_size}")
+        if self.encoder_cache_size < 0:
+            raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
         if self.kv_cache_size_gb <= 0:
             raise ValueError(f"kv_cache_size_gb must be > 0, got {self.kv_cache_size_gb}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -138,3 +142,4 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)   # per request, checked before it is queued

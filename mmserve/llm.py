@@ -11,7 +11,7 @@ from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from mmserve.engine.engine import Engine
 from mmserve.multimodal.inputs import MediaConfig
 from mmserve.outputs import RequestOutput, one_output
-from mmserve.sampling_params import SamplingParams, choice_params
+from mmserve.sampling_params import RequestLimits, SamplingParams, choice_params
 
 
 # prompts preprocessed ahead of the engine's waiting queue: enough to keep a step's token budget fed while
@@ -37,7 +37,9 @@ class LLM:
                  enable_chunked_prefill: bool = True, seed: int = 0, attention_backend: str = "auto",
                  enforce_eager: bool = False, async_scheduling: bool = True, quantization: str | None = None,
                  media: MediaConfig | None = None, lora_modules: dict[str, str] | None = None,
-                 max_loras: int = 8, preprocess_on_gpu: bool = True, tensor_parallel_size: int = 1) -> None:
+                 max_loras: int = 8, preprocess_on_gpu: bool = True, tensor_parallel_size: int = 1,
+                 max_stop_sequences: int = RequestLimits.max_stop_sequences,
+                 max_stop_sequence_chars: int = RequestLimits.max_stop_sequence_chars) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               attention_backend=attention_backend, enforce_eager=enforce_eager,
@@ -51,7 +53,9 @@ class LLM:
                               cross_kv_cache_fraction=cross_kv_cache_fraction),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      async_scheduling=async_scheduling))
+                                      async_scheduling=async_scheduling),
+            limits=RequestLimits(max_stop_sequences=max_stop_sequences,
+                                 max_stop_sequence_chars=max_stop_sequence_chars))
         self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
         try:
             for name, path in (lora_modules or {}).items():   # prompts name one with {"lora": name}

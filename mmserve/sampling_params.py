@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from mmserve.engine.guided import GUIDE_TYPES
 
 MAX_N = 64   # sequences per prompt (SamplingParams.n)
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_SEED_MAX = 2**64 - 1 - MAX_N   # Triton's random_seed is a UINT64
 
 
 @dataclass
@@ -75,14 +78,22 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             fail("n", f"must be an integer in [1, {MAX_N}]")
+        for f in dataclasses.fields(self):   # NaN passes every comparison below, so finiteness comes first
+            value = getattr(self, f.name)
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                fail(f.name, "must be a finite number")
+            if (f.type in ("int", "int | None") and f.name != "seed" and isinstance(value, int)
+                    and not _INT64_MIN <= value <= _INT64_MAX):
+                fail(f.name, "must fit in 64 bits")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             fail("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", "must be an integer in [0, max_tokens]")
         if self.temperature < 0:
             fail("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", "must be an integer >= -1 (-1 or 0 disable it)")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
+            fail("top_k", f"must be an integer in [-1, {_INT32_MAX}] (-1 or 0 disable it)")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
@@ -97,8 +108,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
                 fail(name, "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64_MIN <= self.seed <= _SEED_MAX):
+            fail("seed", f"must be an integer in [{_INT64_MIN}, {_SEED_MAX}] (a 64-bit generator seed; sequence i of "
+                         "a prompt draws from seed + i)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -142,3 +154,39 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [dataclasses.replace(params, n=1) for _ in range(n)]
     return [dataclasses.replace(params, n=1, seed=params.seed + i) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on the lists a client can grow in one request (stop strings, stop ids, token sequences, bad words),
+    whose size the engine pays for: tokenizing bad words and building each list's matcher once per request
+    (engine/stop_matcher.py; matching itself then costs the same per token whatever the lists hold). Per list, at
+    most `max_stop_sequences` entries and `max_stop_sequence_chars` characters (strings) or token ids (token
+    sequences) in all. The engine checks them before a request is queued (`Engine.add_processed`, beam search's
+    `beam_search_steps`); `mmserve serve --max-stop-sequences / --max-stop-sequence-chars`, `LLM(max_stop_sequences=,
+    max_stop_sequence_chars=)`. logit_bias needs no bound here: its keys are distinct ids of the vocabulary (the
+    engine checks them), and Triton's embedding_bias is one value per vocabulary id by design."""
+
+    max_stop_sequences: int = 64
+    max_stop_sequence_chars: int = 4096
+
+    # the lists, and what their entries' lengths count (None: one id each, only the entries are bounded)
+    LISTS = (("stop", "characters"), ("bad_words", "characters"), ("stop_token_ids", None),
+             ("stop_token_sequences", "token ids"), ("bad_token_sequences", "token ids"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_sequences", "max_stop_sequence_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def check(self, params: SamplingParams) -> None:
+        """ValueError naming the first list over a bound, what it holds and the bound with its flag."""
+        for name, unit in self.LISTS:
+            values = getattr(params, name)
+            if len(values) > self.max_stop_sequences:
+                raise ValueError(f"{name}: {len(values)} entries, more than --max-stop-sequences="
+                                 f"{self.max_stop_sequences}")
+            if unit is not None and (total := sum(map(len, values))) > self.max_stop_sequence_chars:
+                raise ValueError(f"{name}: {total} {unit} in all, more than --max-stop-sequence-chars="
+                                 f"{self.max_stop_sequence_chars}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,13 @@ class BeamSearch:
         return [beam for _, beam in self.finished]
 
 
+def check_length_penalty(value: float) -> float:
+    """The beams' length penalty as a float; ValueError naming it unless it is a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"length_penalty must be a finite number, got {value!r}")
+    return float(value)
+
+
 def unsupported_with_beams(params: SamplingParams) -> str | None:
     """The first SamplingParams field set that beam search does not apply (yet), or None."""
     return "prompt_logprobs" if params.prompt_logprobs is not None else None
@@ -135,6 +143,7 @@ async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, 
     `stop` is set the search ends after the step in flight: the final output holds those W beams, finish reason
     "abort"."""
     inner = engine.engine
+    inner.config.limits.check(params)   # as Engine.add_processed: the step requests carry no stop lists
     eos = set() if params.ignore_eos else (
         {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
     search = BeamSearch(width, params.max_tokens, eos, length_penalty, stop_sequences(params, inner.tokenizer))

@@ -5,6 +5,7 @@ that ends inside a multi-byte character is held back until it is decided.
 """
 from __future__ import annotations
 
+from mmserve.engine.stop_matcher import StopStringMatcher
 from mmserve.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -20,13 +21,14 @@ class IncrementalDetokenizer:
     for decoders that strip the first leading space (SentencePiece); callers that want the prompt/completion
     boundary space must add it themselves.
 
-    Stop strings: after each push the tail that can hold a new match (the last len(new_text) + max_stop_len
-    - 1 chars) is searched; the match that ends first wins (ties: the longer one), so the result does not
-    depend on how the text was split into tokens. `.text` then ends right before it (or right after it with
+    Stop strings: each push's new characters are fed to the request's Aho-Corasick automaton over its stop
+    strings (engine/stop_matcher.py, built once), so the check costs the same per character however many stop
+    strings there are; the match that ends first wins (ties: the longer one), so the result does not depend on
+    how the text was split into tokens. `.text` then ends right before it (or right after it with
     include_stop_str_in_output), and further pushes are refused. While no stop has matched, the longest
-    suffix of the decoded text that is a proper prefix of some stop string is held back from `.text`:
-    e.g. stop="abc", output "xab" -> `.text` == "x", "ab" pending. It is released as soon as a later
-    character rules it out, or by flush() at the end of generation (finish by length / EOS).
+    suffix of the decoded text that is a proper prefix of some stop string (the automaton's depth) is held back
+    from `.text`: e.g. stop="abc", output "xab" -> `.text` == "x", "ab" pending. It is released as soon as a
+    later character rules it out, or by flush() at the end of generation (finish by length / EOS).
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -34,8 +36,7 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = prompt_token_ids  # kept for callers; not used as decoding context (see class doc)
         self.params = params
         self.token_ids: list[int] = []
-        self._stops = list(params.stop)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stops = StopStringMatcher(params.stop) if params.stop else None
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text_cache: tuple[int, int, str] | None = None
@@ -64,7 +65,7 @@ class IncrementalDetokenizer:
     def extend(self, token_ids: list[int]) -> None:
         """Append ids without decoding them: for a caller that reads `.text` only after flush() and has no stop
         strings (flush() then decodes the whole window at once, the same text as pushing them one by one)."""
-        if self._finished or self._stops:
+        if self._finished or self._stops is not None:
             raise RuntimeError("extend() needs an unfinished detokenizer without stop strings")
         self.token_ids += token_ids
 
@@ -107,46 +108,20 @@ class IncrementalDetokenizer:
         if not new_text and not final:
             return ""
         self._decoded += new_text
-        if self._stops and new_text:
-            match = self._find_stop(len(new_text))
+        if self._stops is not None and new_text:
+            match = self._stops.feed(new_text)
             if match is not None:
-                stop, start = match
-                end = start + len(stop) if self.params.include_stop_str_in_output else start
+                stop, after = match   # `after`: the offset in new_text right after the stop string
+                stop_end = len(self._decoded) - len(new_text) + after
+                end = stop_end if self.params.include_stop_str_in_output else stop_end - len(stop)
                 self._decoded = self._decoded[:end]
                 self._released = end
                 self._stop_match = stop
                 self._finished = True
                 return self._decoded[before:]
-        hold = 0 if final else self._pending_stop_prefix_len()
+        hold = 0 if final or self._stops is None else self._stops.pending
         self._released = max(self._released, len(self._decoded) - hold)
         return self._decoded[before:self._released]
-
-    def _find_stop(self, new_len: int) -> tuple[str, int] | None:
-        """(stop, start) of the earliest-ending match that ends inside the last new_len chars."""
-        text = self._decoded
-        start = max(0, len(text) - new_len - self._max_stop_len + 1)
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for stop in self._stops:
-            pos = text.find(stop, start)
-            if pos >= 0:
-                key = (pos + len(stop), -len(stop), stop)
-                if best is None or key < best:
-                    best = key
-        if best is None:
-            return None
-        end, neg_len, stop = best
-        return stop, end + neg_len
-
-    def _pending_stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the decoded text that is a proper prefix of some stop string."""
-        text = self._decoded
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
 
 
 def _fast_decode(tokenizer):

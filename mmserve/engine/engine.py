@@ -32,6 +32,7 @@ from mmserve.worker.prompt_logprobs import entries as prompt_logprob_entries
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.5   # host time of one step above which it is logged
+SLOW_SHAPES_KEPT = 4096   # step shapes whose first slow step was logged (~0.1 KB each); later new ones count as seen
 
 
 def _decodes_per_token(req: Request) -> bool:
@@ -223,6 +224,7 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"n: the engine runs one sequence per request (got {params.n}); LLM.generate and the "
                              "servers run n sequences as n requests")
+        self.config.limits.check(params)   # before the lists cost anything (bad words are tokenized below)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting")
         n = len(inputs.prompt_token_ids)
@@ -270,7 +272,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | set(eos)
         self._stop_ids[request_id] = stop_ids
         req.max_output_tokens = min(params.max_tokens, capacity - n)
-        if _needs_history(params, req.bad_words_ids) or guide is not None:
+        if _needs_history(req) or guide is not None:
             self._needs_history.add(request_id)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
         self.requests[request_id] = req
@@ -342,7 +344,7 @@ class Engine:
         seen before are the host work itself (eager steps), logged at most once a minute."""
         shape = (sched.kind, sched.num_batched_tokens, len(sched.scheduled))
         what = "%s of %d tokens, %d sequences took %.0f ms on the host" % (*shape, host_s * 1000)
-        if shape not in self._slow_shapes:
+        if shape not in self._slow_shapes and len(self._slow_shapes) < SLOW_SHAPES_KEPT:
             self._slow_shapes.add(shape)
             logger.warning("slow step: %s (a shape's first use compiles kernels or captures graphs)", what)
         elif time.monotonic() - self._slow_logged_at > 60:
@@ -454,7 +456,9 @@ class Engine:
         }
 
 
-def _needs_history(params: SamplingParams, bad_words_ids: list[list[int]]) -> bool:
-    """Whether sampling this request's next token reads its previous tokens on the host."""
+def _needs_history(req: Request) -> bool:
+    """Whether sampling this request's next token reads its previous tokens on the host (penalties; bad words of
+    several ids, whose matcher must have taken every output id before the next is sampled)."""
+    params = req.params
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or any(len(w) > 1 for w in bad_words_ids))
+            or (req.bad_words is not None and req.bad_words.longest > 1))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.engine.stop_matcher import TokenSequenceMatcher
 from mmserve.outputs import Logprob
 from mmserve.sampling_params import SamplingParams
 
@@ -77,7 +78,11 @@ class Request:
         self.grammar = None                      # guided decoding: its xgrammar matcher (engine/guided.py), if any
         self.hash_salt: bytes | None = None      # parent digest of its first KV block (the adapter's), if any
         self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)
-        self.bad_words_ids = bad_words_ids or []
+        # bad words as token ids and the stop token sequences, matched against the output ids as they arrive
+        # (fill_pending): the ids a bad word would complete next (the sampler masks them), whether one ended
+        self.bad_words = TokenSequenceMatcher(bad_words_ids) if bad_words_ids else None
+        self.stop_sequences = TokenSequenceMatcher(params.stop_token_sequences) \
+            if params.stop_token_sequences else None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -150,9 +155,13 @@ class Request:
         self.last_sample_row = row
 
     def fill_pending(self, token: int) -> None:
-        """The oldest pending token arrived."""
+        """The oldest pending token arrived (the output's token matchers take it)."""
         self.output_token_ids[len(self.output_token_ids) - self.num_pending] = token
         self.num_pending -= 1
+        if self.bad_words is not None:
+            self.bad_words.feed(token)
+        if self.stop_sequences is not None:
+            self.stop_sequences.feed(token)
 
     def drop_pending(self) -> None:
         """Forget tokens still in flight (the request finished before they arrived)."""

@@ -1,6 +1,6 @@
-"""What the engine reports for a request: whether a new token finishes it (`finish_status`, with `ends_with_any`
-for stop token sequences) and its RequestOutput (`request_output`), from the request's state and its incremental
-detokenizer."""
+"""What the engine reports for a request: whether a new token finishes it (`finish_status`) and its RequestOutput
+(`request_output`), from the request's state and its incremental detokenizer; `ends_with_any` for beam search's
+hypotheses."""
 from __future__ import annotations
 
 import time
@@ -16,7 +16,8 @@ from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 def finish_status(req: Request, token: int, detok: IncrementalDetokenizer, stop_ids: set[int] | frozenset[int]
                   ) -> RequestStatus | None:
     """Whether `token`, just appended, ends the request: a stop id or end id (past min_tokens), a stop string in the
-    text, a stop token sequence, or the length limit; records the stop reason."""
+    text (the detokenizer's matcher), a stop token sequence (past min_tokens; the request's matcher took the token in
+    Request.fill_pending), or the length limit; records the stop reason. Its cost does not grow with the lists."""
     num_out = req.num_known_output_tokens
     if token in stop_ids and num_out >= req.params.min_tokens:
         req.stop_reason = None if token in req.eos_token_ids else token
@@ -26,8 +27,7 @@ def finish_status(req: Request, token: int, detok: IncrementalDetokenizer, stop_
         if matched is not None:
             req.stop_reason = matched
             return RequestStatus.FINISHED_STOPPED
-    if (req.params.stop_token_sequences and num_out >= req.params.min_tokens
-            and ends_with_any(req.output_token_ids[:num_out], req.params.stop_token_sequences)):
+    if req.stop_sequences is not None and req.stop_sequences.ended and num_out >= req.params.min_tokens:
         req.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
     if num_out >= req.max_output_tokens:
@@ -36,7 +36,7 @@ def finish_status(req: Request, token: int, detok: IncrementalDetokenizer, stop_
 
 
 def ends_with_any(tokens: list[int], sequences: Sequence[list[int]]) -> bool:
-    """Whether `tokens` end with one of `sequences` (stop token sequences; beam search's stop words too)."""
+    """Whether `tokens` end with one of `sequences` (beam search's stop words and token sequences, per hypothesis)."""
     return any(len(seq) <= len(tokens) and tokens[len(tokens) - len(seq):] == seq for seq in sequences)
 
 

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from mmserve.entrypoints.server_config import ServerConfig
+from mmserve.sampling_params import RequestLimits
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -36,16 +37,29 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-end-cache-size", type=int, default=1024,
                    help="prompts whose final hidden state is kept, so an exact repeat's first token needs no "
                         "forward pass (0: off)")
+    p.add_argument("--encoder-cache-size", type=int, default=16384,
+                   help="vision-encoder outputs kept by picture content, in embedding rows (tokens), LRU")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no host/GPU overlap)")
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
     p.add_argument("--max-waiting", type=int, default=4096)
     p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
+    p.add_argument("--max-stop-sequences", type=int, default=RequestLimits.max_stop_sequences,
+                   help="entries of each stop / bad-word list of a request: stop strings, stop_token_ids, "
+                        "stop_words, bad_words, stop_words_list, bad_words_list (default %(default)s)")
+    p.add_argument("--max-stop-sequence-chars", type=int, default=RequestLimits.max_stop_sequence_chars,
+                   help="characters (strings) or token ids (token lists) in all of each such list "
+                        "(default %(default)s)")
     p.add_argument("--allow-private-media-urls", action="store_true")
     p.add_argument("--allowed-local-media-path", default=None)
     p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-media-bytes", type=int, default=32 * 2**20,
+                   help="encoded bytes of one image or video: download, data URI, tensor or file (default 32 MiB)")
     p.add_argument("--max-image-pixels", type=int, default=64 * 2**20)
+    p.add_argument("--max-image-aspect-ratio", type=float, default=200.0,
+                   help="long edge / short edge of one image or video frame (default 200)")
+    p.add_argument("--max-video-frames", type=int, default=64, help="frames sampled from one video (default 64)")
     p.add_argument("--media-fetch-timeout", type=float, default=10.0)
     p.add_argument("--header-font", default=None, metavar="TTF",
                    help="font Pix2Struct VQA models (Deplot) read the question in (default: Arial.TTF in the model "
@@ -90,10 +104,13 @@ def build_engine_config(args: argparse.Namespace):
                           cross_kv_cache_fraction=args.cross_kv_cache_fraction,
                           kv_cache_size_gb=args.kv_cache_size_gb, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          prompt_end_cache_size=args.prompt_end_cache_size),
+                          prompt_end_cache_size=args.prompt_end_cache_size,
+                          encoder_cache_size=args.encoder_cache_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                                  async_scheduling=not args.no_async_scheduling))
+                                  async_scheduling=not args.no_async_scheduling),
+        limits=RequestLimits(max_stop_sequences=args.max_stop_sequences,
+                             max_stop_sequence_chars=args.max_stop_sequence_chars))
 
 
 def _example_request(host: str, port: int, scheme: str = "http") -> str:
@@ -131,11 +148,14 @@ async def _serve(args: argparse.Namespace) -> None:
         from mmserve.testing import default_model_dir
         args.model = str(default_model_dir())
         print(f"serving the embedded demo model at {args.model}", flush=True)
-    media = MediaConfig(allow_private_urls=args.allow_private_media_urls,
-                        allowed_local_media_path=args.allowed_local_media_path,
-                        fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
-                        max_images_per_request=args.max_images_per_request, header_font_path=args.header_font)
     try:
+        media = MediaConfig(allow_private_urls=args.allow_private_media_urls,
+                            allowed_local_media_path=args.allowed_local_media_path,
+                            fetch_timeout_s=args.media_fetch_timeout, max_image_pixels=args.max_image_pixels,
+                            max_image_aspect_ratio=args.max_image_aspect_ratio,
+                            max_video_frames=args.max_video_frames,
+                            max_images_per_request=args.max_images_per_request, max_media_bytes=args.max_media_bytes,
+                            header_font_path=args.header_font)
         server_config = ServerConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                                      served_model_name=args.served_model_name,
                                      max_request_bytes=args.max_request_bytes,
@@ -147,14 +167,17 @@ async def _serve(args: argparse.Namespace) -> None:
                                      grpc_use_ssl=args.grpc_use_ssl, grpc_use_ssl_mutual=args.grpc_use_ssl_mutual,
                                      grpc_server_cert=args.grpc_server_cert, grpc_server_key=args.grpc_server_key,
                                      grpc_root_cert=args.grpc_root_cert)
-    except ValueError as exc:   # a bad port or restriction: a usage error before the model loads
+        engine_config = build_engine_config(args)
+    except ValueError as exc:   # a bad port, restriction, limit or engine setting: a usage error before the model loads
         raise SystemExit(f"mmserve serve: {exc}") from None
-    engine = Engine(build_engine_config(args), media)
+    engine = Engine(engine_config, media)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
         engine.add_lora(name, path)
+    from mmserve.engine.cache_caps import caps_line
+    logging.getLogger("mmserve.serve").info(caps_line(engine))   # what fills with traffic, and up to where
     state = ServerState(AsyncEngine(engine), server_config, media, args.model, model_type_of(engine.hf_config))
     settle_garbage_collector()
     from mmserve.entrypoints.http_server import build_app

@@ -4,6 +4,7 @@ on one stream, each answered by a response per new text piece and a final-flagge
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -264,13 +265,62 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
 
 
+class UnexpectedErrors(grpc.aio.ServerInterceptor):
+    """gRPC: an exception that escapes a handler ends its call with INTERNAL and a message naming it (grpc's own
+    answer would be UNKNOWN with the exception's repr) and is logged; aborts the handler chose pass through."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+
+        async def fail(exc: Exception, context) -> None:
+            logger.error("gRPC %s failed", details.method, exc_info=exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+        def unary(behavior):
+            async def call(request, context):
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await fail(exc, context)
+            return call
+
+        def streaming(behavior):   # an async generator, or a coroutine that writes through the context
+            async def call(request, context):
+                try:
+                    responses = behavior(request, context)
+                    if inspect.isawaitable(responses):
+                        await responses
+                        return
+                    async for response in responses:
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await fail(exc, context)
+            return call
+
+        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+
+
 async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the KServe gRPC service; port 0 picks a free one. Returns (server, bound port)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", state.config.max_request_bytes),
         ("grpc.max_send_message_length", 2**31 - 1),
     ]
-    server = grpc.aio.server(options=options, interceptors=[RestrictedProtocols(state.config.grpc_restrictions)])
+    interceptors = [UnexpectedErrors(), RestrictedProtocols(state.config.grpc_restrictions)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonServicer(state), server)
     cfg = state.config
     if cfg.grpc_use_ssl:

@@ -2,14 +2,56 @@
 middlewares (body limits and request counts; the restricted API groups' header check)."""
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai_responses import edge_error_response
 from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
+
+
+logger = logging.getLogger(__name__)
+
+
+class UnexpectedErrors:
+    """Pure ASGI middleware, outermost: an exception that escapes a route still ends in a well-formed answer, so
+    the client can read it and its keep-alive connection stays usable. Before a response has started: a 500 in the
+    API's own error shape; within a started response (streams send their own error events first): the body is
+    ended cleanly. The exception is logged and not re-raised (re-raised, uvicorn would drop the connection)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=exc)
+            with contextlib.suppress(Exception):   # the client may be gone already
+                if not started:
+                    message = f"internal error: {type(exc).__name__}: {exc}"
+                    await edge_error_response(scope["path"], 500, message, "server_error")(scope, receive, send)
+                elif not ended:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class LimitsAndCounts:
@@ -67,11 +109,12 @@ class RestrictedApis:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="mmserve", version="0.1.0")
+    app = FastAPI(title="mmserve", version="0.1.0", default_response_class=WireJSONResponse)
     app.state.mm = state
 
     app.add_middleware(RestrictedApis, restrictions=state.config.http_restrictions)
-    app.add_middleware(LimitsAndCounts, state=state)   # added last = outermost: refusals are counted too
+    app.add_middleware(LimitsAndCounts, state=state)   # refusals are counted too
+    app.add_middleware(UnexpectedErrors)   # added last = outermost: covers the other middlewares too
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -79,7 +122,7 @@ def build_app(state: ServerState) -> FastAPI:
         for err in exc.errors():
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return JSONResponse({"error": "; ".join(parts) or "invalid request"}, status_code=400)
+        return WireJSONResponse({"error": "; ".join(parts) or "invalid request"}, status_code=400)
 
     @app.get("/v2/health/live")
     async def live() -> Response:

@@ -10,28 +10,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai_fanout import (
     ChoiceRun, close_choices, engine_error, finish_choices, start_beam_choices, start_choices)
 from mmserve.entrypoints.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, Delta, ModelCard, ModelList, Usage, new_id, now)
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
+    Usage, new_id, now)
 from mmserve.entrypoints.openai_requests import (
     beam_width_of, chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices,
     parse_body, with_lora)
 from mmserve.entrypoints.openai_responses import (
     OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
     completion_response, echo_logprobs, sse, usage_of)
+from mmserve.entrypoints.openapi_schemas import openai_route
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.streams import merge
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import choice_params
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -41,7 +46,7 @@ router = APIRouter()
 async def list_models(request: Request) -> Response:
     state = _state(request)
     cards = ModelList(data=[_card(state, name) for name in state.model_names])
-    return JSONResponse(cards.model_dump(exclude_none=True))
+    return WireJSONResponse(cards.model_dump(exclude_none=True))
 
 
 @router.get("/v1/models/{model:path}")
@@ -50,14 +55,14 @@ async def retrieve_model(model: str, request: Request) -> Response:
         check_model(_state(request), model)
     except OpenAIError as e:
         return e.response()
-    return JSONResponse(_card(_state(request), model).model_dump(exclude_none=True))
+    return WireJSONResponse(_card(_state(request), model).model_dump(exclude_none=True))
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, parent=state.model_name if name in state.lora_names else None)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **openai_route(ChatCompletionRequest, ChatCompletionResponse, streams=True))
 async def chat_completions(request: Request) -> Response:
     try:
         state = _state(request)
@@ -76,7 +81,7 @@ async def chat_completions(request: Request) -> Response:
     return await _reply(request, req, runs, ctx, _CHAT)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **openai_route(CompletionRequest, CompletionResponse, streams=True))
 async def completions(request: Request) -> Response:
     try:
         state = _state(request)
@@ -125,7 +130,7 @@ async def _reply(request: Request, req: ChatCompletionRequest | CompletionReques
         await _collect(request, runs)
     except OpenAIError as e:
         return e.response()
-    return JSONResponse(answer.body(ctx, [run.last for run in runs]).model_dump(mode="json"))
+    return WireJSONResponse(answer.body(ctx, [run.last for run in runs]).model_dump(mode="json"))
 
 
 async def _collect(request: Request, runs: list[ChoiceRun]) -> None:
@@ -182,6 +187,9 @@ async def _events(runs: list[ChoiceRun], ctx: ResponseContext, answer: _Answer,
                 yield chunk
     except OpenAIError as e:
         yield sse(e.body())
+    except Exception as e:   # a fault of ours: the stream still ends the way clients expect
+        logger.error("stream %s failed", ctx.id, exc_info=e)
+        yield sse(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body())
     else:
         if include_usage:
             yield answer.usage_chunk(ctx, usage_of([run.last for run in runs]))

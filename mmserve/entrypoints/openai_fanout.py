@@ -27,7 +27,8 @@ from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-_ENGINE_CHECKED_PARAMS = ("logit_bias",)
+# request parameters the engine checks (against the model, or RequestLimits); its messages start with their names
+_ENGINE_CHECKED_PARAMS = ("logit_bias", "stop", "stop_token_ids")
 
 
 @dataclass

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from mmserve.entrypoints.json_wire import JSONFloat
+
 
 def _none(value: Any) -> bool:
     return value is None
@@ -152,7 +154,7 @@ class Usage(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: JSONFloat
     bytes: list[int] | None = None
 
 
@@ -177,7 +179,7 @@ class ChatChoice(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    logprob: float
+    logprob: JSONFloat
     rank: int | None = None
     decoded_token: str | None = None
 
@@ -216,8 +218,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    token_logprobs: list[JSONFloat | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, JSONFloat] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH, check_length_penalty, unsupported_with_beams
+from mmserve.entrypoints.json_wire import loads_object
 from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
@@ -25,11 +25,9 @@ MAX_CHOICES = 16
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
+        body = loads_object(await request.body())
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from None
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -98,8 +96,10 @@ def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: Sampli
         raise OpenAIError(400, f"n must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {n}", param="n")
     if req.stream:
         raise OpenAIError(400, "use_beam_search is not supported with stream", param="use_beam_search")
-    if not math.isfinite(req.length_penalty):
-        raise OpenAIError(400, "length_penalty must be finite", param="length_penalty")
+    try:
+        check_length_penalty(req.length_penalty)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="length_penalty") from None
     field = unsupported_with_beams(params)
     if field is not None:
         raise OpenAIError(400, f"{field} is not supported with use_beam_search yet", param=field)
@@ -146,7 +146,8 @@ async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerS
     elif value["type"] == "json_object":
         kind, guide = "json_schema", '{"type": "object"}'
     else:
-        schema = (value.get("json_schema") or {}).get("schema") if value["type"] == "json_schema" else None
+        wrapper = value.get("json_schema") if value["type"] == "json_schema" else None
+        schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         if not isinstance(schema, dict):
             raise OpenAIError(400, "response_format: expected {'type': 'text' | 'json_object'} or {'type': "
                                    "'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")

@@ -3,13 +3,12 @@ usage and logprobs. No I/O and no engine calls; openai_api.py runs the requests 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from mmserve.entrypoints.json_wire import WireJSONResponse, dumps
 from mmserve.entrypoints.openai_protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
     CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, ErrorInfo, ErrorResponse, PromptLogprob,
@@ -31,18 +30,18 @@ class OpenAIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
+    def response(self) -> WireJSONResponse:
         headers = {"Retry-After": _RETRY_AFTER_S} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return WireJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def edge_error_response(path: str, status: int, message: str, openai_type: str = "invalid_request_error"
-                        ) -> JSONResponse:
-    """An error answered before any route runs (a middleware's): OpenAI's shape on /v1/ routes, Triton's
-    `{"error": message}` on the others."""
-    if path.startswith("/v1/"):
+                        ) -> WireJSONResponse:
+    """An error answered outside the routes (a middleware's): OpenAI's shape on the routes that answer in it (/v1/,
+    /tokenize, /detokenize), Triton's `{"error": message}` on the others."""
+    if path.startswith(("/v1/", "/tokenize", "/detokenize")):
         return OpenAIError(status, message, openai_type).response()
-    return JSONResponse({"error": message}, status_code=status)
+    return WireJSONResponse({"error": message}, status_code=status)
 
 
 @dataclass
@@ -87,7 +86,7 @@ def completion_response(ctx: ResponseContext, outs: list[RequestOutput]) -> Comp
 # ---- stream chunks (SSE events) ------------------------------------------------------------
 
 def sse(obj: BaseModel | dict) -> str:
-    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else dumps(obj).decode()
     return f"data: {data}\n\n"
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, StrictInt
 
+from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai_protocol import ChatMessage
 from mmserve.entrypoints.openai_requests import chat_prompt, check_model, parse_body
 from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.entrypoints.openapi_schemas import DETOKENIZE_RESPONSE, TOKENIZE_RESPONSE, openai_route
 from mmserve.entrypoints.state import ServerState
 
 router = APIRouter()
@@ -39,17 +40,17 @@ async def _parsed(request: Request, body_type: type[BaseModel]) -> tuple[ServerS
     return state, req
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", **openai_route(TokenizeRequest, TOKENIZE_RESPONSE))
 async def tokenize(request: Request) -> Response:
     try:
         state, req = await _parsed(request, TokenizeRequest)
         ids = _ids(state, req)
     except OpenAIError as e:
         return e.response()
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len})
+    return WireJSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len})
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", **openai_route(DetokenizeRequest, DETOKENIZE_RESPONSE))
 async def detokenize(request: Request) -> Response:
     try:
         state, req = await _parsed(request, DetokenizeRequest)
@@ -59,7 +60,7 @@ async def detokenize(request: Request) -> Response:
             raise OpenAIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
     except OpenAIError as e:
         return e.response()
-    return JSONResponse({"prompt": state.engine.tokenizer.decode(req.tokens)})
+    return WireJSONResponse({"prompt": state.engine.tokenizer.decode(req.tokens)})
 
 
 def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:

@@ -4,7 +4,6 @@ Routes reach the shared ServerState through `request.app.state.mm`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import zlib
 from collections.abc import Awaitable, Callable
@@ -13,11 +12,15 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 import mmserve
+from mmserve.entrypoints.json_wire import WireJSONResponse, dumps, loads_object
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints import triton_run as tr
+from mmserve.entrypoints.openapi_schemas import (
+    REPOSITORY_INDEX_REQUEST, REPOSITORY_INDEX_RESPONSE, generate_request_schema, generate_response_schema,
+    infer_request_schema, infer_response_schema, triton_route)
 from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
@@ -36,19 +39,20 @@ def _state(request: Request) -> ServerState:
     return request.app.state.mm
 
 
-def _error(exc: BaseException) -> JSONResponse:
+def _error(exc: BaseException) -> WireJSONResponse:
     status = tp.http_status(exc)
     if status == 500 and not isinstance(exc, ConnectionAbortedError):
         logger.error("request failed: %r", exc, exc_info=exc)
     headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse({"error": str(exc) or type(exc).__name__}, status_code=status, headers=headers)
+    return WireJSONResponse({"error": str(exc) or type(exc).__name__}, status_code=status, headers=headers)
 
 
-def _model_route(suffix: str, method: str) -> Callable:
-    """Register a handler on /v2/models/{model}<suffix> and /v2/models/{model}/versions/{version}<suffix>."""
+def _model_route(suffix: str, method: str, **docs: Any) -> Callable:
+    """Register a handler on /v2/models/{model}<suffix> and /v2/models/{model}/versions/{version}<suffix>;
+    `docs`: its OpenAPI description (openapi_schemas.py)."""
     def register(fn: Callable) -> Callable:
         for path in (f"/v2/models/{{model}}{suffix}", f"/v2/models/{{model}}/versions/{{version}}{suffix}"):
-            router.add_api_route(path, fn, methods=[method], include_in_schema=True)
+            router.add_api_route(path, fn, methods=[method], include_in_schema=True, **docs)
         return fn
     return register
 
@@ -69,16 +73,6 @@ async def _body(request: Request, limit: int) -> bytes:
     if len(data) > limit:
         raise ValueError(f"decompressed request body exceeds the limit of {limit} bytes")
     return data
-
-
-def _json_object(data: bytes | memoryview, what: str = "request body") -> dict[str, Any]:
-    try:
-        doc = json.loads(bytes(data))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"malformed JSON in {what}: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(doc).__name__}")
-    return doc
 
 
 async def _until_disconnect(request: Request, work: Awaitable) -> Any:
@@ -110,7 +104,7 @@ async def server_metadata() -> dict:
 @router.get("/v2/models/stats")   # before the model routes, which would take "stats" for a model name
 async def all_model_statistics(request: Request) -> Response:
     state = _state(request)
-    return JSONResponse(state.statistics.as_json(state.model_names, MODEL_VERSION))
+    return WireJSONResponse(state.statistics.as_json(state.model_names, MODEL_VERSION))
 
 
 def _about_model(request: Request, model: str, version: str, answer: Callable[[ServerState], Any]) -> Response:
@@ -120,7 +114,7 @@ def _about_model(request: Request, model: str, version: str, answer: Callable[[S
         tp.check_model(state, model, version)
     except Exception as exc:
         return _error(exc)
-    return JSONResponse(answer(state))
+    return WireJSONResponse(answer(state))
 
 
 @_model_route("/stats", "GET")
@@ -146,18 +140,19 @@ async def get_model_config(request: Request, model: str, version: str = "") -> R
         model, state.config.decoupled, state.config.accumulate_tokens))
 
 
-@router.post("/v2/repository/index")
+@router.post("/v2/repository/index", **triton_route(REPOSITORY_INDEX_REQUEST, REPOSITORY_INDEX_RESPONSE,
+                                                     body_required=False, per_model=False))
 async def repository_index(request: Request) -> Response:
     state = _state(request)
     body = await request.body()
     try:
-        ready_only = _json_object(body).get("ready", False) if body.strip() else False
+        ready_only = loads_object(body).get("ready", False) if body.strip() else False
     except ValueError as exc:
         return _error(exc)
     alive = state.engine.dead_error is None
     models = [{"name": name, "version": MODEL_VERSION, "state": "READY" if alive else "UNAVAILABLE", "reason": ""}
               for name in state.model_names]
-    return JSONResponse([m for m in models if alive or not ready_only])
+    return WireJSONResponse([m for m in models if alive or not ready_only])
 
 
 # ---- KServe infer (JSON + binary tensor extension) ------------------------------------------------
@@ -169,9 +164,9 @@ def _parse_infer(body: bytes, header_length: str | None) -> tuple[dict, dict[str
         if int(header_length) == 0:
             raise ValueError("raw binary requests (Inference-Header-Content-Length: 0) need a single-input model")
         cut = int(header_length)
-        head, binary = _json_object(memoryview(body)[:cut]), memoryview(body)[cut:]
+        head, binary = loads_object(memoryview(body)[:cut]), memoryview(body)[cut:]
     else:
-        head, binary = _json_object(body), memoryview(b"")
+        head, binary = loads_object(body), memoryview(b"")
     inputs = head.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ValueError("'inputs' must be a non-empty list of tensors")
@@ -236,14 +231,14 @@ def _infer_response(model: str, request_id: str, outputs: dict[str, np.ndarray],
             entry["data"] = to_json(arr)
         entries.append(entry)
     doc["outputs"] = entries
-    head = json.dumps(doc, separators=(",", ":")).encode()
+    head = dumps(doc)
     if not blobs:
         return Response(head, media_type="application/json")
     return Response(head + b"".join(blobs), media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
-@_model_route("/infer", "POST")
+@_model_route("/infer", "POST", **triton_route(infer_request_schema(), infer_response_schema(), binary=True))
 async def model_infer(request: Request, model: str, version: str = "") -> Response:
     state = _state(request)
     try:
@@ -267,7 +262,7 @@ async def _generate_request(request: Request, model: str, version: str) -> tuple
     request parameters, ignored as by Triton's LLM models."""
     state = _state(request)
     tp.check_model(state, model, version)
-    doc = _json_object(await _body(request, state.config.max_request_bytes))
+    doc = loads_object(await _body(request, state.config.max_request_bytes))
     request_id = doc.pop("id", "")
     if not isinstance(request_id, str):
         raise ValueError(f"'id' must be a string, got {request_id!r}")
@@ -294,10 +289,10 @@ def _generate_json(model: str, request_id: str, tensors: dict[str, np.ndarray]) 
     for name, arr in tensors.items():
         values = to_json(arr)
         doc[name] = values[0] if len(values) == 1 else values
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return dumps(doc, sort_keys=True)
 
 
-@_model_route("/generate", "POST")
+@_model_route("/generate", "POST", **triton_route(generate_request_schema(), generate_response_schema()))
 async def generate(request: Request, model: str, version: str = "") -> Response:
     state = _state(request)
     try:
@@ -313,7 +308,8 @@ def _sse(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-@_model_route("/generate_stream", "POST")
+@_model_route("/generate_stream", "POST", **triton_route(generate_request_schema(), generate_response_schema(),
+                                                        sse=True))
 async def generate_stream(request: Request, model: str, version: str = "") -> Response:
     """SSE: one `data: {...}` event per response; errors before the first response are plain JSON errors,
     later ones `data: {"error": ...}` events (PROTOCOL §2.3). A client that goes away aborts the request."""
@@ -329,15 +325,18 @@ async def generate_stream(request: Request, model: str, version: str = "") -> Re
 
     async def events():
         async with aclosing(responses):
-            yield _sse(_generate_json(model, request_id, select_outputs(first, None, model)))
-            if last:
-                return
             try:
+                yield _sse(_generate_json(model, request_id, select_outputs(first, None, model)))
+                if last:
+                    return
                 async for tensors, _ in responses:
                     yield _sse(_generate_json(model, request_id, select_outputs(tensors, None, model)))
             except Exception as exc:  # the status (200) is already sent
-                logger.info("generate_stream failed mid-stream: %r", exc)
-                yield _sse(json.dumps({"error": str(exc) or type(exc).__name__}).encode())
+                if tp.http_status(exc) == 500:
+                    logger.error("generate_stream failed mid-stream", exc_info=exc)
+                else:
+                    logger.info("generate_stream failed mid-stream: %r", exc)
+                yield _sse(dumps({"error": str(exc) or type(exc).__name__}))
 
     return _ClosingStream(events(), responses)
 

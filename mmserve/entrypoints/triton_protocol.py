@@ -13,7 +13,7 @@ import numpy as np
 
 from mmserve.engine.async_engine import EngineStopped
 from mmserve.engine.engine import EngineOverloaded
-from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
+from mmserve.engine.beam_search import MAX_BEAM_WIDTH, check_length_penalty, unsupported_with_beams
 from mmserve.engine.guided import GUIDE_TYPES
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
@@ -279,7 +279,7 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     return TritonRequest(model, prompt, params, stream=stream,
                          exclude_input=bool(g.scalar("exclude_input_in_output", False)),
                          return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
-                         length_penalty=float(g.scalar("length_penalty", 1.0)), num_return=num_return)
+                         length_penalty=check_length_penalty(float(g.scalar("length_penalty", 1.0))), num_return=num_return)
 
 
 def num_return_sequences(g: _Item, width: int) -> int:
@@ -344,10 +344,12 @@ def rename_fields(message: str, req: TritonRequest) -> str:
     if req.model == TRTLLM:
         message = re.sub(r"\bprompt_table\b", "prompt_embedding_table", message)
         message = re.sub(r"\bprompt_token_ids\b", "input_ids", message)
+        message = re.sub(r"^(stop|bad)_token_sequences:", r"\1_words_list:", message)   # RequestLimits
         if not message.startswith(tuple(s.name for s in TRTLLM_INPUTS)) and "prompt" in message:
             message = f"input_ids: {message}"
         return message
     message = re.sub(r"^decoder_prompt\b", "decoder_text_input", message)
+    message = re.sub(r"^stop:", "stop_words:", message)   # RequestLimits names SamplingParams.stop
     if req.image_field:
         message = re.sub(r"\bpixel_values\b", req.image_field, message)
         message = re.sub(r"^(?:images|videos)(\[\d+\])?", req.image_field + r"\1", message)

@@ -38,6 +38,10 @@ class MediaConfig:
     fetch_timeout_s: float = 10.0                  # wall-clock budget of one download, redirects included
     max_media_bytes: int = 32 * 2**20              # encoded size of one item (download, data URI, bytes, file)
     max_image_pixels: int = 64 * 2**20             # width * height of one image or video frame
+    # long edge / short edge of one image or video frame. Processors that scale the short edge to a fixed size
+    # (CLIP's, Nougat's) turn a picture of ratio r into about r square pictures, whatever its own pixel count:
+    # at 200 no family's resize makes more than ~1.4x max_image_pixels (Nougat, 672 px short edge)
+    max_image_aspect_ratio: float = 200.0
     max_images_per_request: int = 16
     max_video_frames: int = 64
     header_font_path: str | None = None            # TrueType font Pix2Struct VQA models (Deplot) read questions in
@@ -50,6 +54,9 @@ class MediaConfig:
             raise ValueError(f"header_font_path must be an existing font file, got {self.header_font_path!r}")
         if not self.fetch_timeout_s > 0:
             raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        ratio = self.max_image_aspect_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1.0 <= ratio < float("inf"):
+            raise ValueError(f"max_image_aspect_ratio must be a finite number >= 1, got {ratio!r}")
         for name in ("max_media_bytes", "max_image_pixels", "max_images_per_request", "max_video_frames"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -69,9 +76,14 @@ def _check_size(nbytes: int, config: MediaConfig, field: str) -> None:
         raise _error(field, f"item is larger than max_media_bytes={config.max_media_bytes} ({nbytes} bytes or more)")
 
 
-def _check_pixels(width: int, height: int, config: MediaConfig, field: str) -> None:
+def check_picture_size(width: int, height: int, config: MediaConfig, field: str, what: str = "image") -> None:
+    """Every image and video frame passes here before any resizing: its pixels and its aspect ratio, which bounds
+    what the family's processor makes of it."""
     if width * height > config.max_image_pixels:
-        raise _error(field, f"image is {width}x{height} pixels, above max_image_pixels={config.max_image_pixels}")
+        raise _error(field, f"{what} is {width}x{height} pixels, above max_image_pixels={config.max_image_pixels}")
+    if max(width, height) > config.max_image_aspect_ratio * max(min(width, height), 1):
+        raise _error(field, f"{what} is {width}x{height} pixels, an aspect ratio above "
+                            f"max_image_aspect_ratio={config.max_image_aspect_ratio:g}")
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -315,7 +327,7 @@ def _decode_image_bytes(data: bytes, config: MediaConfig, field: str) -> Image.I
         raise _error(field, f"image is too large ({exc}); max_image_pixels={config.max_image_pixels}") from exc
     except Exception as exc:
         raise _error(field, "data cannot be decoded as an image") from exc
-    _check_pixels(img.width, img.height, config, field)  # open() read only the header: no pixels yet
+    check_picture_size(img.width, img.height, config, field)  # open() read only the header: no pixels yet
     return _finish(img, field)
 
 
@@ -332,7 +344,7 @@ def _array_to_image(array: Any, config: MediaConfig, field: str) -> Image.Image:
         array = array[..., 0]
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (3, 4)) or 0 in array.shape:
         raise _error(field, f"image array must be HxW, HxWxC or CxHxW with C in (1, 3, 4), got shape {array.shape}")
-    _check_pixels(array.shape[1], array.shape[0], config, field)
+    check_picture_size(array.shape[1], array.shape[0], config, field)
     return _to_rgb(Image.fromarray(np.ascontiguousarray(array)))
 
 
@@ -340,7 +352,7 @@ def _to_image(item: Image.Image | np.ndarray | bytes, config: MediaConfig, field
     if isinstance(item, bytes):
         return _decode_image_bytes(item, config, field)
     if isinstance(item, Image.Image):
-        _check_pixels(item.width, item.height, config, field)
+        check_picture_size(item.width, item.height, config, field)
         return _finish(item, field)
     return _array_to_image(item, config, field)
 

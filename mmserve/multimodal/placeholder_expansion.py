@@ -13,12 +13,19 @@ real processor's runs (and per number of images in the prompt, since a processor
 multi-image prompt differently); the first learned run is also redone the short way and compared, key by key, with the
 processor's output. Any difference (another tokenizer behaviour, processor-side kwargs, extra outputs) turns
 the shortcut off for good, so the processor stays the oracle.
+
+Up to MAX_SIZES keys are kept (the oldest learned goes first), each expansion run-length encoded (pack_run): one
+(id, repeat) pair for LLaVA-1.5's 576 placeholders or a Qwen2-VL picture's thousands, two per row for Pixtral's;
+~0.3 KB an entry with its key, ~1 MB at the cap. As tuples of Python ints (40 bytes an id), traffic of pictures of
+random sizes would fill the cap with 91 MB for LLaVA-1.5 and ~2.6 GB for Qwen2-VL's largest pictures.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +36,23 @@ Size = tuple[int, int]
 Key = tuple[int, int, int]   # (width, height, images in the prompt)
 # processor outputs that the shortcut leaves out: no model class reads them (per-token modality ids)
 UNUSED_KEYS = frozenset({"mm_token_type_ids"})
+
+
+def pack_run(run: Sequence[int]) -> array:
+    """An expansion run-length encoded: (id, repeat) pairs, flat, as int64."""
+    packed = array("q")
+    for t in run:
+        if packed and packed[-2] == t:
+            packed[-1] += 1
+        else:
+            packed.extend((t, 1))
+    return packed
+
+
+def unpack_run(packed: array) -> tuple[int, ...]:
+    """The run of ids pack_run encoded."""
+    return tuple(itertools.chain.from_iterable(itertools.repeat(packed[i], packed[i + 1])
+                                               for i in range(0, len(packed), 2)))
 
 
 def expansion_runs(ids: list[int], run_ids: frozenset[int]) -> list[tuple[int, ...]]:
@@ -47,7 +71,7 @@ def expansion_runs(ids: list[int], run_ids: frozenset[int]) -> list[tuple[int, .
 class PlaceholderExpansion:
     """Per-size expansions learned from the processor, and the short way to build its outputs."""
 
-    MAX_SIZES = 4096   # learned image sizes kept (each entry is two ints and a run of ids)
+    MAX_SIZES = 4096   # learned (image size, images in the prompt) keys kept, each ~0.3 KB (its run packed)
 
     def __init__(self, tokenizer: Callable[[str], Any], image_token_id: int,
                  run_ids: frozenset[int] = frozenset()) -> None:
@@ -56,15 +80,15 @@ class PlaceholderExpansion:
         self.image_token_id = image_token_id
         self.run_ids = frozenset(run_ids) | {image_token_id}
         self.verified: bool | None = None   # None: not yet compared with the processor
-        self._expansions: dict[Key, tuple[int, ...]] = {}
+        self._expansions: dict[Key, array] = {}   # packed runs (pack_run), oldest learned first
         self._lock = threading.Lock()
 
     def expansions_for(self, sizes: list[Size]) -> list[tuple[int, ...]] | None:
         """Each image's run of ids, if the shortcut is on and every size was learned."""
         if not self.verified:
             return None
-        runs = [self._expansions.get((*s, len(sizes))) for s in sizes]
-        return None if None in runs else runs
+        packed = [self._expansions.get((*s, len(sizes))) for s in sizes]
+        return None if None in packed else [unpack_run(p) for p in packed]
 
     def encode(self, text: str, expansions: list[tuple[int, ...]],
                image_outputs: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
@@ -95,9 +119,10 @@ class PlaceholderExpansion:
         with self._lock:
             for size, run in zip(sizes, runs):
                 key = (*size, len(sizes))
-                if self._expansions.setdefault(key, run) != run:
+                packed = pack_run(run)
+                if self._expansions.setdefault(key, packed) != packed:
                     self._turn_off(f"images of size {size} got two different expansions "
-                                   f"({len(self._expansions[key])} and {len(run)} ids)")
+                                   f"({len(unpack_run(self._expansions[key]))} and {len(run)} ids)")
                     return
             while len(self._expansions) > self.MAX_SIZES:
                 self._expansions.pop(next(iter(self._expansions)))

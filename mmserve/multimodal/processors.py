@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from transformers import AutoProcessor
 
 from mmserve.engine.request import MultiModalItem
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
-from mmserve.multimodal.inputs import MediaConfig, load_images, load_video_bytes
+from mmserve.multimodal.inputs import MediaConfig, check_picture_size, load_images, load_video_bytes
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
 from mmserve.multimodal.prompt_table import prompt_table_items
 from mmserve.multimodal.video import decode_video
@@ -52,16 +53,21 @@ class InputProcessor:
 
     KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora",
             "prompt_table", "prompt_table_extra_ids", "decoder_prompt"}
-    RECENT_INPUTS = 64   # processed media prompts kept for exact repeats (LRU)
-    RECENT_IMAGES = 16   # image processor outputs kept by the pictures' content (a new question on a picture)
+    # LRU caches, bounded in entries and in bytes (their tensors, on the preprocessing device: the GPU where the HF
+    # image processor runs there): a picture's pixels are 1.3 MB for LLaVA-1.5, up to ~300 MB for Qwen2-VL
+    RECENT_INPUTS = 64                 # processed media prompts kept for exact repeats
+    RECENT_INPUTS_BYTES = 256 * 2**20
+    RECENT_IMAGES = 16                 # image processor outputs by the pictures' content (a new question on one)
+    RECENT_IMAGES_BYTES = 128 * 2**20
 
     def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None,
                  device: torch.device | None = None) -> None:
         self.hf_config = hf_config
         self.device = device   # where the HF image processor resizes/normalises (None: CPU)
         self._streams = threading.local()   # one CUDA stream per preprocessing thread
-        self._recent: OrderedDict[tuple, ProcessedInputs] = OrderedDict()
-        self._recent_images: OrderedDict[tuple, dict[str, Any]] = OrderedDict()   # guarded by _recent_lock too
+        self._recent = BoundedLRU(self.RECENT_INPUTS, self.RECENT_INPUTS_BYTES, _inputs_bytes)
+        self._recent_images = BoundedLRU(self.RECENT_IMAGES, self.RECENT_IMAGES_BYTES,   # guarded by _recent_lock too
+                                         lambda out: _tensor_bytes(out.values()))
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
         self.media = media or MediaConfig()
@@ -187,7 +193,6 @@ class InputProcessor:
         with self._recent_lock:   # servers preprocess on several threads
             cached = self._recent.get(cache_key)
             if cached is not None:
-                self._recent.move_to_end(cache_key)
                 return cached
         content_keys = image_keys
         if ids_given is not None:
@@ -220,9 +225,7 @@ class InputProcessor:
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
         out = self._with_mrope(ProcessedInputs(text, ids, items, lora=lora), enc)
         with self._recent_lock:
-            self._recent[cache_key] = out   # shared read-only by the requests that hit it
-            while len(self._recent) > self.RECENT_INPUTS:
-                self._recent.popitem(last=False)
+            self._recent.put(cache_key, out)   # shared read-only by the requests that hit it
         return out
 
     def _encode(self, text: str, kwargs: dict[str, Any], shortcut: bool, images_key: tuple):
@@ -248,13 +251,10 @@ class InputProcessor:
         with self._recent_lock:
             out = self._recent_images.get(key)
             if out is not None:
-                self._recent_images.move_to_end(key)
                 return out   # shared read-only, as the ProcessedInputs of exact repeats are
         out = self._on_stream(lambda: self._image_outputs(kwargs))
         with self._recent_lock:
-            self._recent_images[key] = out
-            while len(self._recent_images) > self.RECENT_IMAGES:
-                self._recent_images.popitem(last=False)
+            self._recent_images.put(key, out)
         return out
 
     def _image_outputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -320,6 +320,7 @@ class InputProcessor:
                 if not 1 <= len(v) <= self.media.max_video_frames:
                     raise ValueError(f"{field_name}: {len(v)} frames, allowed 1 to "
                                      f"max_video_frames={self.media.max_video_frames}")
+                check_picture_size(v.shape[2], v.shape[1], self.media, field_name, "a video frame")
                 out.append(v)
             else:
                 out.append(decode_video(load_video_bytes(v, self.media, field=field_name), num_frames,
@@ -385,6 +386,54 @@ class InputProcessor:
 # chat content part type -> (the HF chat template's part type, prompt dict key)
 _MEDIA_PARTS = {"image_url": ("image", "images"), "image": ("image", "images"),
                 "video_url": ("video", "videos"), "video": ("video", "videos")}
+
+
+class BoundedLRU:
+    """An LRU cache of at most `max_entries` entries and `max_bytes` bytes, as `size_of(value)` counts them (a value
+    larger than max_bytes is not kept). Not locked: InputProcessor holds its _recent_lock around every call."""
+
+    def __init__(self, max_entries: int, max_bytes: int, size_of: Callable[[Any], int]) -> None:
+        self.max_entries, self.max_bytes, self._size_of = max_entries, max_bytes, size_of
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()   # least recently used first
+        self.nbytes = 0
+
+    def get(self, key: Hashable) -> Any | None:
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        size = self._size_of(value)
+        if size > self.max_bytes:
+            return
+        self._entries[key] = (value, size)
+        self.nbytes += size
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.nbytes -= dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _tensor_bytes(values) -> int:
+    return sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+
+
+def _inputs_bytes(inputs: ProcessedInputs) -> int:
+    """What a ProcessedInputs holds: its encoder inputs, M-RoPE positions and prompt ids (a list of Python ints:
+    a pointer and an int object each)."""
+    n = 40 * len(inputs.prompt_token_ids) + sum(_tensor_bytes(m.data.values()) for m in inputs.mm_items)
+    return n + (inputs.mrope_positions.nbytes if inputs.mrope_positions is not None else 0)
 
 
 def _as_list(value) -> list:

@@ -9,7 +9,7 @@ from typing import Any
 import av
 import numpy as np
 
-from mmserve.multimodal.inputs import MediaConfig, MediaError
+from mmserve.multimodal.inputs import MediaConfig, MediaError, check_picture_size
 
 # Demuxers allowed to parse user bytes. Playlist-style ones (hls, concat, ...) would open further
 # files or URLs; "none" as the protocol whitelist names no protocol, so no nested open can succeed.
@@ -31,18 +31,13 @@ def _open(data: bytes, config: MediaConfig, field: str) -> Iterator[tuple[Any, A
             if not container.streams.video:
                 raise MediaError(f"{field}: data cannot be decoded as a video (no video stream)")
             stream = container.streams.video[0]
-            _check_frame_size(stream.codec_context.width, stream.codec_context.height, config, field)
+            check_picture_size(stream.codec_context.width, stream.codec_context.height, config, field,
+                               "a video frame")
             yield container, stream
     except MediaError:
         raise
     except Exception as exc:  # FFmpeg and PyAV raise many exception types on corrupt input
         raise MediaError(f"{field}: data cannot be decoded as a video") from exc
-
-
-def _check_frame_size(width: int, height: int, config: MediaConfig, field: str) -> None:
-    if width * height > config.max_image_pixels:
-        raise MediaError(f"{field}: video frames are {width}x{height} pixels, "
-                         f"above max_image_pixels={config.max_image_pixels}")
 
 
 def _frame_count(data: bytes, config: MediaConfig, field: str) -> int:
@@ -63,7 +58,7 @@ def _decode_frames(data: bytes, indices: np.ndarray, config: MediaConfig,
     with _open(data, config, field) as (container, stream):
         stream.thread_type = "AUTO"
         for frame in container.decode(stream):
-            _check_frame_size(frame.width, frame.height, config, field)
+            check_picture_size(frame.width, frame.height, config, field, "a video frame")
             if count in wanted:
                 # the resolution may change mid-stream; every kept frame takes the first one's size
                 size = size or (frame.width, frame.height)

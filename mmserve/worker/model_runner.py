@@ -358,7 +358,7 @@ class ModelRunner:
             return LaunchedStep([], None, RunnerOutput())
         batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs], [r.eos_token_ids for r in reqs], [r.bad_words_ids for r in reqs],
+            [r.generator for r in reqs], [r.eos_token_ids for r in reqs], [r.bad_words for r in reqs],
             logits.shape[-1], self.device, grammars=[r.grammar for r in reqs])
         out = RunnerOutput()
         for i, r in enumerate(reqs):

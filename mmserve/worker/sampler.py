@@ -4,7 +4,8 @@ Order of processing, per step, on fp32 copies of the logits [B, V] (steps 0-4 on
   0. logit bias: the row's per-id values are added (OpenAI `logit_bias`, Triton `embedding_bias_*`); then guided
      decoding: ids the row's grammar matcher does not allow next get -inf (engine/guided.py);
   1. bad words: a bad word's last id gets -inf when its prefix (all ids but the last) equals the tail of
-     the row's output ids (a one-token bad word always applies);
+     the row's output ids (a one-token bad word always applies); the request's TokenSequenceMatcher
+     (engine/stop_matcher.py, fed its output ids as they arrive) has those ids ready, whatever the list's size;
   2. min_tokens: while len(output) < min_tokens, the row's EOS (unless ignore_eos) and stop_token_ids get -inf;
   3. penalties: repetition (HF: over prompt+output ids, logit>0 -> logit/p else logit*p), then presence and
      frequency (OpenAI: output ids only, logit -= presence*[count>0] + frequency*count);
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.engine.stop_matcher import TokenSequenceMatcher
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.transfer import to_device
 
@@ -164,10 +166,13 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              eos_token_ids: list[tuple[int, ...] | int | None], bad_words_ids: list[list[list[int]]], vocab_size: int,
+              eos_token_ids: list[tuple[int, ...] | int | None],
+              bad_words_ids: list[TokenSequenceMatcher | list[list[int]] | None], vocab_size: int,
               device: torch.device, grammars: list | None = None) -> "SamplingBatch":
         """eos_token_ids[i]: the row's EOS ids (an int: one; empty or None fall back to params.eos_token_id);
-        bad_words_ids[i]: the row's bad words, each already tokenized; generators[i] is used only when
+        bad_words_ids[i]: the row's bad words, each already tokenized: the request's TokenSequenceMatcher (it has
+        taken the row's output ids already: Request.fill_pending), or a list of id lists matched here against
+        output_token_ids[i]; generators[i] is used only when
         params[i].seed is set; grammars[i]: the row's guided-decoding Guide (engine/guided.py) or None."""
         device = torch.device(device)
         num_rows = len(params)
@@ -191,13 +196,7 @@ class SamplingBatch:
         mask_ids: list[int] = []
         for i, p in enumerate(params):
             out = output_token_ids[i]
-            banned = set()
-            for word in bad_words_ids[i]:
-                if not word:
-                    continue
-                prefix = word[:-1]
-                if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
-                    banned.add(word[-1])
+            banned = set(_bad_word_bans(bad_words_ids[i], out))
             if len(out) < p.min_tokens:
                 eos = eos_token_ids[i] if eos_token_ids[i] not in (None, ()) else p.eos_token_id
                 if eos is not None and not p.ignore_eos:
@@ -271,6 +270,15 @@ class SamplingBatch:
         )
 
 
+def _bad_word_bans(bad: TokenSequenceMatcher | list[list[int]] | None, out: list[int]) -> frozenset[int]:
+    """The ids a bad word would complete if sampled next."""
+    if not bad:
+        return frozenset()
+    if not isinstance(bad, TokenSequenceMatcher):
+        bad = TokenSequenceMatcher(bad).feed_all(out)
+    return bad.banned_next()
+
+
 def _allowed(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     """[G, W] int32 bits -> [G, width] bool (ids past the bitmask's vocabulary are not allowed)."""
     bits = (bitmask.unsqueeze(-1) >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
@@ -284,7 +292,8 @@ def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _TEMP_EPS
 
 
-def _plain_greedy(p: SamplingParams, output_token_ids: list[int], bad_words: list[list[int]]) -> bool:
+def _plain_greedy(p: SamplingParams, output_token_ids: list[int],
+                  bad_words: TokenSequenceMatcher | list[list[int]] | None) -> bool:
     """A row that takes the argmax of its logits as they are: greedy, no penalty, no id to mask, no logprobs (the
     common batch, which SamplingBatch.build then makes without its per-row lists)."""
     return (_is_greedy(p) and not bad_words and not p.logit_bias and len(output_token_ids) >= p.min_tokens

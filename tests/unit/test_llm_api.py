@@ -150,6 +150,23 @@ def test_invalid_sampling_values_name_the_field(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_stop_lists_over_the_limits_raise_naming_the_flag(llm, tiny_llava_dir):
+    """RequestLimits: the engine refuses a request whose lists are too long before it is queued; LLM's keyword
+    arguments set the limits (checked before the model loads)."""
+    many = [f"~{i:03d}" for i in range(65)]
+    with pytest.raises(ValueError, match=r"^stop: 65 entries, more than --max-stop-sequences=64$"):
+        llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, stop=many), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^bad_token_sequences: 4097 token ids in all, more than "
+                                         r"--max-stop-sequence-chars=4096$"):
+        llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, bad_token_sequences=[[5] * 4097]),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0
+    out = llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, stop=many[:64]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_stop_sequence_chars must be an integer >= 1"):
+        LLM(tiny_llava_dir, device="cpu", max_stop_sequence_chars=0)
+
+
 def test_bad_config_values(tiny_llava_dir, tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_llava_dir, dtype="float8")

@@ -214,6 +214,21 @@ def test_pixel_cap_checked_before_decoding():
         load_image(_png_header(30000, 30000))
 
 
+def test_aspect_ratio_checked_before_decoding():
+    """A 400000x1 picture is 1.2 KB as a PNG and under the pixel cap, but a processor that scales its short edge
+    to 336 px would make 135 GB of it: refused from the header, before any pixel is decoded or resized."""
+    for source in (_png_header(400000, 1), _png_header(1, 400000), np.zeros((1, 300, 3), np.uint8),
+                   Image.new("RGB", (201, 1))):
+        with pytest.raises(MediaError, match="aspect ratio above max_image_aspect_ratio=200"):
+            load_image(source)
+    assert load_image(Image.new("RGB", (200, 1))).size == (200, 1)
+    with pytest.raises(MediaError, match="max_image_aspect_ratio=3"):
+        load_image(Image.new("RGB", (40, 10)), MediaConfig(max_image_aspect_ratio=3))
+    for bad in (0.5, float("nan"), float("inf"), "2"):
+        with pytest.raises(ValueError, match="max_image_aspect_ratio"):
+            MediaConfig(max_image_aspect_ratio=bad)
+
+
 def test_byte_cap_on_raw_bytes_and_data_uris():
     config = MediaConfig(max_media_bytes=len(PNG) - 1)
     for source in (PNG, _data_uri(PNG)):

@@ -116,3 +116,32 @@ def test_hash_video(mp4):
     assert hash_video(four) != hash_video(five)
     assert hash_video(four) != hash_video(four.astype(np.int16))
     assert hash_video(mp4) == hash_video(bytearray(mp4)) != hash_video(four)
+
+
+def test_thin_frames_refused_before_decoding():
+    """Frames past max_image_aspect_ratio are refused from the stream's header (as images are), and decoded frames
+    given as arrays by the offline API are checked the same way."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 2, "yuv420p"
+        for _ in range(2):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.zeros((2, 64, 3), np.uint8), format="rgb24")))
+        out.mux(stream.encode())
+    thin = buf.getvalue()
+    assert decode_video(thin, 2).shape == (2, 2, 64, 3)
+    with pytest.raises(MediaError, match="video: a video frame is 64x2 pixels, an aspect ratio above "
+                                         "max_image_aspect_ratio=16"):
+        decode_video(thin, 2, MediaConfig(max_image_aspect_ratio=16), field="video")
+
+
+def test_decoded_frames_are_checked_like_pictures(tiny_llava_dir):
+    from transformers import AutoConfig
+
+    from mmserve.models.registry import get_model_class
+    from mmserve.multimodal.processors import InputProcessor
+
+    hf_config = AutoConfig.from_pretrained(tiny_llava_dir)
+    processor = InputProcessor(tiny_llava_dir, hf_config, get_model_class(hf_config))
+    with pytest.raises(ValueError, match=r"videos\[0\]: a video frame is 300x1 pixels, an aspect ratio above"):
+        processor._load_videos([np.zeros((2, 1, 300, 3), np.uint8)], 2)
