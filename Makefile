@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: install serve test test-gpu demo
+.PHONY: install serve test test-gpu demo lint
 install: $(VENV)/.installed
 
 serve: install
@@ -21,6 +21,10 @@ serve: install
 
 demo: install
 	$(PY) -m mmserve.entrypoints.demo
+
+lint: install
+	$(VENV)/bin/ruff check mmserve tests scripts
+	$(VENV)/bin/ruff format --check mmserve tests scripts
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests $(ARGS)

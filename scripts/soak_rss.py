@@ -26,6 +26,7 @@ server several-fold; allocations of C libraries (glibc arenas, torch's CPU alloc
     python scripts/soak_rss.py --minutes 8 --encoder-cache-size 2048 --kv-cache-size-gb 0.05
     python scripts/soak_rss.py --minutes 3 --tracemalloc /tmp/soak
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MB = 2**20
-WORDS = ("what", "is", "in", "this", "picture", "describe", "the", "colors", "shapes", "left", "right", "count", "how",
-         "many", "lines", "a", "short", "answer", "please", "where", "top", "bottom", "corner", "bright", "dark")
+WORDS = (
+    "what",
+    "is",
+    "in",
+    "this",
+    "picture",
+    "describe",
+    "the",
+    "colors",
+    "shapes",
+    "left",
+    "right",
+    "count",
+    "how",
+    "many",
+    "lines",
+    "a",
+    "short",
+    "answer",
+    "please",
+    "where",
+    "top",
+    "bottom",
+    "corner",
+    "bright",
+    "dark",
+)
 
 
 # ---- the server's memory ------------------------------------------------------------------------------------------
@@ -76,6 +102,7 @@ def rss_bytes(pid: int) -> int:
     """Resident set size of process pid (psutil if installed, else /proc/PID/status)."""
     try:
         import psutil
+
         return psutil.Process(pid).memory_info().rss
     except ImportError:
         pass
@@ -105,8 +132,15 @@ def picture(seed: int, size: tuple[int, int]) -> bytes:
 
     rng = random.Random(seed)
     w, h = size
-    c0, c1 = np.array([rng.randrange(256) for _ in range(3)]), np.array([rng.randrange(256) for _ in range(3)])
-    t = np.linspace(0, 1, w)[None, :, None] if rng.random() < 0.5 else np.linspace(0, 1, h)[:, None, None]
+    c0, c1 = (
+        np.array([rng.randrange(256) for _ in range(3)]),
+        np.array([rng.randrange(256) for _ in range(3)]),
+    )
+    t = (
+        np.linspace(0, 1, w)[None, :, None]
+        if rng.random() < 0.5
+        else np.linspace(0, 1, h)[:, None, None]
+    )
     arr = np.broadcast_to(c0 + (c1 - c0) * t, (h, w, 3)).astype(np.uint8)
     img = Image.fromarray(np.ascontiguousarray(arr))
     draw = ImageDraw.Draw(img)
@@ -126,10 +160,13 @@ def data_uri(png: bytes) -> str:
 @dataclass
 class Traffic:
     """What each request sends: new pictures of new sizes, exact repeats, new questions on recent pictures."""
+
     seed: int = 0
     max_side: int = 512
-    recent: list[tuple[str, str]] = field(default_factory=list)   # (data URI, question) of recent requests
-    pictures: int = 0   # distinct pictures made
+    recent: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (data URI, question) of recent requests
+    pictures: int = 0  # distinct pictures made
     sizes: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -143,13 +180,15 @@ class Traffic:
         """(image data URIs, question, max tokens) of the next request."""
         with self.lock:
             roll = self.rng.random()
-            if roll < 0.15 and self.recent:   # an exact repeat: processed-input cache, prefix and prompt-end hits
+            if (
+                roll < 0.15 and self.recent
+            ):  # an exact repeat: processed-input cache, prefix and prompt-end hits
                 uri, q = self.rng.choice(self.recent[-64:])
                 return [uri], q, 8
-            if roll < 0.3 and self.recent:    # a new question about a recent picture
+            if roll < 0.3 and self.recent:  # a new question about a recent picture
                 uri, _ = self.rng.choice(self.recent[-32:])
                 images = [uri]
-            else:                             # new pictures, each of a new size when possible
+            else:  # new pictures, each of a new size when possible
                 images = [self._new_picture() for _ in range(2 if roll > 0.9 else 1)]
             q, max_tokens = self.question(), self.rng.randint(1, 16)
             if len(images) == 1:
@@ -171,32 +210,49 @@ def one_request(client, url: str, model: str, traffic: Traffic, rng: random.Rand
     try:
         if kind.startswith("triton"):
             tags = "".join("<image>\n" for _ in images)
-            body = {"text_input": f"USER: {tags}{question} ASSISTANT:", "max_tokens": max_tokens,
-                    "temperature": rng.choice((0, 0.7)), "image_url_input": images if len(images) > 1 else images[0]}
+            body = {
+                "text_input": f"USER: {tags}{question} ASSISTANT:",
+                "max_tokens": max_tokens,
+                "temperature": rng.choice((0, 0.7)),
+                "image_url_input": images if len(images) > 1 else images[0],
+            }
             if kind == "triton_stream":
                 body["stream"] = True
                 r = client.post(f"{url}/v2/models/{model}/generate_stream", json=body)
-                events = [json.loads(e[len("data: "):]) for e in r.text.split("\n\n") if e.startswith("data: ")]
+                events = [
+                    json.loads(e[len("data: ") :])
+                    for e in r.text.split("\n\n")
+                    if e.startswith("data: ")
+                ]
                 ok = r.status_code == 200 and bool(events) and not any("error" in e for e in events)
             else:
                 r = client.post(f"{url}/v2/models/{model}/generate", json=body)
                 ok = r.status_code == 200 and "text_output" in r.json()
         else:
             parts = [{"type": "image_url", "image_url": {"url": u}} for u in images]
-            body = {"model": "ensemble", "max_tokens": max_tokens, "temperature": rng.choice((0, 0.7)),
-                    "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]}
+            body = {
+                "model": "ensemble",
+                "max_tokens": max_tokens,
+                "temperature": rng.choice((0, 0.7)),
+                "messages": [
+                    {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
+                ],
+            }
             if kind == "openai_stream":
                 body["stream"] = True
                 r = client.post(f"{url}/v1/chat/completions", json=body)
                 ok = r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
             else:
                 r = client.post(f"{url}/v1/chat/completions", json=body)
-                ok = r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+                ok = (
+                    r.status_code == 200
+                    and r.json()["choices"][0]["message"]["content"] is not None
+                )
         if not ok:
             print(f"  {kind} failed: HTTP {r.status_code} {r.text[:300]}", flush=True)
             return ""
         return kind
-    except Exception as exc:   # noqa: BLE001 - a soak counts failures, it does not stop on the first
+    except Exception as exc:  # noqa: BLE001 - a soak counts failures, it does not stop on the first
         print(f"  {kind} failed: {exc!r}", flush=True)
         return ""
 
@@ -204,6 +260,7 @@ def one_request(client, url: str, model: str, traffic: Traffic, rng: random.Rand
 # ---- the server --------------------------------------------------------------------------------------------------
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -216,9 +273,22 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     model = args.model
     if model is None:
         from mmserve.testing import default_model_dir
+
         model = str(default_model_dir())
-    serve = [model, "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "-1", "--device", args.device,
-             "--log-level", "info", *args.server_arg]
+    serve = [
+        model,
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        "-1",
+        "--device",
+        args.device,
+        "--log-level",
+        "info",
+        *args.server_arg,
+    ]
     if args.encoder_cache_size is not None:
         serve += ["--encoder-cache-size", str(args.encoder_cache_size)]
     if args.kv_cache_size_gb is not None:
@@ -232,12 +302,16 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     with open(log_path, "w") as log:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.update(kv.split("=", 1) for kv in args.server_env)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.start_timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(
+                f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
         try:
             if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
                 return proc, url
@@ -245,7 +319,9 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
             pass
         if time.time() > deadline:
             stop_server(proc)
-            raise RuntimeError(f"server not ready after {args.start_timeout}s:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(
+                f"server not ready after {args.start_timeout}s:\n{log_path.read_text()[-4000:]}"
+            )
         time.sleep(0.2)
 
 
@@ -269,9 +345,13 @@ def child(out_dir: str, serve_args: list[str]) -> int:
             tracemalloc.start(8)
             (Path(out_dir) / "started").touch()
             return
-        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-        lines = [f"alive now of what was allocated since tracing started: "
-                 f"{sum(s.size for s in snap.statistics('filename')) / MB:.2f} MB"]
+        snap = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, tracemalloc.__file__)]
+        )
+        lines = [
+            f"alive now of what was allocated since tracing started: "
+            f"{sum(s.size for s in snap.statistics('filename')) / MB:.2f} MB"
+        ]
         lines += [str(s) for s in snap.statistics("lineno")[:25]]
         lines.append("\nthe 5 largest by traceback:")
         for stat in snap.statistics("traceback")[:5]:
@@ -283,11 +363,14 @@ def child(out_dir: str, serve_args: list[str]) -> int:
 
     trims = [0]
 
-    def trim(signum, frame) -> None:   # glibc only: give free heap pages back; how much came back tells
-        import ctypes                    # retained-but-free memory (fragmentation) from live objects
+    def trim(
+        signum, frame
+    ) -> None:  # glibc only: give free heap pages back; how much came back tells
+        import ctypes  # retained-but-free memory (fragmentation) from live objects
+
         try:
             ctypes.CDLL(None).malloc_trim(0)
-        except AttributeError:           # not glibc: nothing to trim, the values before and after are equal
+        except AttributeError:  # not glibc: nothing to trim, the values before and after are equal
             pass
         (Path(out_dir) / f"trimmed-{trims[0]}").touch()
         trims[0] += 1
@@ -295,10 +378,13 @@ def child(out_dir: str, serve_args: list[str]) -> int:
     signal.signal(signal.SIGUSR1, on_signal)
     signal.signal(signal.SIGUSR2, trim)
     from mmserve.entrypoints.cli import main
+
     return main(["serve", *serve_args])
 
 
-def signal_and_wait(proc: subprocess.Popen, path: Path, timeout: float = 300.0, signum=signal.SIGUSR1) -> None:
+def signal_and_wait(
+    proc: subprocess.Popen, path: Path, timeout: float = 300.0, signum=signal.SIGUSR1
+) -> None:
     """A signal to the `--child` server (SIGUSR1: tracemalloc, SIGUSR2: malloc_trim), then wait for the file it
     writes."""
     os.kill(proc.pid, signum)
@@ -328,8 +414,8 @@ def soak(args) -> dict:
     log_path = log_dir / "server.log"
     proc, url = start_server(args, log_path)
     traffic = Traffic(seed=args.seed, max_side=args.max_side)
-    samples: list[tuple[float, int, int]] = []   # (seconds since start, RSS bytes, requests done)
-    anon_file: list[tuple[float, int, int]] = []   # (seconds since start, RssAnon, RssFile)
+    samples: list[tuple[float, int, int]] = []  # (seconds since start, RSS bytes, requests done)
+    anon_file: list[tuple[float, int, int]] = []  # (seconds since start, RssAnon, RssFile)
     done = {"ok": 0, "failed": 0}
     counts: dict[str, int] = {}
     stop = threading.Event()
@@ -350,31 +436,46 @@ def soak(args) -> dict:
                     done["ok" if kind else "failed"] += 1
                     counts[kind or "failed"] = counts.get(kind or "failed", 0) + 1
 
-    growth, trims = None, []   # trims: (seconds, RSS before, RSS after) of each malloc_trim
+    growth, trims = None, []  # trims: (seconds, RSS before, RSS after) of each malloc_trim
     trim_dir = Path(args.tracemalloc or log_dir)
     try:
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.concurrency)]
+        threads = [
+            threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.concurrency)
+        ]
         for t in threads:
             t.start()
         tracing = False
-        print(f"server pid {proc.pid} at {url}, log {log_path}; {args.minutes} min, warm-up "
-              f"{args.minutes * args.warmup_fraction:.1f} min", flush=True)
-        print(f"{'t_s':>7} {'rss_MB':>9} {'anon_MB':>8} {'file_MB':>8} {'requests':>9} {'pictures':>9} {'sizes':>7} "
-              f"{'threads':>7}", flush=True)
+        print(
+            f"server pid {proc.pid} at {url}, log {log_path}; {args.minutes} min, warm-up "
+            f"{args.minutes * args.warmup_fraction:.1f} min",
+            flush=True,
+        )
+        print(
+            f"{'t_s':>7} {'rss_MB':>9} {'anon_MB':>8} {'file_MB':>8} {'requests':>9} {'pictures':>9} {'sizes':>7} "
+            f"{'threads':>7}",
+            flush=True,
+        )
         while time.time() < end and any(t.is_alive() for t in threads):
             if proc.poll() is not None:
-                raise RuntimeError(f"server died with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"server died with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                )
             now = time.time()
-            if args.trim_probe and not trims and now >= warm_at:   # the judged part starts without allocator slack
+            if (
+                args.trim_probe and not trims and now >= warm_at
+            ):  # the judged part starts without allocator slack
                 trims.append((now - start, *trim_server(proc, trim_dir, 0)))
             rss, parts = rss_bytes(proc.pid), rss_parts(proc.pid)
             with lock:
                 n = done["ok"] + done["failed"]
             samples.append((now - start, rss, n))
             anon_file.append((now - start, parts.get("RssAnon", 0), parts.get("RssFile", 0)))
-            print(f"{now - start:7.1f} {rss / MB:9.1f} {parts.get('RssAnon', 0) / MB:8.1f} "
-                  f"{parts.get('RssFile', 0) / MB:8.1f} {n:9d} {traffic.pictures:9d} {len(traffic.sizes):7d} "
-                  f"{num_threads(proc.pid):7d}", flush=True)
+            print(
+                f"{now - start:7.1f} {rss / MB:9.1f} {parts.get('RssAnon', 0) / MB:8.1f} "
+                f"{parts.get('RssFile', 0) / MB:8.1f} {n:9d} {traffic.pictures:9d} {len(traffic.sizes):7d} "
+                f"{num_threads(proc.pid):7d}",
+                flush=True,
+            )
             if args.tracemalloc and not tracing and now >= warm_at:
                 signal_and_wait(proc, Path(args.tracemalloc) / "started")
                 tracing = True
@@ -391,14 +492,21 @@ def soak(args) -> dict:
     finally:
         stop.set()
         stop_server(proc)
-    startup = [line for line in log_path.read_text(errors="replace").splitlines() if "caches:" in line]
+    startup = [
+        line for line in log_path.read_text(errors="replace").splitlines() if "caches:" in line
+    ]
     after = [(t, b) for t, b, _ in samples if t >= (warm_at - start)]
     requests_after = [n for t, _, n in samples if t >= (warm_at - start)]
     parts_after = [p for p in anon_file if p[0] >= (warm_at - start)]
     result = {
-        "minutes": args.minutes, "requests_ok": done["ok"], "requests_failed": done["failed"], "by_kind": counts,
-        "distinct_pictures": traffic.pictures, "distinct_sizes": len(traffic.sizes),
-        "rss_start_mb": round(samples[0][1] / MB, 1), "rss_end_mb": round(samples[-1][1] / MB, 1),
+        "minutes": args.minutes,
+        "requests_ok": done["ok"],
+        "requests_failed": done["failed"],
+        "by_kind": counts,
+        "distinct_pictures": traffic.pictures,
+        "distinct_sizes": len(traffic.sizes),
+        "rss_start_mb": round(samples[0][1] / MB, 1),
+        "rss_end_mb": round(samples[-1][1] / MB, 1),
         "rss_max_mb": round(max(b for _, b, _ in samples) / MB, 1),
         "requests_after_warm": requests_after[-1] - requests_after[0] if requests_after else 0,
         "rss_at_warm_mb": round(after[0][1] / MB, 1) if after else None,
@@ -406,56 +514,110 @@ def soak(args) -> dict:
         "slope_all_mb_per_min": round(slope_mb_per_min([(t, b) for t, b, _ in samples]), 3),
         "slope_after_warm_mb_per_min": round(slope_mb_per_min(after), 3),
         # anonymous memory (heaps, tensors) vs file pages (shared libraries' code paged in on first use)
-        "anon_slope_after_warm_mb_per_min": round(slope_mb_per_min([(t, a) for t, a, _ in parts_after]), 3),
-        "file_slope_after_warm_mb_per_min": round(slope_mb_per_min([(t, f) for t, _, f in parts_after]), 3),
+        "anon_slope_after_warm_mb_per_min": round(
+            slope_mb_per_min([(t, a) for t, a, _ in parts_after]), 3
+        ),
+        "file_slope_after_warm_mb_per_min": round(
+            slope_mb_per_min([(t, f) for t, _, f in parts_after]), 3
+        ),
         # malloc_trim(0) at the end of warm-up and at the end (--trim-probe): what it gave back, and the growth of
         # what it could not (live memory) between the two
         "malloc_trim_released_mb": [round((b - a) / MB, 1) for _, b, a in trims],
-        "live_growth_after_warm_mb": round((trims[-1][2] - trims[0][2]) / MB, 1) if len(trims) == 2 else None,
-        "live_slope_after_warm_mb_per_min": (round((trims[-1][2] - trims[0][2]) / MB / ((trims[-1][0] - trims[0][0])
-                                                                                     / 60), 3)
-                                             if len(trims) == 2 else None),
+        "live_growth_after_warm_mb": round((trims[-1][2] - trims[0][2]) / MB, 1)
+        if len(trims) == 2
+        else None,
+        "live_slope_after_warm_mb_per_min": (
+            round((trims[-1][2] - trims[0][2]) / MB / ((trims[-1][0] - trims[0][0]) / 60), 3)
+            if len(trims) == 2
+            else None
+        ),
         "samples": [(round(t, 1), round(b / MB, 1), n) for t, b, n in samples],
         "server_caches_line": startup[-1] if startup else None,
     }
     if growth:
-        result["python_alive_after_warm_mb"] = float(growth.splitlines()[0].rsplit(": ", 1)[1].split()[0])
+        result["python_alive_after_warm_mb"] = float(
+            growth.splitlines()[0].rsplit(": ", 1)[1].split()[0]
+        )
         result["tracemalloc_top"] = growth.splitlines()[1:12]
     return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--minutes", type=float, default=5.0, help="length of the soak")
-    p.add_argument("--warmup-fraction", type=float, default=0.5,
-                   help="the first part of the run that fills the caches; the slope is judged after it")
-    p.add_argument("--max-slope-mb-per-min", type=float, default=1.0,
-                   help="exit 1 when the RSS left after malloc_trim (--no-trim-probe: RSS) grows faster than this "
-                        "after warm-up")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--model-name", default="ensemble", help="Triton model the generate requests go to")
+    p.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.5,
+        help="the first part of the run that fills the caches; the slope is judged after it",
+    )
+    p.add_argument(
+        "--max-slope-mb-per-min",
+        type=float,
+        default=1.0,
+        help="exit 1 when the RSS left after malloc_trim (--no-trim-probe: RSS) grows faster than this "
+        "after warm-up",
+    )
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the embedded demo model)"
+    )
+    p.add_argument(
+        "--model-name", default="ensemble", help="Triton model the generate requests go to"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
-    p.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many requests")
+    p.add_argument(
+        "--max-requests", type=int, default=1_000_000, help="stop after this many requests"
+    )
     p.add_argument("--max-side", type=int, default=512, help="largest picture side in pixels")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
-    p.add_argument("--encoder-cache-size", type=int, default=None,
-                   help="the server's encoder cache in rows (default: the server's); small fills it in a short run")
-    p.add_argument("--kv-cache-size-gb", type=float, default=None,
-                   help="the server's CPU KV pool (default: the server's); small fills the prefix cache sooner")
-    p.add_argument("--server-arg", action="append", default=[], help="another `mmserve serve` flag (repeatable)")
-    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="an environment variable of the server (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    p.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        default=None,
+        help="the server's encoder cache in rows (default: the server's); small fills it in a short run",
+    )
+    p.add_argument(
+        "--kv-cache-size-gb",
+        type=float,
+        default=None,
+        help="the server's CPU KV pool (default: the server's); small fills the prefix cache sooner",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="another `mmserve serve` flag (repeatable)",
+    )
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of the server (repeatable), e.g. MALLOC_ARENA_MAX=2",
+    )
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-dir", default=None, help="where the server's log goes (default: a temp dir)")
-    p.add_argument("--tracemalloc", default=None, metavar="DIR",
-                   help="run the server under tracemalloc; write its top allocation growths after warm-up here")
-    p.add_argument("--trim-probe", action=argparse.BooleanOptionalAction, default=True,
-                   help="(on by default) have the server call glibc's malloc_trim(0) at the end of warm-up and at the "
-                        "end: what that gives back is free memory the allocator kept, not live objects; the slope "
-                        "judged is the one of the RSS left after each")
+    p.add_argument(
+        "--log-dir", default=None, help="where the server's log goes (default: a temp dir)"
+    )
+    p.add_argument(
+        "--tracemalloc",
+        default=None,
+        metavar="DIR",
+        help="run the server under tracemalloc; write its top allocation growths after warm-up here",
+    )
+    p.add_argument(
+        "--trim-probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(on by default) have the server call glibc's malloc_trim(0) at the end of warm-up and at the "
+        "end: what that gives back is free memory the allocator kept, not live objects; the slope "
+        "judged is the one of the RSS left after each",
+    )
     p.add_argument("--json", default=None, help="also write the result as JSON to this file")
     return p.parse_args(argv)
 
@@ -476,7 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     if result["live_slope_after_warm_mb_per_min"] is not None:
         slope, what = result["live_slope_after_warm_mb_per_min"], "RSS after malloc_trim"
     if slope > args.max_slope_mb_per_min:
-        print(f"FAIL: {what} grows {slope:.2f} MB/min after warm-up (limit {args.max_slope_mb_per_min})")
+        print(
+            f"FAIL: {what} grows {slope:.2f} MB/min after warm-up (limit {args.max_slope_mb_per_min})"
+        )
         return 1
     print(f"OK: {what} slope after warm-up {slope:.2f} MB/min (limit {args.max_slope_mb_per_min})")
     return 0

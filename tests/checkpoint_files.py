@@ -1,4 +1,5 @@
 """What a written checkpoint holds on disk: its tensors by name and a digest of its safetensors files."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints (built once per session) and the gpu marker."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,7 @@ def small_gpu_kv_pools():
     # (ModelRunner._encode); the transformers oracle gets exact fp32 convolutions too.
     torch.backends.cudnn.allow_tf32 = False
     from mmserve.llm import LLM
+
     defaults = LLM.__init__.__kwdefaults__
     old = defaults["kv_cache_memory_fraction"]
     defaults["kv_cache_memory_fraction"] = 0.03
@@ -41,7 +43,9 @@ def tiny_llava_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llava_mha_dir(tmp_path_factory) -> str:
-    return str(make_llava_checkpoint(tmp_path_factory.mktemp("tiny_llava_mha"), preset="tiny-mha", seed=1))
+    return str(
+        make_llava_checkpoint(tmp_path_factory.mktemp("tiny_llava_mha"), preset="tiny-mha", seed=1)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +54,17 @@ def lora_adapters(tiny_llava_dir, tmp_path_factory) -> dict[str, str]:
     from mmserve.testing.lora import make_lora_adapter
 
     root = tmp_path_factory.mktemp("lora")
-    return {"alpha": str(make_lora_adapter(root / "alpha", tiny_llava_dir, seed=1)),
-            "beta": str(make_lora_adapter(root / "beta", tiny_llava_dir, seed=2, rank=8, alpha=4.0,
-                                          targets=("q_proj", "v_proj", "down_proj"), use_rslora=True))}
+    return {
+        "alpha": str(make_lora_adapter(root / "alpha", tiny_llava_dir, seed=1)),
+        "beta": str(
+            make_lora_adapter(
+                root / "beta",
+                tiny_llava_dir,
+                seed=2,
+                rank=8,
+                alpha=4.0,
+                targets=("q_proj", "v_proj", "down_proj"),
+                use_rslora=True,
+            )
+        ),
+    }

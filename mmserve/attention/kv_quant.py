@@ -4,21 +4,12 @@ kernels do the same arithmetic in-register).
 A cached value x is stored as fp8(clamp(x * (1 / scale), +-FP8_MAX)) and read as fp8_value * scale, with one
 scale per layer for K and one for V. Caches in the model's dtype ignore the scales.
 """
+
 from __future__ import annotations
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)   # 448: e4m3fn has no inf, overflow would be NaN
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def cache_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
-    """The (k, v) scales that apply to a cache of this dtype: its own for FP8, (1, 1) for the model's dtype."""
-    return (k_scale, v_scale) if is_fp8(cache_dtype) else (1.0, 1.0)
+from mmserve.kernels.fp8_format import FP8_MAX, is_fp8
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

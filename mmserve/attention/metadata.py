@@ -1,5 +1,6 @@
 """AttentionMetadata: where each sequence's queries and keys live for one step (built by the runner); the
 cross-attention inputs of families whose text attends the encoder's states instead of placeholder tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,12 +14,14 @@ class CrossAttentionSeq:
     """One sequence of the step that has media: its rows of the flat batch, the positions they hold, and where
     its encoder keys/values are in the cross-attention pool (worker/cross_kv.py)."""
 
-    rows: slice                    # its rows [start, stop) of the step's flat batch
-    start: int                     # the position of its first row
+    rows: slice  # its rows [start, stop) of the step's flat batch
+    start: int  # the position of its first row
     prompt_len: int
-    items: list                    # its MultiModalItems (offsets, encoder inputs), in prompt order
-    block_table: torch.Tensor | None   # [blocks] int64, on device: its pool blocks (None: one of the decodes)
-    num_tokens: int                # encoder tokens it holds in them
+    items: list  # its MultiModalItems (offsets, encoder inputs), in prompt order
+    block_table: (
+        torch.Tensor | None
+    )  # [blocks] int64, on device: its pool blocks (None: one of the decodes)
+    num_tokens: int  # encoder tokens it holds in them
     # pool position p holds column order[p] of its items' concatenated encoder outputs (None: the same order);
     # the family orders them so that the columns its generated tokens attend come first
     order: torch.Tensor | None = None
@@ -33,10 +36,14 @@ class CrossAttentionBatch:
     sequence at a time."""
 
     seqs: list[CrossAttentionSeq] = field(default_factory=list)
-    caches: list[torch.Tensor] = field(default_factory=list)   # the pool, one cache per cross-attention layer
+    caches: list[torch.Tensor] = field(
+        default_factory=list
+    )  # the pool, one cache per cross-attention layer
     num_decodes: int = 0
     decode_meta: AttentionMetadata | None = None
-    backend: Any = None            # the attention backend module (attention/torch_backend.py or triton_backend.py)
+    backend: Any = (
+        None  # the attention backend module (attention/torch_backend.py or triton_backend.py)
+    )
 
 
 @dataclass
@@ -47,11 +54,11 @@ class AttentionMetadata:
     are the first seq_lens[i] positions of its blocks (cached prefix + this step's tokens).
     """
 
-    query_start_loc: torch.Tensor    # [B + 1] int32, on device
-    seq_lens: torch.Tensor           # [B] int32, on device: context length after this step
-    block_tables: torch.Tensor       # [B, max_blocks] int32, on device (padded with 0)
-    slot_mapping: torch.Tensor       # [T] int64, on device: cache slot of each new token
-    query_start_loc_cpu: list[int]   # host copies, for loops and shape decisions
+    query_start_loc: torch.Tensor  # [B + 1] int32, on device
+    seq_lens: torch.Tensor  # [B] int32, on device: context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, on device (padded with 0)
+    slot_mapping: torch.Tensor  # [T] int64, on device: cache slot of each new token
+    query_start_loc_cpu: list[int]  # host copies, for loops and shape decisions
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int

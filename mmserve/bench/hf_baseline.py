@@ -6,6 +6,7 @@ mmserve, timed with device syncs.
 Every timing starts before the HF processor call, as mmserve's start before `add_request` (which
 preprocesses), so both include image preprocessing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,11 +22,13 @@ class HFTiming:
     """One `generate` call over a batch."""
 
     batch_size: int
-    prompt_tokens: int          # per sequence, image placeholders included (after left padding)
-    new_tokens: int             # per sequence
-    total_s: float              # processor + generate, synced
-    first_token_s: float | None = None   # from the start until the first new token (when streamed)
-    token_times_s: list[float] = field(default_factory=list)  # since start, one per new token (when streamed)
+    prompt_tokens: int  # per sequence, image placeholders included (after left padding)
+    new_tokens: int  # per sequence
+    total_s: float  # processor + generate, synced
+    first_token_s: float | None = None  # from the start until the first new token (when streamed)
+    token_times_s: list[float] = field(
+        default_factory=list
+    )  # since start, one per new token (when streamed)
 
 
 class _TokenClock(BaseStreamer):
@@ -55,7 +58,9 @@ def model_class(model_dir: str) -> Any:
 class HFBaseline:
     """A loaded transformers vision-language model and its processor on one device."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, attn_implementation: str | None = None) -> None:
+    def __init__(
+        self, model_dir: str, device: str, dtype: str, attn_implementation: str | None = None
+    ) -> None:
         import torch
         from transformers import AutoProcessor
 
@@ -74,46 +79,84 @@ class HFBaseline:
     def _encode(self, prompts: list[str], images: list[Any]) -> Any:
         if getattr(self.model.config, "is_vqa", False):
             # Pix2Struct VQA (Deplot): each question drawn on its picture, as mmserve draws it (same route, same font)
-            from mmserve.models.pix2struct import Pix2StructForConditionalGeneration, builtin_font_bytes
+            from mmserve.models.pix2struct import (
+                Pix2StructForConditionalGeneration,
+                builtin_font_bytes,
+            )
 
             font = builtin_font_bytes()
-            parts = [Pix2StructForConditionalGeneration.call_processor(
-                self.processor, p, {"images": [image], "font_bytes": font}) for p, image in zip(prompts, images)]
-            enc = {k: self._torch.cat([part[k] for part in parts]) for k in ("flattened_patches", "attention_mask")}
+            parts = [
+                Pix2StructForConditionalGeneration.call_processor(
+                    self.processor, p, {"images": [image], "font_bytes": font}
+                )
+                for p, image in zip(prompts, images)
+            ]
+            enc = {
+                k: self._torch.cat([part[k] for part in parts])
+                for k in ("flattened_patches", "attention_mask")
+            }
             enc["flattened_patches"] = enc["flattened_patches"].to(self.model.dtype)
-            enc["decoder_input_ids"] = self._torch.tensor([[self.model.config.decoder_start_token_id]] * len(prompts))
+            enc["decoder_input_ids"] = self._torch.tensor(
+                [[self.model.config.decoder_start_token_id]] * len(prompts)
+            )
             return {k: v.to(self.device) for k, v in enc.items()}
         if getattr(self.model.config, "is_encoder_decoder", False):
             # an encoder-decoder (Nougat): the processor reads the pictures; the text starts the decoder's answer
             enc = dict(self.processor(images=images, return_tensors="pt"))
             start = self.model.config.decoder_start_token_id
-            ids = [[start] + self.processor.tokenizer(p, add_special_tokens=False).input_ids if p else [start]
-                   for p in prompts]
+            ids = [
+                [start] + self.processor.tokenizer(p, add_special_tokens=False).input_ids
+                if p
+                else [start]
+                for p in prompts
+            ]
             if len({len(i) for i in ids}) != 1:
                 raise ValueError("an encoder-decoder bench batch needs prompts of one length")
             enc["decoder_input_ids"] = self._torch.tensor(ids)
             return {k: v.to(self.device) for k, v in enc.items()}
-        if self.model.config.model_type == "mllama":   # its processor wants each prompt's pictures as a list
+        if (
+            self.model.config.model_type == "mllama"
+        ):  # its processor wants each prompt's pictures as a list
             images = [[image] for image in images]
         enc = self.processor(text=prompts, images=images, padding=True, return_tensors="pt")
         return enc.to(self.device)
 
-    def generate(self, prompts: list[str], images: list[Any], new_tokens: int, stream: bool = False,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> HFTiming:
+    def generate(
+        self,
+        prompts: list[str],
+        images: list[Any],
+        new_tokens: int,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> HFTiming:
         """`generate(max_new_tokens=min_new_tokens=new_tokens)` of one left-padded batch: greedy, or sampling
         when temperature > 0 (top_k 0 = off: transformers' own default would be 50)."""
-        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0
-                    else dict(do_sample=False))
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
         clock = _TokenClock() if stream else None
         sync(self.device)
         t0 = now()
         enc = self._encode(prompts, images)
         with self._torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling,
-                                      pad_token_id=self.pad_id, streamer=clock, forced_eos_token_id=None)
+            out = self.model.generate(
+                **enc,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                **sampling,
+                pad_token_id=self.pad_id,
+                streamer=clock,
+                forced_eos_token_id=None,
+            )
         sync(self.device)
         total = now() - t0
-        prompt_len = int(enc["decoder_input_ids" if "decoder_input_ids" in enc else "input_ids"].shape[1])
+        prompt_len = int(
+            enc["decoder_input_ids" if "decoder_input_ids" in enc else "input_ids"].shape[1]
+        )
         got = int(out.shape[1]) - prompt_len
         if got != new_tokens:
             raise RuntimeError(f"transformers generated {got} tokens, expected {new_tokens}")

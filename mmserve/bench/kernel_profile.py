@@ -11,6 +11,7 @@ waits for it, so kernels' own durations overlap and inflate the small ones. Each
 *exclusive* time: every instant of busy time goes to the earliest-started kernel still running then (the one doing
 the work; the later one is waiting), so exclusive times add up to the busy time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,7 +50,7 @@ class KernelSummary:
     wall_s: float = 0.0
     busy_us: float = 0.0
     idle_us: float = 0.0
-    idle_long_us: float = 0.0        # idle time in gaps longer than IDLE_GAP_US
+    idle_long_us: float = 0.0  # idle time in gaps longer than IDLE_GAP_US
     long_gaps: int = 0
     # kind / kernel name -> [calls, total µs of their durations, exclusive µs]
     kinds: dict[str, list[float]] = field(default_factory=dict)
@@ -57,16 +58,28 @@ class KernelSummary:
 
     def markdown(self, top: int = 30) -> str:
         busy_s, idle_s = self.busy_us / 1e6, self.idle_us / 1e6
-        lines = [f"wall {self.wall_s:.3f} s; a kernel or copy running {busy_s:.3f} s; idle between them "
-                 f"{idle_s:.3f} s, of which {self.idle_long_us / 1e6:.3f} s in {self.long_gaps} gaps over "
-                 f"{IDLE_GAP_US:.0f} µs", "",
-                 "| kind of work | calls | exclusive s | share of busy | durations s |", "|---|---|---|---|---|"]
+        lines = [
+            f"wall {self.wall_s:.3f} s; a kernel or copy running {busy_s:.3f} s; idle between them "
+            f"{idle_s:.3f} s, of which {self.idle_long_us / 1e6:.3f} s in {self.long_gaps} gaps over "
+            f"{IDLE_GAP_US:.0f} µs",
+            "",
+            "| kind of work | calls | exclusive s | share of busy | durations s |",
+            "|---|---|---|---|---|",
+        ]
         for kind, (calls, us, excl) in sorted(self.kinds.items(), key=lambda kv: -kv[1][2]):
-            lines.append(f"| {kind} | {int(calls):,} | {excl / 1e6:.3f} | {100 * excl / max(self.busy_us, 1):.1f} % "
-                         f"| {us / 1e6:.3f} |")
-        lines += ["", "| kernel | calls | exclusive ms | mean exclusive µs | mean duration µs |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {kind} | {int(calls):,} | {excl / 1e6:.3f} | {100 * excl / max(self.busy_us, 1):.1f} % "
+                f"| {us / 1e6:.3f} |"
+            )
+        lines += [
+            "",
+            "| kernel | calls | exclusive ms | mean exclusive µs | mean duration µs |",
+            "|---|---|---|---|---|",
+        ]
         for name, (calls, us, excl) in sorted(self.kernels.items(), key=lambda kv: -kv[1][2])[:top]:
-            lines.append(f"| `{name[:90]}` | {int(calls):,} | {excl / 1e3:.1f} | {excl / calls:.1f} | {us / calls:.1f} |")
+            lines.append(
+                f"| `{name[:90]}` | {int(calls):,} | {excl / 1e3:.1f} | {excl / calls:.1f} | {us / calls:.1f} |"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -79,11 +92,13 @@ def kind_of(name: str) -> str:
 
 def summarize(events: list[dict], wall_s: float) -> KernelSummary:
     """Sum Chrome-trace device events ('kernel', 'gpu_memcpy', 'gpu_memset' with ts/dur in µs)."""
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]) for e in events)
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]) for e in events
+    )
     s = KernelSummary(wall_s=wall_s)
     kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    end = None   # the latest end of the spans so far: time before it belongs to an earlier-started span
+    end = None  # the latest end of the spans so far: time before it belongs to an earlier-started span
     for start, stop, name in spans:
         if end is not None and start > end:
             gap = start - end
@@ -106,8 +121,11 @@ def device_events(trace_path: str) -> list[dict]:
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         trace = json.load(f)
-    return [e for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
 
 
 @contextlib.contextmanager

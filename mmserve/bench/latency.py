@@ -6,6 +6,7 @@ between device syncs: ms/step = elapsed / K, tok/s = B * 1000 / ms_per_step.
 transformers: TTFT = generate(max_new_tokens=1); ms/step = (time of token K+1 - time of token 1) / K within one
 generate(max_new_tokens=K+1), timestamped by a streamer (whose .cpu() of each token waits for the device).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -39,22 +40,28 @@ class LatencyConfig:
     device: str
     dtype: str
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
-    input_len: int = 128                 # text tokens of each prompt (besides the image's placeholders)
-    output_len: int = 32                 # decode steps timed per trial (K)
-    warmup: int = 1                      # untimed trials per batch size
-    iters: int = 3                       # timed trials per batch size; medians are reported
-    baseline: str = "hf"                 # hf | none
-    prefix_caching: bool = False         # off: every trial computes its prompt, as transformers does
-    max_num_batched_tokens: int = 2048   # mmserve's token budget per step
+    input_len: int = 128  # text tokens of each prompt (besides the image's placeholders)
+    output_len: int = 32  # decode steps timed per trial (K)
+    warmup: int = 1  # untimed trials per batch size
+    iters: int = 3  # timed trials per batch size; medians are reported
+    baseline: str = "hf"  # hf | none
+    prefix_caching: bool = False  # off: every trial computes its prompt, as transformers does
+    max_num_batched_tokens: int = 2048  # mmserve's token budget per step
     kv_cache_memory_fraction: float = 0.9
-    kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
-    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
-    tensor_parallel_size: int = 1        # mmserve's language model over this many GPUs
-    enforce_eager: bool = False          # mmserve without CUDA graphs
-    block_size: int = 16                 # mmserve: tokens per KV cache block
-    bandwidth_mib: int | None = None     # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
-    hf_attn: str | None = None           # transformers attn_implementation; None = its default
-    image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
+    kv_cache_dtype: str = "auto"  # mmserve's KV storage: auto (the model's dtype) | fp8
+    quantization: str | None = (
+        None  # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
+    )
+    tensor_parallel_size: int = 1  # mmserve's language model over this many GPUs
+    enforce_eager: bool = False  # mmserve without CUDA graphs
+    block_size: int = 16  # mmserve: tokens per KV cache block
+    bandwidth_mib: int | None = (
+        None  # size of the copy that measures bandwidth; None = 1024 (cuda) / 64 (cpu)
+    )
+    hf_attn: str | None = None  # transformers attn_implementation; None = its default
+    image_size: int | None = (
+        None  # side of the square images; None = the vision tower's input size, else 336
+    )
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,7 +82,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _mmserve_trial(engine: Any, spec: PromptSpec, images: list[Any], steps: int, tag: str) -> dict[str, float]:
+def _mmserve_trial(
+    engine: Any, spec: PromptSpec, images: list[Any], steps: int, tag: str
+) -> dict[str, float]:
     """One batch through the engine: TTFT of every request, then `steps` timed decode-only steps."""
     from mmserve.sampling_params import SamplingParams
 
@@ -92,7 +101,9 @@ def _mmserve_trial(engine: Any, spec: PromptSpec, images: list[Any], steps: int,
         while len(first) < len(ids):
             if not engine.has_unfinished():
                 raise RuntimeError("requests finished before all had a first token")
-            outs = engine.step()   # its outputs are on the host: a token is there when step() returns
+            outs = (
+                engine.step()
+            )  # its outputs are on the host: a token is there when step() returns
             t = now() - t0
             for o in outs:
                 if o.request_id not in first:
@@ -103,33 +114,55 @@ def _mmserve_trial(engine: Any, spec: PromptSpec, images: list[Any], steps: int,
         for _ in range(steps):
             outs = engine.step()
             if len(outs) != len(ids) or any(o.finished for o in outs):
-                raise RuntimeError(f"step gave {len(outs)} outputs for {len(ids)} requests: not a pure decode step")
+                raise RuntimeError(
+                    f"step gave {len(outs)} outputs for {len(ids)} requests: not a pure decode step"
+                )
         sync(engine.device.type)
         decode_s = (now() - t1) / steps
     finally:
         for rid in ids:
             engine.abort(rid)
-    return {"ttft_s": max(first.values()), "ttft_mean_s": statistics.fmean(first.values()),
-            "decode_s": decode_s, "prompt_tokens": prompt_tokens}
+    return {
+        "ttft_s": max(first.values()),
+        "ttft_mean_s": statistics.fmean(first.values()),
+        "decode_s": decode_s,
+        "prompt_tokens": prompt_tokens,
+    }
 
 
-def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int) -> dict[int, list[dict]]:
+def _run_mmserve(
+    cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
+) -> dict[int, list[dict]]:
     from mmserve.llm import LLM
 
-    llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(cfg.batch_sizes),
-              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
-              kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              quantization=cfg.quantization, seed=cfg.seed,
-              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size,
-              enforce_eager=cfg.enforce_eager)
+    llm = LLM(
+        model_dir,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_num_seqs=max(cfg.batch_sizes),
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_prefix_caching=cfg.prefix_caching,
+        kv_cache_memory_fraction=cfg.kv_cache_memory_fraction,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        quantization=cfg.quantization,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+    )
     samples: dict[int, list[dict]] = {}
     try:
         bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")
         for b in cfg.batch_sizes:
             samples[b] = []
             for trial in range(cfg.warmup + cfg.iters):
-                res = _mmserve_trial(llm.engine, spec, _trial_images(cfg, size, b, trial), cfg.output_len,
-                                     f"b{b}t{trial}")
+                res = _mmserve_trial(
+                    llm.engine,
+                    spec,
+                    _trial_images(cfg, size, b, trial),
+                    cfg.output_len,
+                    f"b{b}t{trial}",
+                )
                 if trial >= cfg.warmup:
                     samples[b].append(res)
                 bar.update(1)
@@ -141,14 +174,17 @@ def _run_mmserve(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
     return samples
 
 
-def _run_hf(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
-            ) -> tuple[dict[int, list[dict]], str | None]:
+def _run_hf(
+    cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
+) -> tuple[dict[int, list[dict]], str | None]:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
     samples: dict[int, list[dict]] = {}
     try:
-        bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="transformers latency")
+        bar = tqdm(
+            total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="transformers latency"
+        )
         for b in cfg.batch_sizes:
             samples[b] = []
             for trial in range(cfg.warmup + cfg.iters):
@@ -159,8 +195,14 @@ def _run_hf(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
                 # K decode steps lie between the first and the last token of one call.
                 decode_s = (full.token_times_s[-1] - full.token_times_s[0]) / cfg.output_len
                 if trial >= cfg.warmup:
-                    samples[b].append({"ttft_s": one.total_s, "ttft_mean_s": one.total_s, "decode_s": decode_s,
-                                       "prompt_tokens": one.prompt_tokens})
+                    samples[b].append(
+                        {
+                            "ttft_s": one.total_s,
+                            "ttft_mean_s": one.total_s,
+                            "decode_s": decode_s,
+                            "prompt_tokens": one.prompt_tokens,
+                        }
+                    )
                 bar.update(1)
         bar.close()
         return samples, hf.attn_implementation
@@ -171,11 +213,14 @@ def _run_hf(cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
 def _summary(samples: list[dict], batch: int) -> dict[str, Any]:
     ms = [s["decode_s"] * 1e3 for s in samples]
     decode_ms = _median(ms)
-    return {"ttft_ms": _median([s["ttft_s"] * 1e3 for s in samples]),
-            "ttft_mean_ms": _median([s["ttft_mean_s"] * 1e3 for s in samples]),
-            "decode_ms_per_step": decode_ms, "decode_tok_s": batch * 1e3 / decode_ms,
-            "prompt_tokens": samples[0]["prompt_tokens"],
-            "samples": {"ttft_ms": [s["ttft_s"] * 1e3 for s in samples], "decode_ms_per_step": ms}}
+    return {
+        "ttft_ms": _median([s["ttft_s"] * 1e3 for s in samples]),
+        "ttft_mean_ms": _median([s["ttft_mean_s"] * 1e3 for s in samples]),
+        "decode_ms_per_step": decode_ms,
+        "decode_tok_s": batch * 1e3 / decode_ms,
+        "prompt_tokens": samples[0]["prompt_tokens"],
+        "samples": {"ttft_ms": [s["ttft_s"] * 1e3 for s in samples], "decode_ms_per_step": ms},
+    }
 
 
 def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, Any]:
@@ -185,7 +230,9 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     mib = cfg.bandwidth_mib or (1024 if cfg.device.startswith("cuda") else 64)
     bandwidth = measure_copy_bandwidth(cfg.device, mib * 2**20)
     free_device_memory(cfg.device)  # the probe's buffers must not shrink mmserve's KV pool
-    shape = lm_shape(model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.tensor_parallel_size)
+    shape = lm_shape(
+        model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.tensor_parallel_size
+    )
     spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}
@@ -204,20 +251,39 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
         row: dict[str, Any] = {"batch_size": b}
         for name, samples in runs.items():
             row[name] = _summary(samples[b], b) if samples.get(b) else None
-        prompt_tokens = next((row[n]["prompt_tokens"] for n in runs if row.get(n)), spec.text_tokens)
-        context = prompt_tokens + 1 + cfg.output_len / 2  # mean KV length over the timed decode steps
+        prompt_tokens = next(
+            (row[n]["prompt_tokens"] for n in runs if row.get(n)), spec.text_tokens
+        )
+        context = (
+            prompt_tokens + 1 + cfg.output_len / 2
+        )  # mean KV length over the timed decode steps
         row["roofline"] = decode_roofline(shape, b, context, bandwidth["bytes_per_s"])
         if row.get("mmserve") and row.get("hf"):
-            row["ratio"] = {"ttft": row["mmserve"]["ttft_ms"] / row["hf"]["ttft_ms"],
-                            "decode_tok_s": row["mmserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"]}
+            row["ratio"] = {
+                "ttft": row["mmserve"]["ttft_ms"] / row["hf"]["ttft_ms"],
+                "decode_tok_s": row["mmserve"]["decode_tok_s"] / row["hf"]["decode_tok_s"],
+            }
         for name in runs:
             if row.get(name):
-                row[name]["roofline_fraction"] = row["roofline"]["ms_per_step"] / row[name]["decode_ms_per_step"]
+                row[name]["roofline_fraction"] = (
+                    row["roofline"]["ms_per_step"] / row[name]["decode_ms_per_step"]
+                )
         results.append(row)
     config = asdict(cfg)
     config["hf_attn_used"] = hf_attn
-    return {"schema": "mmserve-bench/1", "bench": "latency", "env": environment(cfg.device, argv),
-            "config": config, "model": {**model_record(cfg.source, model_dir), "dtype": cfg.dtype,
-                                        "image_size": size, "text_tokens": spec.text_tokens,
-                                        "lm": shape_record(shape)},
-            "bandwidth": bandwidth, "results": results, "errors": errors}
+    return {
+        "schema": "mmserve-bench/1",
+        "bench": "latency",
+        "env": environment(cfg.device, argv),
+        "config": config,
+        "model": {
+            **model_record(cfg.source, model_dir),
+            "dtype": cfg.dtype,
+            "image_size": size,
+            "text_tokens": spec.text_tokens,
+            "lm": shape_record(shape),
+        },
+        "bandwidth": bandwidth,
+        "results": results,
+        "errors": errors,
+    }

@@ -8,6 +8,7 @@ tok/s and requests/s. The transformers baseline, when asked for, runs in this pr
 server emulation: for concurrency C, the same requests go through `generate` in batches of C, each prompt the
 user text in the checkpoint's own chat template (as the OpenAI frontend builds it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,24 +42,26 @@ PROTOCOLS = ("triton-http", "triton-grpc", "openai")
 class ServeConfig:
     """Settings of one load-generator run."""
 
-    url: str                                  # http://HOST:PORT (HTTP protocols) or HOST:PORT (gRPC)
-    protocol: str = "triton-http"             # triton-http | triton-grpc | openai
-    model_name: str | None = None             # triton: "ensemble"; openai: the server's first model
-    request_rates: list[float] = field(default_factory=lambda: [1.0, 4.0, 16.0])  # req/s; inf = all at once
+    url: str  # http://HOST:PORT (HTTP protocols) or HOST:PORT (gRPC)
+    protocol: str = "triton-http"  # triton-http | triton-grpc | openai
+    model_name: str | None = None  # triton: "ensemble"; openai: the server's first model
+    request_rates: list[float] = field(
+        default_factory=lambda: [1.0, 4.0, 16.0]
+    )  # req/s; inf = all at once
     concurrencies: list[int] = field(default_factory=lambda: [1, 8, 32])
-    num_requests: int = 64                    # per sweep point
-    input_len: int = 128                      # user text tokens (exact with a tokenizer, else words)
-    output_len: int = 128                     # forced: min_tokens = max_tokens (+ ignore_eos for openai)
-    max_duration_s: float = 120.0             # no new request of a point after this
+    num_requests: int = 64  # per sweep point
+    input_len: int = 128  # user text tokens (exact with a tokenizer, else words)
+    output_len: int = 128  # forced: min_tokens = max_tokens (+ ignore_eos for openai)
+    max_duration_s: float = 120.0  # no new request of a point after this
     request_timeout_s: float = 300.0
-    warmup: int = 2                           # untimed requests before the sweeps
-    image_size: int = 336                     # side of the synthetic images
-    unique_images: bool = True                # distinct images: no encoder/prefix cache hits
-    source: ModelSource | None = None         # tokenizer for exact input_len; needed by the hf baseline
-    baseline: str = "none"                    # hf | none
-    device: str = "cpu"                       # hf baseline only
-    dtype: str = "float32"                    # hf baseline only
-    hf_attn: str | None = None                # hf baseline: attn_implementation (None = its default)
+    warmup: int = 2  # untimed requests before the sweeps
+    image_size: int = 336  # side of the synthetic images
+    unique_images: bool = True  # distinct images: no encoder/prefix cache hits
+    source: ModelSource | None = None  # tokenizer for exact input_len; needed by the hf baseline
+    baseline: str = "none"  # hf | none
+    device: str = "cpu"  # hf baseline only
+    dtype: str = "float32"  # hf baseline only
+    hf_attn: str | None = None  # hf baseline: attn_implementation (None = its default)
     seed: int = 0
     # sent with every request: HTTP headers, or gRPC metadata (a Triton server started with
     # --grpc-restricted-protocol wants `triton-grpc-protocol-<key>`)
@@ -76,7 +79,9 @@ class ServeConfig:
         if self.baseline not in ("hf", "none"):
             raise ValueError(f"baseline must be hf or none, got {self.baseline!r}")
         if self.baseline == "hf" and self.source is None:
-            raise ValueError("--baseline hf needs --model or --preset (the checkpoint the server runs)")
+            raise ValueError(
+                "--baseline hf needs --model or --preset (the checkpoint the server runs)"
+            )
         if self.protocol == "triton-grpc":
             self.url = self.url.split("://", 1)[-1].rstrip("/")
         elif urlsplit(self.url).scheme not in ("http", "https"):
@@ -90,13 +95,14 @@ class Record:
     """What one request measured; times are seconds since its send."""
 
     ok: bool = False
-    chunk_times: list[float] = field(default_factory=list)   # each streamed piece of text
+    chunk_times: list[float] = field(default_factory=list)  # each streamed piece of text
     e2e: float | None = None
     output_tokens: int = 0
     error: str | None = None
 
 
 # ---- one request per protocol ---------------------------------------------------------------
+
 
 def _data_uri(image: Any) -> str:
     buf = io.BytesIO()
@@ -110,12 +116,24 @@ async def _sse_events(response: Any):
             yield line[5:].strip()
 
 
-async def _triton_http(client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float) -> None:
-    body = {"text_input": text, "image_url_input": image_uri, "max_tokens": cfg.output_len,
-            "min_tokens": cfg.output_len, "temperature": 0.0, "stream": True}
-    async with client.stream("POST", f"{cfg.url}/v2/models/{cfg.model_name}/generate_stream", json=body) as resp:
+async def _triton_http(
+    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
+) -> None:
+    body = {
+        "text_input": text,
+        "image_url_input": image_uri,
+        "max_tokens": cfg.output_len,
+        "min_tokens": cfg.output_len,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    async with client.stream(
+        "POST", f"{cfg.url}/v2/models/{cfg.model_name}/generate_stream", json=body
+    ) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
+            raise RuntimeError(
+                f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+            )
         async for data in _sse_events(resp):
             event = json.loads(data)
             if "error" in event:
@@ -125,14 +143,32 @@ async def _triton_http(client: Any, cfg: ServeConfig, text: str, image_uri: str,
     rec.output_tokens = cfg.output_len  # min_tokens = max_tokens fixes the count
 
 
-async def _openai(client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float) -> None:
-    body = {"model": cfg.model_name, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": cfg.output_len, "min_tokens": cfg.output_len, "ignore_eos": True, "temperature": 0.0,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri}},
-                                                      {"type": "text", "text": text}]}]}
+async def _openai(
+    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
+) -> None:
+    body = {
+        "model": cfg.model_name,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": cfg.output_len,
+        "min_tokens": cfg.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_uri}},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ],
+    }
     async with client.stream("POST", f"{cfg.url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
+            raise RuntimeError(
+                f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+            )
         async for data in _sse_events(resp):
             if data == "[DONE]":
                 break
@@ -146,24 +182,40 @@ async def _openai(client: Any, cfg: ServeConfig, text: str, image_uri: str, rec:
     rec.output_tokens = rec.output_tokens or len(rec.chunk_times)
 
 
-async def _triton_grpc(client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float) -> None:
+async def _triton_grpc(
+    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
+) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value: Any, dtype: Any) -> Any:
         arr = np.array([[value]], dtype=dtype)
-        inp = grpcclient.InferInput(name, list(arr.shape), "BYTES" if dtype is object else
-                                    {np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL"}[dtype])
+        inp = grpcclient.InferInput(
+            name,
+            list(arr.shape),
+            "BYTES"
+            if dtype is object
+            else {np.int32: "INT32", np.float32: "FP32", np.bool_: "BOOL"}[dtype],
+        )
         inp.set_data_from_numpy(arr)
         return inp
 
-    inputs = [tensor("text_input", text.encode(), object), tensor("image_url_input", image_uri.encode(), object),
-              tensor("max_tokens", cfg.output_len, np.int32), tensor("min_tokens", cfg.output_len, np.int32),
-              tensor("temperature", 0.0, np.float32), tensor("stream", True, np.bool_)]
+    inputs = [
+        tensor("text_input", text.encode(), object),
+        tensor("image_url_input", image_uri.encode(), object),
+        tensor("max_tokens", cfg.output_len, np.int32),
+        tensor("min_tokens", cfg.output_len, np.int32),
+        tensor("temperature", 0.0, np.float32),
+        tensor("stream", True, np.bool_),
+    ]
 
     async def requests():
-        yield {"model_name": cfg.model_name, "inputs": inputs, "enable_empty_final_response": True,
-               "outputs": [grpcclient.InferRequestedOutput("text_output")]}
+        yield {
+            "model_name": cfg.model_name,
+            "inputs": inputs,
+            "enable_empty_final_response": True,
+            "outputs": [grpcclient.InferRequestedOutput("text_output")],
+        }
 
     async for result, error in client.stream_infer(requests(), headers=cfg.headers or None):
         if error is not None:
@@ -182,6 +234,7 @@ _SENDERS = {"triton-http": _triton_http, "triton-grpc": _triton_grpc, "openai": 
 
 # ---- load generation ------------------------------------------------------------------------
 
+
 def _client(cfg: ServeConfig) -> Any:
     if cfg.protocol == "triton-grpc":
         import tritonclient.grpc.aio as grpcaio
@@ -190,19 +243,29 @@ def _client(cfg: ServeConfig) -> Any:
     import httpx
 
     # trust_env=False: no proxy from the environment can redirect the load elsewhere.
-    return httpx.AsyncClient(timeout=cfg.request_timeout_s, trust_env=False, headers=cfg.headers,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        timeout=cfg.request_timeout_s,
+        trust_env=False,
+        headers=cfg.headers,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
 
 
 async def _close(client: Any) -> None:
-    await (client.close() if hasattr(client, "close") and not hasattr(client, "aclose") else client.aclose())
+    await (
+        client.close()
+        if hasattr(client, "close") and not hasattr(client, "aclose")
+        else client.aclose()
+    )
 
 
 async def _send(client: Any, cfg: ServeConfig, text: str, image_uri: str) -> Record:
     rec = Record()
     t0 = now()
     try:
-        await asyncio.wait_for(_SENDERS[cfg.protocol](client, cfg, text, image_uri, rec, t0), cfg.request_timeout_s)
+        await asyncio.wait_for(
+            _SENDERS[cfg.protocol](client, cfg, text, image_uri, rec, t0), cfg.request_timeout_s
+        )
         rec.ok = bool(rec.chunk_times)
         rec.error = None if rec.ok else "no streamed output"
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
@@ -211,8 +274,9 @@ async def _send(client: Any, cfg: ServeConfig, text: str, image_uri: str) -> Rec
     return rec
 
 
-async def _run_point(cfg: ServeConfig, text: str, uris: list[str], rate: float, concurrency: int | None,
-                     desc: str) -> tuple[list[Record], float, bool]:
+async def _run_point(
+    cfg: ServeConfig, text: str, uris: list[str], rate: float, concurrency: int | None, desc: str
+) -> tuple[list[Record], float, bool]:
     client = _client(cfg)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(cfg.seed)
@@ -235,7 +299,9 @@ async def _run_point(cfg: ServeConfig, text: str, uris: list[str], rate: float, 
                 await asyncio.sleep(rng.expovariate(rate))
             if sem is not None:
                 try:
-                    await asyncio.wait_for(sem.acquire(), max(0.0, cfg.max_duration_s - (now() - start)))
+                    await asyncio.wait_for(
+                        sem.acquire(), max(0.0, cfg.max_duration_s - (now() - start))
+                    )
                 except TimeoutError:
                     truncated = True
                     break
@@ -269,33 +335,59 @@ def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
     """Latency percentiles (ms) over completed requests; rates over the point's wall time."""
     ok = [r for r in records if r.ok]
     ttft = [r.chunk_times[0] * 1e3 for r in ok]
-    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
-    tpot = [(r.e2e - r.chunk_times[0]) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [
+        (b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)
+    ]
+    tpot = [
+        (r.e2e - r.chunk_times[0]) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
+    ]
     out_tokens = sum(r.output_tokens for r in ok)
     errors = sorted({r.error for r in records if r.error})
-    return {"completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration_s,
-            "requests_per_s": len(ok) / duration_s, "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / duration_s, "ttft_ms": _stats(ttft), "itl_ms": _stats(itl),
-            "tpot_ms": _stats(tpot), "e2e_ms": _stats([r.e2e * 1e3 for r in ok]), "errors": errors[:5]}
+    return {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "requests_per_s": len(ok) / duration_s,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / duration_s,
+        "ttft_ms": _stats(ttft),
+        "itl_ms": _stats(itl),
+        "tpot_ms": _stats(tpot),
+        "e2e_ms": _stats([r.e2e * 1e3 for r in ok]),
+        "errors": errors[:5],
+    }
 
 
 # ---- the transformers emulation -------------------------------------------------------------
 
-def _hf_point(hf: Any, cfg: ServeConfig, prompt: str, images: list[Any], concurrency: int) -> dict[str, Any]:
+
+def _hf_point(
+    hf: Any, cfg: ServeConfig, prompt: str, images: list[Any], concurrency: int
+) -> dict[str, Any]:
     """Closed loop with `concurrency` clients against a static-batching transformers server."""
     records: list[Record] = []
     start = now()
-    for i in tqdm(range(0, len(images), concurrency), desc=f"transformers c={concurrency}", leave=False):
+    for i in tqdm(
+        range(0, len(images), concurrency), desc=f"transformers c={concurrency}", leave=False
+    ):
         if now() - start > cfg.max_duration_s:
             break
-        batch = images[i:i + concurrency]
+        batch = images[i : i + concurrency]
         t = hf.generate([prompt] * len(batch), batch, cfg.output_len, stream=True)
-        records += [Record(ok=True, chunk_times=list(t.token_times_s), e2e=t.total_s, output_tokens=t.new_tokens)
-                    for _ in batch]
+        records += [
+            Record(
+                ok=True,
+                chunk_times=list(t.token_times_s),
+                e2e=t.total_s,
+                output_tokens=t.new_tokens,
+            )
+            for _ in batch
+        ]
     return summarize(records, now() - start)
 
 
 # ---- the run --------------------------------------------------------------------------------
+
 
 async def _resolve_model_name(cfg: ServeConfig) -> str:
     if cfg.protocol != "openai":
@@ -307,6 +399,7 @@ async def _resolve_model_name(cfg: ServeConfig) -> str:
         resp.raise_for_status()
         ids = [m["id"] for m in resp.json()["data"]]
         from mmserve.entrypoints.state import TRITON_MODEL_NAMES
+
         own = [i for i in ids if i not in TRITON_MODEL_NAMES]  # prefer the checkpoint's own name
         return (own or ids)[0]
 
@@ -326,7 +419,9 @@ def run_serve(cfg: ServeConfig, argv: list[str] | None = None) -> dict[str, Any]
     text = make_filler(template.tokenizer if template else None, cfg.input_len)
     cfg.model_name = cfg.model_name or asyncio.run(_resolve_model_name(cfg))
     errors: list[str] = []
-    warm = [_data_uri(im) for im in make_images(cfg.warmup, cfg.image_size, seed=cfg.seed + 999_983)]
+    warm = [
+        _data_uri(im) for im in make_images(cfg.warmup, cfg.image_size, seed=cfg.seed + 999_983)
+    ]
     if warm:
         records, _, _ = asyncio.run(_run_point(cfg, text, warm, math.inf, 1, "warmup"))
         if not any(r.ok for r in records):
@@ -338,35 +433,58 @@ def run_serve(cfg: ServeConfig, argv: list[str] | None = None) -> dict[str, Any]
         uris = [_data_uri(im) for im in images]
         label = f"rate={rate:g}" if conc is None else f"concurrency={conc}"
         records, duration, truncated = asyncio.run(_run_point(cfg, text, uris, rate, conc, label))
-        row = {"request_rate": "inf" if math.isinf(rate) else rate, "concurrency": conc, "truncated": truncated,
-               "mmserve": summarize(records, duration)}
+        row = {
+            "request_rate": "inf" if math.isinf(rate) else rate,
+            "concurrency": conc,
+            "truncated": truncated,
+            "mmserve": summarize(records, duration),
+        }
         (rate_sweep if conc is None else conc_sweep).append(row)
     if cfg.baseline == "hf" and conc_sweep:
         try:
             assert model_dir is not None and template is not None
-            _hf_sweep(cfg, model_dir, template.wrap(text), conc_sweep, first_index=len(cfg.request_rates))
+            _hf_sweep(
+                cfg, model_dir, template.wrap(text), conc_sweep, first_index=len(cfg.request_rates)
+            )
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     env = environment(cfg.device, argv)  # the machine the load generator ran on
-    config = asdict(cfg) | {"headers": {k: "<redacted>" for k in cfg.headers}}   # no credentials in results
-    return {"schema": "mmserve-bench/1", "bench": "serve", "env": env, "config": config,
-            "model": {**model_record(cfg.source, model_dir), "served_name": cfg.model_name,
-                      "input_len_exact": template is not None},
-            "results": {"rate_sweep": rate_sweep, "concurrency_sweep": conc_sweep}, "errors": errors}
+    config = asdict(cfg) | {
+        "headers": {k: "<redacted>" for k in cfg.headers}
+    }  # no credentials in results
+    return {
+        "schema": "mmserve-bench/1",
+        "bench": "serve",
+        "env": env,
+        "config": config,
+        "model": {
+            **model_record(cfg.source, model_dir),
+            "served_name": cfg.model_name,
+            "input_len_exact": template is not None,
+        },
+        "results": {"rate_sweep": rate_sweep, "concurrency_sweep": conc_sweep},
+        "errors": errors,
+    }
 
 
-def _hf_sweep(cfg: ServeConfig, model_dir: str, prompt: str, rows: list[dict], first_index: int) -> None:
+def _hf_sweep(
+    cfg: ServeConfig, model_dir: str, prompt: str, rows: list[dict], first_index: int
+) -> None:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
     try:
         hf.generate([prompt], make_images(1, cfg.image_size, seed=7), 2)  # warmup
         for k, row in enumerate(rows):
-            row["hf"] = _hf_point(hf, cfg, prompt, _point_images(cfg, first_index + k), row["concurrency"])
+            row["hf"] = _hf_point(
+                hf, cfg, prompt, _point_images(cfg, first_index + k), row["concurrency"]
+            )
             m, h = row["mmserve"], row["hf"]
             if m["completed"] and h["completed"] and m["ttft_ms"] and h["ttft_ms"]:
-                row["ratio"] = {"output_tok_s": m["output_tok_s"] / h["output_tok_s"],
-                                "requests_per_s": m["requests_per_s"] / h["requests_per_s"],
-                                "ttft_p50": m["ttft_ms"]["p50"] / h["ttft_ms"]["p50"]}
+                row["ratio"] = {
+                    "output_tok_s": m["output_tok_s"] / h["output_tok_s"],
+                    "requests_per_s": m["requests_per_s"] / h["requests_per_s"],
+                    "ttft_p50": m["ttft_ms"]["p50"] / h["ttft_ms"]["p50"],
+                }
     finally:
         hf.close()

@@ -2,6 +2,7 @@
 offline through `LLM.generate`; output tok/s and requests/s, and the same requests through transformers
 in left-padded batches of `hf_batch_size`.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,9 +21,9 @@ from mmserve.bench.workload import (
     image_size_of,
     make_images,
     make_prompt,
-    prompt_variants,
     model_record,
     now,
+    prompt_variants,
     sync,
 )
 
@@ -35,29 +36,33 @@ class ThroughputConfig:
     device: str
     dtype: str
     num_requests: int = 256
-    input_len: int = 128                 # text tokens per prompt (besides the image's placeholders)
-    output_len: int = 128                # tokens generated per request (EOS ignored)
-    warmup: int = 1                      # untimed warmup rounds (a few short requests each)
-    iters: int = 1                       # timed rounds, each with new images; the best (shortest) is reported
-    baseline: str = "hf"                 # hf | none
-    hf_batch_size: int = 32              # transformers batch (static, left-padded)
-    max_num_seqs: int = 64               # mmserve: requests running at once
-    max_num_batched_tokens: int = 2048   # mmserve: token budget per step
-    prefix_caching: bool = True          # mmserve default; distinct images give no hits
-    same_image: bool = False             # one image for all requests, each with its own text (cache hits)
+    input_len: int = 128  # text tokens per prompt (besides the image's placeholders)
+    output_len: int = 128  # tokens generated per request (EOS ignored)
+    warmup: int = 1  # untimed warmup rounds (a few short requests each)
+    iters: int = 1  # timed rounds, each with new images; the best (shortest) is reported
+    baseline: str = "hf"  # hf | none
+    hf_batch_size: int = 32  # transformers batch (static, left-padded)
+    max_num_seqs: int = 64  # mmserve: requests running at once
+    max_num_batched_tokens: int = 2048  # mmserve: token budget per step
+    prefix_caching: bool = True  # mmserve default; distinct images give no hits
+    same_image: bool = False  # one image for all requests, each with its own text (cache hits)
     kv_cache_memory_fraction: float = 0.9
-    kv_cache_dtype: str = "auto"         # mmserve's KV storage: auto (the model's dtype) | fp8
-    quantization: str | None = None      # mmserve's decoder weights: None (as in the checkpoint) | fp8
-    tensor_parallel_size: int = 1        # mmserve's language model over this many GPUs
-    enforce_eager: bool = False          # mmserve without CUDA graphs
-    block_size: int = 16                 # mmserve: tokens per KV cache block
+    kv_cache_dtype: str = "auto"  # mmserve's KV storage: auto (the model's dtype) | fp8
+    quantization: str | None = None  # mmserve's decoder weights: None (as in the checkpoint) | fp8
+    tensor_parallel_size: int = 1  # mmserve's language model over this many GPUs
+    enforce_eager: bool = False  # mmserve without CUDA graphs
+    block_size: int = 16  # mmserve: tokens per KV cache block
     hf_attn: str | None = None
-    image_size: int | None = None        # side of the square images; None = the vision tower's input size, else 336
-    temperature: float = 0.0             # 0 = greedy (both engines); > 0 samples, with top_p / top_k
+    image_size: int | None = (
+        None  # side of the square images; None = the vision tower's input size, else 336
+    )
+    temperature: float = 0.0  # 0 = greedy (both engines); > 0 samples, with top_p / top_k
     top_p: float = 1.0
-    top_k: int = 0                       # 0 = off
+    top_k: int = 0  # 0 = off
     seed: int = 0
-    profile_dir: str | None = None       # after the timed rounds, one more (new images) under the torch profiler
+    profile_dir: str | None = (
+        None  # after the timed rounds, one more (new images) under the torch profiler
+    )
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.output_len < 1 or self.input_len < 0:
@@ -70,10 +75,18 @@ class ThroughputConfig:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 
 
-def _rates(num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: float) -> dict[str, float]:
-    return {"elapsed_s": elapsed, "num_requests": num_requests, "output_tokens": output_tokens,
-            "prompt_tokens": prompt_tokens, "requests_per_s": num_requests / elapsed,
-            "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + prompt_tokens) / elapsed}
+def _rates(
+    num_requests: int, output_tokens: int, prompt_tokens: int, elapsed: float
+) -> dict[str, float]:
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": num_requests,
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "requests_per_s": num_requests / elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (output_tokens + prompt_tokens) / elapsed,
+    }
 
 
 def _image_rounds(cfg: ThroughputConfig, size: int) -> list[list[Any]]:
@@ -86,24 +99,42 @@ def _image_rounds(cfg: ThroughputConfig, size: int) -> list[list[Any]]:
     return [make_images(cfg.num_requests, size, seed=seed) for seed in seeds]
 
 
-def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
-                 ) -> dict[str, Any]:
+def _run_mmserve(
+    cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
+) -> dict[str, Any]:
     from mmserve.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
-    llm = LLM(model_dir, dtype=cfg.dtype, device=cfg.device, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
-              kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, kv_cache_dtype=cfg.kv_cache_dtype,
-              quantization=cfg.quantization, seed=cfg.seed,
-              block_size=cfg.block_size, tensor_parallel_size=cfg.tensor_parallel_size,
-              enforce_eager=cfg.enforce_eager)
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, ignore_eos=True)
+    llm = LLM(
+        model_dir,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_prefix_caching=cfg.prefix_caching,
+        kv_cache_memory_fraction=cfg.kv_cache_memory_fraction,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        quantization=cfg.quantization,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+    )
+    params = SamplingParams(
+        max_tokens=cfg.output_len,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        ignore_eos=True,
+    )
     try:
         for w in range(cfg.warmup):
             warm = make_images(min(4, cfg.num_requests), rounds[0][0].width, seed=10_000 + w)
-            llm.generate([{"prompt": texts[0], "images": [im]} for im in warm],
-                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [{"prompt": texts[0], "images": [im]} for im in warm],
+                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )
         best: dict[str, float] | None = None
         every_round: list[float] = []
         for images in rounds:
@@ -128,10 +159,14 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
         best["output_tok_s_every_round"] = every_round
         if cfg.profile_dir:
             from mmserve.bench.kernel_profile import profiled
+
             images = make_images(cfg.num_requests, rounds[0][0].width, seed=cfg.seed + 777_777)
             with profiled(cfg.profile_dir):
-                llm.generate([{"prompt": text, "images": [im]} for text, im in zip(texts, images)], params,
-                             use_tqdm=False)
+                llm.generate(
+                    [{"prompt": text, "images": [im]} for text, im in zip(texts, images)],
+                    params,
+                    use_tqdm=False,
+                )
             best["profile"] = os.path.join(cfg.profile_dir, "kernels.md")
         return best
     finally:
@@ -140,7 +175,9 @@ def _run_mmserve(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds
         free_device_memory(cfg.device)
 
 
-def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]) -> dict[str, Any]:
+def _run_hf(
+    cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
+) -> dict[str, Any]:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
@@ -148,22 +185,34 @@ def _run_hf(cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: lis
     try:
         for w in range(cfg.warmup):
             warm = make_images(min(bs, cfg.num_requests), rounds[0][0].width, seed=20_000 + w)
-            hf.generate(texts[:len(warm)], warm, 4)
+            hf.generate(texts[: len(warm)], warm, 4)
         best: dict[str, Any] | None = None
         for images in rounds:
             out_tokens = prompt_tokens = 0
             sync(cfg.device)
             t0 = now()
-            for start in tqdm(range(0, len(images), bs), desc="transformers generate",
-                              total=math.ceil(len(images) / bs)):
-                batch = images[start:start + bs]
-                timing = hf.generate(texts[start:start + bs], batch, cfg.output_len, temperature=cfg.temperature,
-                                     top_p=cfg.top_p, top_k=cfg.top_k)
+            for start in tqdm(
+                range(0, len(images), bs),
+                desc="transformers generate",
+                total=math.ceil(len(images) / bs),
+            ):
+                batch = images[start : start + bs]
+                timing = hf.generate(
+                    texts[start : start + bs],
+                    batch,
+                    cfg.output_len,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                )
                 out_tokens += timing.new_tokens * len(batch)
                 prompt_tokens += timing.prompt_tokens * len(batch)
             elapsed = now() - t0
-            res = {**_rates(len(images), out_tokens, prompt_tokens, elapsed), "batch_size": bs,
-                   "attn_implementation": hf.attn_implementation}
+            res = {
+                **_rates(len(images), out_tokens, prompt_tokens, elapsed),
+                "batch_size": bs,
+                "attn_implementation": hf.attn_implementation,
+            }
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
         assert best is not None
@@ -195,10 +244,22 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
             errors.append("hf: " + traceback.format_exc())
     if "mmserve" in results and "hf" in results:
         m, h = results["mmserve"], results["hf"]
-        results["ratio"] = {"output_tok_s": m["output_tok_s"] / h["output_tok_s"],
-                            "requests_per_s": m["requests_per_s"] / h["requests_per_s"]}
-    return {"schema": "mmserve-bench/1", "bench": "throughput", "env": environment(cfg.device, argv),
-            "config": asdict(cfg), "model": {**model_record(cfg.source, model_dir), "dtype": cfg.dtype,
-                                             "image_size": size, "text_tokens": spec.text_tokens,
-                                             "distinct_texts": len(set(texts))},
-            "results": results, "errors": errors}
+        results["ratio"] = {
+            "output_tok_s": m["output_tok_s"] / h["output_tok_s"],
+            "requests_per_s": m["requests_per_s"] / h["requests_per_s"],
+        }
+    return {
+        "schema": "mmserve-bench/1",
+        "bench": "throughput",
+        "env": environment(cfg.device, argv),
+        "config": asdict(cfg),
+        "model": {
+            **model_record(cfg.source, model_dir),
+            "dtype": cfg.dtype,
+            "image_size": size,
+            "text_tokens": spec.text_tokens,
+            "distinct_texts": len(set(texts)),
+        },
+        "results": results,
+        "errors": errors,
+    }

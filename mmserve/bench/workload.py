@@ -5,6 +5,7 @@ environment record of a run.
 Imports only torch/transformers/PIL (and the checkpoint writers of `mmserve.testing`) lazily, so
 `mmserve bench serve` runs without a model stack.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -22,7 +23,9 @@ from typing import Any
 
 DEFAULT_FAMILY = "llava"
 DEFAULT_WORK_DIR = "/tmp/mmserve-bench"
-DEFAULT_IMAGE_SIZE = 336     # families without a fixed vision input size (qwen2_vl's dynamic resolution)
+DEFAULT_IMAGE_SIZE = (
+    336  # families without a fixed vision input size (qwen2_vl's dynamic resolution)
+)
 FILLER_WORDS = (" the", " a", " image", " is", " and", " of")
 
 
@@ -31,7 +34,9 @@ def family_presets(family: str) -> tuple[str, ...]:
     from mmserve.testing import FAMILIES
 
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}")
+        raise ValueError(
+            f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
+        )
     module = importlib.import_module(FAMILIES[family].split(":")[0])
     return tuple(module.PRESETS)
 
@@ -41,10 +46,10 @@ class ModelSource:
     """A checkpoint directory, or a family's preset whose random checkpoint is written once into
     `work_dir/<family>-<preset>`."""
 
-    model: str | None = None        # HF checkpoint directory (its config.json names the family)
-    preset: str | None = None       # a preset of `family`, e.g. tiny | qwen2-vl-7b | blip2-opt-2.7b
+    model: str | None = None  # HF checkpoint directory (its config.json names the family)
+    preset: str | None = None  # a preset of `family`, e.g. tiny | qwen2-vl-7b | blip2-opt-2.7b
     work_dir: str = DEFAULT_WORK_DIR
-    family: str | None = None       # with preset: a key of mmserve.testing.FAMILIES (None = llava)
+    family: str | None = None  # with preset: a key of mmserve.testing.FAMILIES (None = llava)
 
     def __post_init__(self) -> None:
         if self.model is None and self.preset is None:
@@ -53,13 +58,17 @@ class ModelSource:
             raise ValueError("give either --model or --preset, not both")
         if self.model is not None:
             if self.family is not None:
-                raise ValueError("--family goes with --preset; a --model checkpoint's family is in its config.json")
+                raise ValueError(
+                    "--family goes with --preset; a --model checkpoint's family is in its config.json"
+                )
             return
         self.family = self.family or DEFAULT_FAMILY
         presets = family_presets(self.family)
         if self.preset not in presets:
-            raise ValueError(f"unknown {self.family} preset {self.preset!r}; {self.family} presets: "
-                             f"{', '.join(presets)}")
+            raise ValueError(
+                f"unknown {self.family} preset {self.preset!r}; {self.family} presets: "
+                f"{', '.join(presets)}"
+            )
 
     def resolve(self) -> str:
         """The checkpoint directory; a preset's checkpoint is built on first use and reused after."""
@@ -75,8 +84,11 @@ class ModelSource:
 
         tmp = Path(f"{target}.partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"writing a random {self.family} {self.preset} checkpoint to {target} (once) ...", file=sys.stderr,
-              flush=True)
+        print(
+            f"writing a random {self.family} {self.preset} checkpoint to {target} (once) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         make_checkpoint(self.family, tmp, preset=self.preset)
         (tmp / ".complete").write_text("ok\n")
         shutil.rmtree(target, ignore_errors=True)
@@ -88,9 +100,15 @@ def model_record(source: ModelSource | None, model_dir: str | None) -> dict[str,
     """What the result JSON says about the checkpoint: path, family, preset and HF architecture."""
     arch = None
     if model_dir is not None:
-        arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
-    return {"path": model_dir, "family": source.family if source else None,
-            "preset": source.preset if source else None, "architecture": arch}
+        arch = (
+            json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None]
+        )[0]
+    return {
+        "path": model_dir,
+        "family": source.family if source else None,
+        "preset": source.preset if source else None,
+        "architecture": arch,
+    }
 
 
 def default_device() -> str:
@@ -106,8 +124,14 @@ def default_dtype(device: str) -> str:
 def torch_dtype(name: str) -> Any:
     import torch
 
-    table = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    table = {
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+    }
     if name not in table:
         raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
     return table[name]
@@ -138,13 +162,16 @@ def free_device_memory(device: str) -> None:
 
 # ---- prompts and images ---------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PromptSpec:
     """One prompt: the user text wrapped by the checkpoint's chat template around one image."""
 
-    text: str            # full prompt, with the image placeholder where the template puts it (none: BLIP-2)
-    filler: str          # the user text alone (what a server request sends)
-    text_tokens: int     # tokens of `text` besides the image placeholder (special tokens and template included)
+    text: str  # full prompt, with the image placeholder where the template puts it (none: BLIP-2)
+    filler: str  # the user text alone (what a server request sends)
+    text_tokens: (
+        int  # tokens of `text` besides the image placeholder (special tokens and template included)
+    )
 
 
 def _single_token_word(tokenizer: Any) -> str:
@@ -177,7 +204,9 @@ class PromptTemplate:
         self.image_token: str = getattr(self.processor, "image_token", None) or "<image>"
         self.chat_template = getattr(self.processor, "chat_template", None)
         self.placeholder_in_prompt = True
-        self.decoder_prompt = None   # an encoder-decoder's prompt ids of a text: its decoder's (Nougat)
+        self.decoder_prompt = (
+            None  # an encoder-decoder's prompt ids of a text: its decoder's (Nougat)
+        )
         self.drawn_text = False
         if not self.chat_template:
             from transformers import AutoConfig
@@ -188,16 +217,24 @@ class PromptTemplate:
             model_cls = get_model_class(config)
             self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
             if getattr(model_cls, "encoder_decoder", False):
-                self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(config, self.tokenizer, text)
-            self.drawn_text = bool(getattr(config, "is_vqa", False))   # Deplot: the question is drawn on the picture
+                self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(
+                    config, self.tokenizer, text
+                )
+            self.drawn_text = bool(
+                getattr(config, "is_vqa", False)
+            )  # Deplot: the question is drawn on the picture
 
     def wrap(self, text: str) -> str:
         """The full prompt of one image + the user `text` (an encoder-decoder's: the text that starts its answer)."""
         if self.decoder_prompt:
             return text
         if self.chat_template:
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-            return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            messages = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+            ]
+            return self.processor.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         image = f"{self.image_token}\n" if self.placeholder_in_prompt else ""
         return f"{image}Question: {text} Answer:"
 
@@ -235,13 +272,17 @@ def prompt_variants(template: PromptTemplate, spec: PromptSpec, n: int) -> list[
     the tokenizer saw them when they were counted). Prompts then share the template
     and the image but not the text, as different questions about one picture do. Falls back to `spec.text`
     for every prompt when the tokenizer has fewer than two such words or the text is too short."""
-    words = [w for w in FILLER_WORDS if len(template.tokenizer(w, add_special_tokens=False).input_ids) == 1]
+    words = [
+        w
+        for w in FILLER_WORDS
+        if len(template.tokenizer(w, add_special_tokens=False).input_ids) == 1
+    ]
     filler = spec.filler.split(" ")
     base = len(words)
     digits = 1
-    while base > 1 and base ** digits < n:
+    while base > 1 and base**digits < n:
         digits += 1
-    if base < 2 or digits >= len(filler):   # the first word has no space before it
+    if base < 2 or digits >= len(filler):  # the first word has no space before it
         return [spec.text] * n
     out = []
     for i in range(n):
@@ -249,7 +290,7 @@ def prompt_variants(template: PromptTemplate, spec: PromptSpec, n: int) -> list[
         for _ in range(digits):
             code.append(words[x % base].strip())
             x //= base
-        text = template.wrap(" ".join(filler[:len(filler) - digits] + code))
+        text = template.wrap(" ".join(filler[: len(filler) - digits] + code))
         if template.text_tokens(text) != spec.text_tokens:
             return [spec.text] * n
         out.append(text)
@@ -269,10 +310,14 @@ def make_images(n: int, size: int, seed: int = 0) -> list[Any]:
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB") for _ in range(n)]
+    return [
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
+        for _ in range(n)
+    ]
 
 
 # ---- environment ----------------------------------------------------------------------------
+
 
 def redact_headers(args: list[str]) -> list[str]:
     """The command line with each `--header KEY=VALUE`'s value hidden: results files must not keep credentials."""
@@ -290,7 +335,8 @@ def environment(device: str, argv: list[str] | None) -> dict[str, Any]:
     """Device name, versions, UTC date and the exact command line of this run."""
     env: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "mmserve bench " + shlex.join(redact_headers(argv if argv is not None else sys.argv[1:])),
+        "command": "mmserve bench "
+        + shlex.join(redact_headers(argv if argv is not None else sys.argv[1:])),
         "process_argv": shlex.join(redact_headers(sys.argv)),
         "python": platform.python_version(),
         "platform": platform.platform(),

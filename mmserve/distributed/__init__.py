@@ -5,6 +5,7 @@ process is rank 0 (the driver: scheduling, preprocessing, vision encoders, sampl
 (`distributed/workers.py`) hold the other shards of the language model; `layers/linear.py` shards by these numbers
 and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on CUDA and gloo on the CPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 _TP_RANK = 0
 _TP_SIZE = 1
-TIMEOUT = timedelta(minutes=5)   # a collective stuck this long fails instead of hanging the server
+TIMEOUT = timedelta(minutes=5)  # a collective stuck this long fails instead of hanging the server
 SHUTDOWN_WAIT = timedelta(seconds=60)
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,14 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     global _TP_RANK, _TP_SIZE
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=size, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
     _TP_RANK, _TP_SIZE = rank, size
 
 
@@ -63,11 +70,17 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"
-    abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)   # NCCL only, PyTorch >= 2.6
-    leave = abort_group if abort and nccl and abort_group is not None else dist.destroy_process_group
+    abort_group = getattr(
+        dist.distributed_c10d, "_abort_process_group", None
+    )  # NCCL only, PyTorch >= 2.6
+    leave = (
+        abort_group if abort and nccl and abort_group is not None else dist.destroy_process_group
+    )
     thread = threading.Thread(target=leave, name="mmserve-tp-shutdown", daemon=True)
     thread.start()
     thread.join(SHUTDOWN_WAIT.total_seconds())
     if thread.is_alive():
-        logger.warning("the tensor-parallel process group did not shut down within %d s; leaving it",
-                       SHUTDOWN_WAIT.seconds)
+        logger.warning(
+            "the tensor-parallel process group did not shut down within %d s; leaving it",
+            SHUTDOWN_WAIT.seconds,
+        )

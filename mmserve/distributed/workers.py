@@ -14,6 +14,7 @@ lockstep, so the collectives inside the forward passes (the row-parallel linears
 Workers compute hidden states the driver also computes and drop them; sampling, logits and the encoder cache
 live on the driver only.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -52,22 +53,31 @@ def check_tensor_parallel(hf_config, mc) -> None:
     """ValueError, before any process starts, when `mc.tensor_parallel_size` cannot shard this checkpoint."""
     from mmserve.models.loader import text_config_of
     from mmserve.models.registry import get_model_class
+
     size = mc.tensor_parallel_size
     cls = get_model_class(hf_config)
     if getattr(cls, "encoder_decoder", False):
-        raise ValueError(f"tensor_parallel_size {size}: {cls.__name__} (an encoder-decoder) runs on one GPU only; "
-                         "use tensor_parallel_size 1")
+        raise ValueError(
+            f"tensor_parallel_size {size}: {cls.__name__} (an encoder-decoder) runs on one GPU only; "
+            "use tensor_parallel_size 1"
+        )
     text = text_config_of(hf_config)
     names = ["num_attention_heads", "attention_heads", "intermediate_size", "ffn_dim"]
-    if getattr(cls, "uses_cross_attention", False):   # the cross-attention pool holds each rank's kv heads
+    if getattr(
+        cls, "uses_cross_attention", False
+    ):  # the cross-attention pool holds each rank's kv heads
         names.append("num_key_value_heads")
     for name in names:
         value = getattr(text, name, None)
         if isinstance(value, int) and value % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the language model's {name} ({value})")
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the language model's {name} ({value})"
+            )
     if mc.device.startswith("cuda:"):
-        raise ValueError(f"tensor_parallel_size {size} uses GPUs 0..{size - 1}: give device 'cuda' or 'auto', "
-                         f"not {mc.device!r} (CUDA_VISIBLE_DEVICES picks which)")
+        raise ValueError(
+            f"tensor_parallel_size {size} uses GPUs 0..{size - 1}: give device 'cuda' or 'auto', "
+            f"not {mc.device!r} (CUDA_VISIBLE_DEVICES picks which)"
+        )
 
 
 class TPWorkers:
@@ -80,14 +90,20 @@ class TPWorkers:
     def start(cls, config, device: torch.device) -> TPWorkers:
         size = config.model.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible"
+            )
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, size, init_method, config, device.type, child),
-                               name=f"mmserve-tp{rank}", daemon=True)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, size, init_method, config, device.type, child),
+                name=f"mmserve-tp{rank}",
+                daemon=True,
+            )
             proc.start()
             procs.append(proc)
             conns.append(parent)
@@ -120,8 +136,10 @@ class TPWorkers:
             if wait_s:
                 proc.join(timeout=wait_s)
             if not proc.is_alive():
-                raise WorkerDied(f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
-                                 "the engine cannot go on without it")
+                raise WorkerDied(
+                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                    "the engine cannot go on without it"
+                )
 
     def _reply(self, conn) -> Any:
         status, value = conn.recv()
@@ -153,8 +171,12 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     from mmserve.models.loader import load_model
     from mmserve.worker.model_runner import ModelRunner
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>`: where is this worker stuck?
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s"
+    )
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # `kill -USR1 <pid>`: where is this worker stuck?
     device = rank_device(torch.device(device_type), rank)
     # the driver keeps its threads (it preprocesses and, on the CPU, computes shard 0); N processes that each
     # spin up a thread per core starve one another
@@ -166,15 +188,23 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
     loaded.model.drop_encoders()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    runner = ModelRunner(loaded.model, device, loaded.dtype, config.cache, loaded.text_config.vocab_size,
-                         mc.attention_backend)
-    runner.lora = LoRAManager(loaded.model, device, loaded.dtype, mc.max_loras)   # the driver's adapters, sharded
+    runner = ModelRunner(
+        loaded.model,
+        device,
+        loaded.dtype,
+        config.cache,
+        loaded.text_config.vocab_size,
+        mc.attention_backend,
+    )
+    runner.lora = LoRAManager(
+        loaded.model, device, loaded.dtype, mc.max_loras
+    )  # the driver's adapters, sharded
     logger.info("shard %d of %d loaded", rank, size)
     with torch.inference_mode():
         while True:
             try:
                 op, payload = conn.recv()
-            except EOFError:   # the driver is gone without a word: no peer to leave the group with
+            except EOFError:  # the driver is gone without a word: no peer to leave the group with
                 logger.warning("tensor-parallel rank %d: the driver went away; exiting", rank)
                 os._exit(0)
             if op == "stop":
@@ -182,16 +212,20 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
             if op == "forward":
                 try:
                     runner.run_mirrored(*payload)
-                except Exception:   # the group cannot go on without this rank: exit (no teardown, which would
-                    logger.exception("tensor-parallel rank %d: a forward failed", rank)   # wait on the driver),
-                    os._exit(1)   # so the driver's next step sees a dead worker
+                except (
+                    Exception
+                ):  # the group cannot go on without this rank: exit (no teardown, which would
+                    logger.exception(
+                        "tensor-parallel rank %d: a forward failed", rank
+                    )  # wait on the driver),
+                    os._exit(1)  # so the driver's next step sees a dead worker
                 continue
             name, args = payload
             try:
                 result = getattr(runner, name)(*args)
                 logger.info("%s done", name)
                 conn.send(("ok", result))
-            except Exception:   # the driver raises it; this worker stays to be stopped
+            except Exception:  # the driver raises it; this worker stays to be stopped
                 conn.send(("error", traceback.format_exc()))
     runner.release_cuda_graphs()
     shutdown_tensor_parallel()

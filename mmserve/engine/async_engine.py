@@ -6,6 +6,7 @@ Input preprocessing (image decoding, HF processor) runs in a worker thread, neve
 loop and never on the engine thread, so a slow image does not stall decoding for everyone else.
 A consumer that stops iterating (client disconnect, cancellation) aborts its request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mmserve.core.outputs import RequestOutput
 from mmserve.distributed.workers import WorkerDied
 from mmserve.engine.engine import Engine
-from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,19 +36,22 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="mmserve-preprocess")
+        self._preprocess = ThreadPoolExecutor(
+            preprocess_workers, thread_name_prefix="mmserve-preprocess"
+        )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
         self.dead_error: BaseException | None = None
-        self._current: tuple | None = None   # the command the engine thread is handling
+        self._current: tuple | None = None  # the command the engine thread is handling
         self._thread.start()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until the finished one.
 
         Raises ValueError/TypeError for bad input and EngineOverloaded when the queue is full,
@@ -61,18 +65,27 @@ class AsyncEngine:
 
     async def preprocess(self, prompt: str | dict[str, Any]):
         """Engine.preprocess on a preprocessing thread: the prompt's ProcessedInputs."""
-        return await asyncio.get_running_loop().run_in_executor(self._preprocess, self.engine.preprocess, prompt)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._preprocess, self.engine.preprocess, prompt
+        )
 
-    async def generate_processed(self, inputs, params: SamplingParams,
-                                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_processed(
+        self, inputs, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """generate() for a prompt already preprocessed (ProcessedInputs)."""
         if self.dead_error is not None:
             raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        if params.guided_decoding_type is not None:   # compiled here, so the engine thread only finds it cached
-            await loop.run_in_executor(self._preprocess, self.engine.grammars.compile, params.guided_decoding_type,
-                                       params.guided_decoding_guide)
+        if (
+            params.guided_decoding_type is not None
+        ):  # compiled here, so the engine thread only finds it cached
+            await loop.run_in_executor(
+                self._preprocess,
+                self.engine.grammars.compile,
+                params.guided_decoding_type,
+                params.guided_decoding_guide,
+            )
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._commands.put(("add", rid, inputs, params, loop, stream, added))
@@ -127,15 +140,20 @@ class AsyncEngine:
             self.dead_error = e
             self._fail_all(e)
             pending = [self._current] if self._current is not None else []
-            while True:   # the command being handled and callers still queued behind the failure
+            while True:  # the command being handled and callers still queued behind the failure
                 try:
                     pending.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
             for cmd in pending:
-                if cmd[0] in ("add", "lora"):   # both carry the caller's loop fifth and its future last
+                if cmd[0] in (
+                    "add",
+                    "lora",
+                ):  # both carry the caller's loop fifth and its future last
                     loop, waiter = cmd[4], cmd[-1]
-                    loop.call_soon_threadsafe(_set_exception, waiter, RuntimeError(f"the engine loop died: {e}"))
+                    loop.call_soon_threadsafe(
+                        _set_exception, waiter, RuntimeError(f"the engine loop died: {e}")
+                    )
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -156,10 +174,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except WorkerDied:   # no later step can run either: the loop dies, health turns 503
+            except WorkerDied:  # no later step can run either: the loop dies, health turns 503
                 raise
             except Exception as e:  # a failed step must not take the server down with it
-                if self.engine.tp_workers is not None:   # unless a collective failed because a worker is gone
+                if (
+                    self.engine.tp_workers is not None
+                ):  # unless a collective failed because a worker is gone
                     self.engine.tp_workers.check_alive(wait_s=2.0)
                 logger.exception("engine step failed; aborting the running requests")
                 self._fail_all(e)
@@ -204,7 +224,7 @@ class AsyncEngine:
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:   # the consumer's loop is closed
+            except RuntimeError:  # the consumer's loop is closed
                 pass
 
     def _fail_all(self, error: BaseException) -> None:

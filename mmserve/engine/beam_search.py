@@ -14,6 +14,7 @@ of tokens per beam (the same request again, or a sibling's fork of it). Presence
 beam's tokens go into that request as a logit bias (its own output is one token), and a guided-decoding grammar
 starts there past the beam's tokens; its mask comes before the log-probs, so every candidate keeps to it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,43 +26,63 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.engine.request_output import ends_with_any
-from mmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from mmserve.sampling_params import SamplingParams
 
-MAX_BEAM_WIDTH = 10   # 2W log-probs per step, and the sampler reports at most 20
+MAX_BEAM_WIDTH = 10  # 2W log-probs per step, and the sampler reports at most 20
 
 
 @dataclass
 class Beam:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    score: float = 0.0   # sum of the log-probs
+    score: float = 0.0  # sum of the log-probs
 
     def normalized(self, length_penalty: float) -> float:
         return self.score / (len(self.tokens) ** length_penalty) if self.tokens else self.score
 
 
 class BeamSearch:
-    def __init__(self, width: int, max_tokens: int, eos_ids: set[int], length_penalty: float = 1.0,
-                 stop_sequences: Sequence[Sequence[int]] = ()) -> None:
+    def __init__(
+        self,
+        width: int,
+        max_tokens: int,
+        eos_ids: set[int],
+        length_penalty: float = 1.0,
+        stop_sequences: Sequence[Sequence[int]] = (),
+    ) -> None:
         if not 1 <= width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
-        self.width, self.max_tokens, self.eos_ids, self.length_penalty = width, max_tokens, eos_ids, length_penalty
+        self.width, self.max_tokens, self.eos_ids, self.length_penalty = (
+            width,
+            max_tokens,
+            eos_ids,
+            length_penalty,
+        )
         # a candidate whose tokens end with one of these ends its hypothesis as an end id does (the tokens stay)
         self.stop_sequences = [list(seq) for seq in stop_sequences if seq]
         self.running = [Beam()]
-        self.finished: list[tuple[float, Beam]] = []   # (normalized score, hypothesis), best first
+        self.finished: list[tuple[float, Beam]] = []  # (normalized score, hypothesis), best first
 
     @property
     def done(self) -> bool:
-        return (len(self.finished) >= self.width or not self.running
-                or len(self.running[0].tokens) >= self.max_tokens)
+        return (
+            len(self.finished) >= self.width
+            or not self.running
+            or len(self.running[0].tokens) >= self.max_tokens
+        )
 
     def step(self, candidates: list[list[tuple[int, float]]]) -> None:
         """candidates[i]: the 2W most likely (token, log-prob) after running beam i."""
-        ranked = sorted(((beam.score + lp, -i, tok, lp) for i, beam in enumerate(self.running)
-                         for tok, lp in candidates[i]), reverse=True)[:2 * self.width]
+        ranked = sorted(
+            (
+                (beam.score + lp, -i, tok, lp)
+                for i, beam in enumerate(self.running)
+                for tok, lp in candidates[i]
+            ),
+            reverse=True,
+        )[: 2 * self.width]
         running = []
         for rank, (score, neg_i, tok, lp) in enumerate(ranked):
             parent = self.running[-neg_i]
@@ -81,7 +102,7 @@ class BeamSearch:
     def _finish(self, beam: Beam) -> None:
         self.finished.append((beam.normalized(self.length_penalty), beam))
         self.finished.sort(key=lambda h: -h[0])
-        del self.finished[self.width:]
+        del self.finished[self.width :]
 
     def results(self) -> list[Beam]:
         """The W best hypotheses, best first; beams cut by max_tokens count when fewer than W finished."""
@@ -106,7 +127,10 @@ def unsupported_with_beams(params: SamplingParams) -> str | None:
 def stop_sequences(params: SamplingParams, tokenizer) -> list[list[int]]:
     """What ends a hypothesis besides the end id: the token stop sequences, and each stop string tokenized on its
     own (no special tokens), as TensorRT-LLM's preprocessing turns stop words into its stop_words_list."""
-    return [*params.stop_token_sequences, *(tokenizer.encode(s, add_special_tokens=False) for s in params.stop)]
+    return [
+        *params.stop_token_sequences,
+        *(tokenizer.encode(s, add_special_tokens=False) for s in params.stop),
+    ]
 
 
 def step_params(params: SamplingParams, width: int, beam_tokens: list[int]) -> SamplingParams:
@@ -117,16 +141,33 @@ def step_params(params: SamplingParams, width: int, beam_tokens: list[int]) -> S
     bias = dict(params.logit_bias)
     if params.presence_penalty or params.frequency_penalty:
         for tok, count in Counter(beam_tokens).items():
-            bias[tok] = bias.get(tok, 0.0) - params.presence_penalty - params.frequency_penalty * count
-    return dataclasses.replace(params, max_tokens=1, min_tokens=1 if len(beam_tokens) < params.min_tokens else 0,
-                               temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, logprobs=2 * width,
-                               stop=[], stop_token_sequences=[], presence_penalty=0.0, frequency_penalty=0.0,
-                               logit_bias=bias, return_context_logits=False, return_generation_logits=False,
-                               guided_decoding_prefix=list(beam_tokens) if params.guided_decoding_type else [])
+            bias[tok] = (
+                bias.get(tok, 0.0) - params.presence_penalty - params.frequency_penalty * count
+            )
+    return dataclasses.replace(
+        params,
+        max_tokens=1,
+        min_tokens=1 if len(beam_tokens) < params.min_tokens else 0,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed=None,
+        logprobs=2 * width,
+        stop=[],
+        stop_token_sequences=[],
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        logit_bias=bias,
+        return_context_logits=False,
+        return_generation_logits=False,
+        guided_decoding_prefix=list(beam_tokens) if params.guided_decoding_type else [],
+    )
 
 
-async def beam_search(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
-                      request_id: str) -> RequestOutput:
+async def beam_search(
+    engine, inputs, params: SamplingParams, width: int, length_penalty: float, request_id: str
+) -> RequestOutput:
     """Run beam search for one preprocessed prompt on an AsyncEngine; the final output carries W completions."""
     last = None
     async for last in beam_search_steps(engine, inputs, params, width, length_penalty, request_id):
@@ -134,46 +175,83 @@ async def beam_search(engine, inputs, params: SamplingParams, width: int, length
     return last
 
 
-async def beam_search_steps(engine, inputs, params: SamplingParams, width: int, length_penalty: float,
-                            request_id: str, snapshots: bool = False, stop: asyncio.Event | None = None
-                            ) -> AsyncIterator[RequestOutput]:
+async def beam_search_steps(
+    engine,
+    inputs,
+    params: SamplingParams,
+    width: int,
+    length_penalty: float,
+    request_id: str,
+    snapshots: bool = False,
+    stop: asyncio.Event | None = None,
+) -> AsyncIterator[RequestOutput]:
     """beam_search as a stream: with `snapshots`, after each step an unfinished output holding W beams so far (the
     running ones best first, then hypotheses already finished; they may change order or be replaced from one step
     to the next, so each carries whole beams, as TensorRT-LLM streams beams); always the final output last. Once
     `stop` is set the search ends after the step in flight: the final output holds those W beams, finish reason
     "abort"."""
     inner = engine.engine
-    inner.config.limits.check(params)   # as Engine.add_processed: the step requests carry no stop lists
-    eos = set() if params.ignore_eos else (
-        {params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
-    search = BeamSearch(width, params.max_tokens, eos, length_penalty, stop_sequences(params, inner.tokenizer))
+    inner.config.limits.check(
+        params
+    )  # as Engine.add_processed: the step requests carry no stop lists
+    eos = (
+        set()
+        if params.ignore_eos
+        else ({params.eos_token_id} if params.eos_token_id is not None else set(inner.default_eos))
+    )
+    search = BeamSearch(
+        width, params.max_tokens, eos, length_penalty, stop_sequences(params, inner.tokenizer)
+    )
 
     async def offers(i: int, beam: Beam) -> list[tuple[int, float]]:
-        beam_inputs = dataclasses.replace(inputs, prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
-                                          block_hashes=None, mrope_positions=_mrope_positions(inputs, len(beam.tokens)))
+        beam_inputs = dataclasses.replace(
+            inputs,
+            prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
+            block_hashes=None,
+            mrope_positions=_mrope_positions(inputs, len(beam.tokens)),
+        )
         last = None
-        async for out in engine.generate_processed(beam_inputs, step_params(params, width, beam.tokens),
-                                                   f"{request_id}-beam{len(beam.tokens)}-{i}"):
+        async for out in engine.generate_processed(
+            beam_inputs,
+            step_params(params, width, beam.tokens),
+            f"{request_id}-beam{len(beam.tokens)}-{i}",
+        ):
             last = out
         entry = last.outputs[0].logprobs[0]
-        ranked = sorted(((lp.logprob, tok) for tok, lp in entry.items() if lp.logprob > float("-inf")),
-                        reverse=True)
-        return [(tok, lp) for lp, tok in ranked[:2 * width]]
+        ranked = sorted(
+            ((lp.logprob, tok) for tok, lp in entry.items() if lp.logprob > float("-inf")),
+            reverse=True,
+        )
+        return [(tok, lp) for lp, tok in ranked[: 2 * width]]
 
     def output(beams: list[Beam], finished: bool, aborted: bool = False) -> RequestOutput:
         completions = []
         for k, beam in enumerate(beams):
-            ended = bool(beam.tokens) and beam.tokens[-1] in eos   # the end id is not text; a stop word is
+            ended = (
+                bool(beam.tokens) and beam.tokens[-1] in eos
+            )  # the end id is not text; a stop word is
             text_ids = beam.tokens[:-1] if ended else beam.tokens
             stopped = ended or search.ends_with_stop(beam.tokens)
             reason = ("stop" if stopped else "abort" if aborted else "length") if finished else None
-            completions.append(CompletionOutput(
-                k, inner.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens), list(beam.tokens),
-                cumulative_logprob=beam.score,
-                logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)], finish_reason=reason))
-        return RequestOutput(request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, finished)
+            completions.append(
+                CompletionOutput(
+                    k,
+                    inner.tokenizer.decode(
+                        text_ids, skip_special_tokens=params.skip_special_tokens
+                    ),
+                    list(beam.tokens),
+                    cumulative_logprob=beam.score,
+                    logprobs=[{tok: Logprob(lp)} for tok, lp in zip(beam.tokens, beam.logprobs)],
+                    finish_reason=reason,
+                )
+            )
+        return RequestOutput(
+            request_id, inputs.prompt, list(inputs.prompt_token_ids), completions, finished
+        )
 
-    def current() -> list[Beam]:   # W beams, as clients index them: the running ones, then finished ones
+    def current() -> list[
+        Beam
+    ]:  # W beams, as clients index them: the running ones, then finished ones
         return (search.running + [beam for _, beam in search.finished])[:width]
 
     while not search.done:

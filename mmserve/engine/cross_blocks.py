@@ -1,5 +1,6 @@
 """Which blocks of the cross-attention pool (worker/cross_kv.py) each running request holds: the scheduler takes
 a request's blocks when it admits it and gives them back when it finishes, aborts or is preempted."""
+
 from __future__ import annotations
 
 from mmserve.engine.request import Request
@@ -8,7 +9,7 @@ from mmserve.engine.request import Request
 class CrossBlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))   # popped from the end: low ids first
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
 
     @property
     def num_free(self) -> int:
@@ -29,7 +30,9 @@ class CrossBlockAllocator:
             return
         n = req.cross_blocks_needed
         if n > len(self._free):
-            raise RuntimeError(f"{req.request_id}: {n} cross-attention blocks asked, {len(self._free)} free")
+            raise RuntimeError(
+                f"{req.request_id}: {n} cross-attention blocks asked, {len(self._free)} free"
+            )
         req.cross_block_ids = [self._free.pop() for _ in range(n)]
         req.cross_kv_written = False
 

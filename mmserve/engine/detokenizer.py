@@ -3,9 +3,10 @@
 `.text` only ever grows (streaming deltas are its growth); text that could still become a stop string or
 that ends inside a multi-byte character is held back until it is decided.
 """
+
 from __future__ import annotations
 
-from mmserve.engine.stop_matcher import StopStringMatcher
+from mmserve.core.stop_matcher import StopStringMatcher
 from mmserve.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -22,7 +23,7 @@ class IncrementalDetokenizer:
     boundary space must add it themselves.
 
     Stop strings: each push's new characters are fed to the request's Aho-Corasick automaton over its stop
-    strings (engine/stop_matcher.py, built once), so the check costs the same per character however many stop
+    strings (core/stop_matcher.py, built once), so the check costs the same per character however many stop
     strings there are; the match that ends first wins (ties: the longer one), so the result does not depend on
     how the text was split into tokens. `.text` then ends right before it (or right after it with
     include_stop_str_in_output), and further pushes are refused. While no stop has matched, the longest
@@ -33,22 +34,24 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.prompt_token_ids = prompt_token_ids  # kept for callers; not used as decoding context (see class doc)
+        self.prompt_token_ids = (
+            prompt_token_ids  # kept for callers; not used as decoding context (see class doc)
+        )
         self.params = params
         self.token_ids: list[int] = []
         self._stops = StopStringMatcher(params.stop) if params.stop else None
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text_cache: tuple[int, int, str] | None = None
-        self._decoded = ""       # all text decoded so far that is complete (no dangling bytes)
-        self._released = 0       # len of self._decoded exposed through .text
+        self._decoded = ""  # all text decoded so far that is complete (no dangling bytes)
+        self._released = 0  # len of self._decoded exposed through .text
         self._stop_match: str | None = None
         self._finished = False
         self._decode_fn = _fast_decode(tokenizer)
 
     @property
     def text(self) -> str:
-        return self._decoded[:self._released]
+        return self._decoded[: self._released]
 
     @property
     def finished(self) -> bool:
@@ -100,7 +103,7 @@ class IncrementalDetokenizer:
         if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not final):
             return ""
         self._prefix_offset, self._read_offset = read, len(self.token_ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def _advance(self, new_text: str, final: bool = False) -> str:
         """Append decoded text, look for stop strings, release what is decided; returns the released part."""
@@ -111,7 +114,7 @@ class IncrementalDetokenizer:
         if self._stops is not None and new_text:
             match = self._stops.feed(new_text)
             if match is not None:
-                stop, after = match   # `after`: the offset in new_text right after the stop string
+                stop, after = match  # `after`: the offset in new_text right after the stop string
                 stop_end = len(self._decoded) - len(new_text) + after
                 end = stop_end if self.params.include_stop_str_in_output else stop_end - len(stop)
                 self._decoded = self._decoded[:end]
@@ -121,7 +124,7 @@ class IncrementalDetokenizer:
                 return self._decoded[before:]
         hold = 0 if final or self._stops is None else self._stops.pending
         self._released = max(self._released, len(self._decoded) - hold)
-        return self._decoded[before:self._released]
+        return self._decoded[before : self._released]
 
 
 def _fast_decode(tokenizer):

@@ -6,24 +6,29 @@ sampler masks the ids the matcher does not allow (`SamplingBatch`, from `fill_ne
 feeds each sampled token back (`accept_token`). The guide types are TensorRT-LLM's `guided_decoding_guide_type`
 values: `json` (any JSON object or array; no guide), `json_schema`, `regex`, `ebnf_grammar` (GBNF).
 """
+
 from __future__ import annotations
 
 import json
 import threading
 from collections import OrderedDict
 
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
-
 
 class GrammarCache:
     """Compiled grammars of one tokenizer and vocabulary, least recently used dropped past `capacity`."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], capacity: int = 64) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, stop_token_ids: list[int], capacity: int = 64
+    ) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.capacity = capacity
-        self._compiler = None   # built on first use: importing xgrammar and reading the vocabulary take time
+        self._compiler = (
+            None  # built on first use: importing xgrammar and reading the vocabulary take time
+        )
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._lock = threading.Lock()   # preprocessing threads and the engine thread may both compile
+        self._lock = (
+            threading.Lock()
+        )  # preprocessing threads and the engine thread may both compile
 
     def guide(self, guide_type: str, guide: str | None) -> "Guide":
         """A fresh Guide (matcher) for a request; ValueError naming the field when the guide does not compile."""
@@ -50,23 +55,30 @@ class GrammarCache:
 
         if self._compiler is None:
             try:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)
-            except Exception as e:   # noqa: BLE001 - xgrammar's own types
-                raise ValueError(f"guided_decoding_guide_type: guided decoding is not available for this model's "
-                                 f"tokenizer ({e})") from None
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids or None,
+                )
+            except Exception as e:  # noqa: BLE001 - xgrammar's own types
+                raise ValueError(
+                    f"guided_decoding_guide_type: guided decoding is not available for this model's "
+                    f"tokenizer ({e})"
+                ) from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
             if guide_type == "json":
                 return self._compiler.compile_builtin_json_grammar()
             if guide_type == "json_schema":
-                json.loads(guide)   # a clear message for text that is not JSON at all
+                json.loads(guide)  # a clear message for text that is not JSON at all
                 return self._compiler.compile_json_schema(guide, any_whitespace=False)
             if guide_type == "regex":
                 return self._compiler.compile_regex(guide)
             return self._compiler.compile_grammar(guide)
-        except Exception as e:   # noqa: BLE001 - xgrammar raises its own types for bad guides
-            raise ValueError(f"guided_decoding_guide: not a valid {guide_type} guide: {e}") from None
+        except Exception as e:  # noqa: BLE001 - xgrammar raises its own types for bad guides
+            raise ValueError(
+                f"guided_decoding_guide: not a valid {guide_type} guide: {e}"
+            ) from None
 
 
 class Guide:

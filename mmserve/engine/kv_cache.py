@@ -6,6 +6,7 @@ placeholder tokens it holds, so the same image behind the same prefix maps to th
 sha256: with a fast non-cryptographic hash, a crafted prompt could be made to collide with another user's
 cached blocks and read their keys and values.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,17 +15,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mmserve.core.transfer import cdiv
 from mmserve.engine.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-_BLOCK_HASH_SEED = hashlib.sha256(b"mmserve-kv-block\0")   # copied for each block: the prefix is hashed once
+_BLOCK_HASH_SEED = hashlib.sha256(
+    b"mmserve-kv-block\0"
+)  # copied for each block: the prefix is hashed once
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[tuple[str, int]]) -> bytes:
+def hash_block(
+    parent: bytes | None, token_ids: Sequence[int], media: Sequence[tuple[str, int]]
+) -> bytes:
     """sha256 digest of a full block: its parent block's digest (None for the first block), its token ids
     and, for each media item with placeholders in it, (content hash, index of the item's first placeholder
     that falls in this block). Every field is length-prefixed, so no two inputs share a byte stream."""
@@ -41,16 +42,24 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], media: Sequence[t
     return h.digest()
 
 
-def chain_block_hashes(token_ids: Sequence[int], mm_items: Sequence, block_size: int, first_block: int = 0,
-                       parent: bytes | None = None) -> list[bytes]:
+def chain_block_hashes(
+    token_ids: Sequence[int],
+    mm_items: Sequence,
+    block_size: int,
+    first_block: int = 0,
+    parent: bytes | None = None,
+) -> list[bytes]:
     """hash_block of full blocks first_block, first_block + 1, ... of a sequence whose tokens from position
     first_block * block_size on are token_ids, chained from `parent` (the digest of block first_block - 1).
     mm_items: the sequence's media items (offset, end, content_hash), sorted by offset."""
     out = []
     for i in range(len(token_ids) // block_size):
         start = (first_block + i) * block_size
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
-                            _media_in(mm_items, start, start + block_size))
+        parent = hash_block(
+            parent,
+            token_ids[i * block_size : (i + 1) * block_size],
+            _media_in(mm_items, start, start + block_size),
+        )
         out.append(parent)
     return out
 
@@ -69,7 +78,7 @@ def _media_in(mm_items: Sequence, start: int, end: int) -> list[tuple[str, int]]
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: bytes | None = None   # set once the block is full, computed and registered
+    block_hash: bytes | None = None  # set once the block is full, computed and registered
 
 
 class BlockPool:
@@ -79,7 +88,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[bytes, KVBlock] = {}   # hash -> block
+        self._cached: dict[bytes, KVBlock] = {}  # hash -> block
 
     @property
     def num_blocks(self) -> int:
@@ -136,8 +145,8 @@ class BlockPool:
 
 @dataclass
 class PrefixCacheStats:
-    queried_tokens: int = 0   # prompt tokens looked up
-    hit_tokens: int = 0       # of those, found in the cache
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, found in the cache
 
     @property
     def hit_rate(self) -> float:
@@ -147,7 +156,9 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Block tables of running requests over one BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -176,8 +187,13 @@ class KVCacheManager:
         bs = self.block_size
         first, full = len(req.block_hashes), req.num_known_tokens // bs
         if full > first:
-            req.block_hashes += chain_block_hashes(req.token_ids(first * bs, full * bs), req.mm_items, bs, first,
-                                                   req.block_hashes[-1] if first else req.hash_salt)
+            req.block_hashes += chain_block_hashes(
+                req.token_ids(first * bs, full * bs),
+                req.mm_items,
+                bs,
+                first,
+                req.block_hashes[-1] if first else req.hash_salt,
+            )
 
     def prompt_digest(self, req: Request) -> bytes:
         """A digest of req's whole prompt (tokens and media): its last full block's hash chained with the
@@ -187,8 +203,11 @@ class KVCacheManager:
             full = p // bs
             if len(req.block_hashes) < full:
                 self._extend_hashes(req)
-            req.prompt_digest = hash_block(req.block_hashes[full - 1] if full else req.hash_salt,
-                                           req.prompt_token_ids[full * bs:], _media_in(req.mm_items, full * bs, p))
+            req.prompt_digest = hash_block(
+                req.block_hashes[full - 1] if full else req.hash_salt,
+                req.prompt_token_ids[full * bs :],
+                _media_in(req.mm_items, full * bs, p),
+            )
         return req.prompt_digest
 
     def max_hit_blocks(self, req: Request) -> int:
@@ -205,7 +224,7 @@ class KVCacheManager:
             return [], 0
         self._extend_hashes(req)
         hits: list[KVBlock] = []
-        for block_hash in req.block_hashes[:self.max_hit_blocks(req)]:
+        for block_hash in req.block_hashes[: self.max_hit_blocks(req)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -214,20 +233,26 @@ class KVCacheManager:
         self.stats.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
         """Grow req's block table to hold its computed tokens, the prefix hits and num_new_tokens more.
 
         Returns:
             False (and changes nothing) when the pool has too few free blocks.
         """
         table = self._tables.get(req.request_id)
-        if table and not computed_blocks and \
-                req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
-            return True   # fits in the blocks it already holds (most decode steps)
+        if (
+            table
+            and not computed_blocks
+            and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+        ):
+            return True  # fits in the blocks it already holds (most decode steps)
         computed_blocks = computed_blocks or []
         table = self._tables.setdefault(req.request_id, [])
-        num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_tokens = (
+            req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(table) - len(computed_blocks)
         # hits that sit in the free queue stop being allocatable once we reference them
         free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -246,10 +271,12 @@ class KVCacheManager:
         """Register req's full blocks whose KV is now computed, so later requests can hit them."""
         done = self._num_registered.get(req.request_id, 0)
         if not self.enable_prefix_caching or req.num_computed_tokens // self.block_size <= done:
-            return   # no block became full since the last call (the common decode step)
+            return  # no block became full since the last call (the common decode step)
         self._extend_hashes(req)
         table = self._tables.get(req.request_id, [])
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(table))
+        num_full = min(
+            req.num_computed_tokens // self.block_size, len(req.block_hashes), len(table)
+        )
         for i in range(done, num_full):
             self.pool.register(table[i], req.block_hashes[i])
         self._num_registered[req.request_id] = max(done, num_full)

@@ -8,6 +8,7 @@ tensor; an exact repeat whose prompt blocks are all cached samples its first tok
 lm_head GEMM, no forward pass), and its next step computes the prompt's uncached tail together with that
 token. This class maps digests to slots, least recently used first out.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,9 +17,13 @@ from collections import OrderedDict
 class PromptEndCache:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._slots: OrderedDict[bytes, int] = OrderedDict()   # digest -> slot, least recently used first
+        self._slots: OrderedDict[bytes, int] = (
+            OrderedDict()
+        )  # digest -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
-        self.hits = 0   # first tokens sampled from a kept row (counted by the scheduler, which uses them)
+        self.hits = (
+            0  # first tokens sampled from a kept row (counted by the scheduler, which uses them)
+        )
 
     def lookup(self, digest: bytes) -> int | None:
         """The slot holding this prompt's final hidden state (marked recently used), or None."""

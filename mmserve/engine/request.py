@@ -1,18 +1,18 @@
 """Request: the engine's state for one generation request (tokens, multimodal items, progress)."""
+
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.engine.stop_matcher import TokenSequenceMatcher
-from mmserve.outputs import Logprob
+from mmserve.core.multimodal import MultiModalItem
+from mmserve.core.outputs import Logprob
+from mmserve.core.stop_matcher import TokenSequenceMatcher
 from mmserve.sampling_params import SamplingParams
 
-
-PLACEHOLDER = -1   # an output token whose step is still running on the GPU (async scheduling)
+PLACEHOLDER = -1  # an output token whose step is still running on the GPU (async scheduling)
 
 
 class RequestStatus(enum.Enum):
@@ -28,61 +28,58 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED_STATES
 
 
-_FINISHED_STATES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                              RequestStatus.FINISHED_ABORTED})
-
-
-@dataclass
-class MultiModalItem:
-    """One image (or video) of a prompt, after preprocessing.
-
-    Its `length` placeholder tokens start at `offset` in the prompt; the encoder turns `data`
-    into exactly `length` embeddings that replace those tokens' embeddings.
-    """
-
-    modality: str                        # "image" | "video"
-    data: dict[str, torch.Tensor]        # encoder inputs, e.g. {"pixel_values": [3, H, W]}
-    offset: int
-    length: int
-    content_hash: str                    # identity for the prefix and encoder caches
-    # the first prompt position whose keys/values depend on the item, where that is not its offset: 0 for
-    # cross-attention families, whose text before the image attends it too (the prefix cache hashes it there)
-    kv_from: int | None = None
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
+_FINISHED_STATES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
 
 
 class Request:
     """Token state of one request. The scheduling rule: num_computed_tokens chases num_tokens."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, mm_items: list[MultiModalItem] | None = None,
-                 eos_token_ids: tuple[int, ...] = (), bad_words_ids: list[list[int]] | None = None,
-                 arrival_time: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_items: list[MultiModalItem] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        bad_words_ids: list[list[int]] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.mm_items = list(mm_items or [])   # in prompt order (ProcessedInputs sorts them)
+        self.mm_items = list(mm_items or [])  # in prompt order (ProcessedInputs sorts them)
         # cross-attention families: the pool blocks holding the encoder's keys/values, which every step of the
         # request attends (engine/cross_blocks.py, worker/cross_kv.py)
-        self.cross_blocks_needed = 0          # known before encoding: the scheduler admits it when they are free
-        self.cross_block_ids: list[int] | None = None   # held from admission to finish / abort / preemption
-        self.cross_kv_written = False         # its encoder ran and filled them
-        self.cross_kv_tokens = 0              # encoder tokens in them
-        self.cross_kv_order = None            # pool position -> encoder column (None: identity), set when written
-        self.cross_decode_len = 0             # how many of them (from the first) its generated tokens attend
-        self.lora: str | None = None             # the LoRA adapter its steps apply (LoRAManager), if any
-        self.grammar = None                      # guided decoding: its xgrammar matcher (engine/guided.py), if any
-        self.hash_salt: bytes | None = None      # parent digest of its first KV block (the adapter's), if any
-        self.eos_token_ids = eos_token_ids   # the ids that end it as EOS (none with ignore_eos)
+        self.cross_blocks_needed = (
+            0  # known before encoding: the scheduler admits it when they are free
+        )
+        self.cross_block_ids: list[int] | None = (
+            None  # held from admission to finish / abort / preemption
+        )
+        self.cross_kv_written = False  # its encoder ran and filled them
+        self.cross_kv_tokens = 0  # encoder tokens in them
+        self.cross_kv_order = (
+            None  # pool position -> encoder column (None: identity), set when written
+        )
+        self.cross_decode_len = 0  # how many of them (from the first) its generated tokens attend
+        self.lora: str | None = None  # the LoRA adapter its steps apply (LoRAManager), if any
+        self.grammar = None  # guided decoding: its xgrammar matcher (engine/guided.py), if any
+        self.hash_salt: bytes | None = (
+            None  # parent digest of its first KV block (the adapter's), if any
+        )
+        self.eos_token_ids = eos_token_ids  # the ids that end it as EOS (none with ignore_eos)
         # bad words as token ids and the stop token sequences, matched against the output ids as they arrive
         # (fill_pending): the ids a bad word would complete next (the sampler masks them), whether one ended
         self.bad_words = TokenSequenceMatcher(bad_words_ids) if bad_words_ids else None
-        self.stop_sequences = TokenSequenceMatcher(params.stop_token_sequences) \
-            if params.stop_token_sequences else None
+        self.stop_sequences = (
+            TokenSequenceMatcher(params.stop_token_sequences)
+            if params.stop_token_sequences
+            else None
+        )
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -90,22 +87,28 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
-        self.num_computed_tokens = 0     # tokens whose KV is in the cache
-        self.num_cached_tokens = 0       # prompt tokens that came from the prefix cache (first schedule)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache (first schedule)
         self.num_preemptions = 0
-        self.stream = True               # False: the engine reports only the finished output
+        self.stream = True  # False: the engine reports only the finished output
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.block_hashes: list[bytes] = []   # chained sha256 digests of this request's full blocks (kv_cache.hash_block)
-        self.prompt_digest: bytes | None = None   # of the whole prompt (KVCacheManager.prompt_digest), once made
+        self.block_hashes: list[
+            bytes
+        ] = []  # chained sha256 digests of this request's full blocks (kv_cache.hash_block)
+        self.prompt_digest: bytes | None = (
+            None  # of the whole prompt (KVCacheManager.prompt_digest), once made
+        )
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
-        self.context_logits: list[torch.Tensor] = []      # [n, V] fp32 chunks of prompt-position logits
-        self.num_context_logits = 0                        # prompt positions whose logits are stored
-        self.prompt_logprobs: list = []                    # prompt_logprobs: entries of prompt tokens 1 .. P - 1
-        self.generation_logits: list[torch.Tensor] = []   # [V] fp32 per generated token
-        self.mrope_positions: torch.Tensor | None = None  # [3, P] prompt positions of M-RoPE families
-        self.mrope_delta = 0                               # generated token at p sits at p + delta
-        self.max_output_tokens = params.max_tokens         # the engine lowers it to what fits
+        self.context_logits: list[torch.Tensor] = []  # [n, V] fp32 chunks of prompt-position logits
+        self.num_context_logits = 0  # prompt positions whose logits are stored
+        self.prompt_logprobs: list = []  # prompt_logprobs: entries of prompt tokens 1 .. P - 1
+        self.generation_logits: list[torch.Tensor] = []  # [V] fp32 per generated token
+        self.mrope_positions: torch.Tensor | None = (
+            None  # [3, P] prompt positions of M-RoPE families
+        )
+        self.mrope_delta = 0  # generated token at p sits at p + delta
+        self.max_output_tokens = params.max_tokens  # the engine lowers it to what fits
         # async scheduling: the last `num_pending` output ids are PLACEHOLDER until their step's tokens
         # reach the host; `last_sample_row` is this request's row among the latest launched step's samples
         self.num_pending = 0
@@ -117,11 +120,11 @@ class Request:
         if self.mrope_positions is None:
             return range(start, end)
         p = self.num_prompt_tokens
-        if start >= p:   # decode: no tensor per request per step
+        if start >= p:  # decode: no tensor per request per step
             return range(start + self.mrope_delta, end + self.mrope_delta)
         parts = []
         if start < p:
-            parts.append(self.mrope_positions[:, start:min(end, p)])
+            parts.append(self.mrope_positions[:, start : min(end, p)])
         if end > p:
             gen = torch.arange(max(start, p), end) + self.mrope_delta
             parts.append(gen.expand(3, -1))
@@ -166,7 +169,7 @@ class Request:
     def drop_pending(self) -> None:
         """Forget tokens still in flight (the request finished before they arrived)."""
         if self.num_pending:
-            del self.output_token_ids[-self.num_pending:]
+            del self.output_token_ids[-self.num_pending :]
             self.num_pending = 0
 
     def token_ids(self, start: int, end: int) -> list[int]:
@@ -175,8 +178,8 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -191,5 +194,7 @@ class Request:
         return self.status.finished
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

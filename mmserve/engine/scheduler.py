@@ -10,75 +10,27 @@ with zero tokens to compute: its first token is sampled from the kept state, and
 prompt's uncached tail with that token. Waiting copies of a prompt that a running request is computing let
 others pass and wait for it, so a burst of one prompt computes it once.
 """
+
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from mmserve.config import SchedulerConfig
+from mmserve.core.step import ScheduledRequest, SchedulerOutput
 from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.prompt_end_cache import PromptEndCache
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.step_stats import step_kind
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute token positions [start, start + num_tokens).
-
-    num_tokens == 0: nothing to compute; the request samples its first token from the prompt-end slot
-    `load_prompt_end`. store_prompt_end: the chunk completes the prompt, and its last position's hidden state
-    goes to that slot."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_ids: list[int]
-    samples: bool = False   # the chunk reaches the request's last token, so a new token is sampled
-    load_prompt_end: int | None = None
-    store_prompt_end: int | None = None
-    end: int = field(init=False)   # start + num_tokens: a field, read several times per request per step
-
-    def __post_init__(self) -> None:
-        self.end = self.start + self.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @functools.cached_property
-    def computed(self) -> list[ScheduledRequest]:
-        """The requests with tokens to compute (all but the prompt-end loads, which come last)."""
-        n = len(self.scheduled)
-        while n and self.scheduled[n - 1].num_tokens == 0:
-            n -= 1
-        return self.scheduled if n == len(self.scheduled) else self.scheduled[:n]
-
-    @functools.cached_property
-    def kind(self) -> str:
-        """'decode', 'prefill' or 'mixed' (step_stats.step_kind) of the computed requests ('decode' if none);
-        read after scheduling is complete."""
-        return step_kind([s.num_tokens for s in self.computed])
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_ends: PromptEndCache | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, prompt_ends: PromptEndCache | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
-        self.prompt_ends = prompt_ends   # the engine makes one only with prefix caching on
+        self.prompt_ends = prompt_ends  # the engine makes one only with prefix caching on
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -104,7 +56,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_tokens >= req.max_output_tokens:
-                i += 1     # its last token is still in flight; it finishes when that arrives
+                i += 1  # its last token is still in flight; it finishes when that arrives
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
@@ -129,21 +81,28 @@ class Scheduler:
         running request is computing (same digest) lets the others pass and waits: once that twin's last prompt
         chunk is launched its blocks and prompt end are there, and the request computes nothing for its prompt
         (a burst of one prompt costs one prefill)."""
-        computing: set[bytes] | None = None   # digests of prompts being computed (built on first need)
+        computing: set[bytes] | None = (
+            None  # digests of prompts being computed (built on first need)
+        )
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
             fresh = req.num_computed_tokens == 0 and not req.params.needs_prompt_logits
             if fresh and self.prompt_ends is not None and not req.num_output_tokens:
                 if computing is None:
-                    computing = {self.kv.prompt_digest(r) for r in self.running
-                                 if not r.num_output_tokens and r.num_computed_tokens < r.num_prompt_tokens}
+                    computing = {
+                        self.kv.prompt_digest(r)
+                        for r in self.running
+                        if not r.num_output_tokens and r.num_computed_tokens < r.num_prompt_tokens
+                    }
                 if self.kv.prompt_digest(req) in computing:
                     i += 1
                     continue
             hits, num_hit_tokens = [], 0
             if fresh:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)   # cached positions yield no logits
+                hits, num_hit_tokens = self.kv.get_computed_blocks(
+                    req
+                )  # cached positions yield no logits
             remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             load = self._prompt_end_hit(req, num_hit_tokens)
             n = 0 if load is not None else min(remaining, budget)
@@ -164,8 +123,16 @@ class Scheduler:
             self.running.append(req)
             if load is not None:
                 self.prompt_ends.hits += 1
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 0,
-                                                      self.kv.block_ids(req.request_id), True, load_prompt_end=load))
+                out.scheduled.append(
+                    ScheduledRequest(
+                        req,
+                        req.num_computed_tokens,
+                        0,
+                        self.kv.block_ids(req.request_id),
+                        True,
+                        load_prompt_end=load,
+                    )
+                )
             else:
                 out.scheduled.append(self._scheduled(req, n))
                 if computing is not None and not req.num_output_tokens:
@@ -179,8 +146,12 @@ class Scheduler:
     def _prompt_end_hit(self, req: Request, num_hit_tokens: int) -> int | None:
         """The prompt-end slot of a new request whose prompt blocks are all cached and whose prompt's final
         hidden state is kept, else None."""
-        if self.prompt_ends is None or req.num_output_tokens or num_hit_tokens == 0 \
-                or num_hit_tokens != self.kv.max_hit_blocks(req) * self.kv.block_size:
+        if (
+            self.prompt_ends is None
+            or req.num_output_tokens
+            or num_hit_tokens == 0
+            or num_hit_tokens != self.kv.max_hit_blocks(req) * self.kv.block_size
+        ):
             return None
         return self.prompt_ends.lookup(self.kv.prompt_digest(req))
 
@@ -190,8 +161,14 @@ class Scheduler:
         store = None
         if end == req.num_tokens == req.num_prompt_tokens and self.prompt_ends is not None:
             store = self.prompt_ends.claim(self.kv.prompt_digest(req))
-        return ScheduledRequest(req, start, n, self.kv.block_ids(req.request_id), end == req.num_tokens,
-                                store_prompt_end=store)
+        return ScheduledRequest(
+            req,
+            start,
+            n,
+            self.kv.block_ids(req.request_id),
+            end == req.num_tokens,
+            store_prompt_end=store,
+        )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -6,28 +6,21 @@ detokenizing; charged to the kind of the step it launched). With async schedulin
 step N overlaps the device running step N - 1, so a device-bound run shows small host times and large
 waits; a host-bound one the opposite.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-STEP_KINDS = ("decode", "prefill", "mixed")
-
-
-def step_kind(num_tokens_per_seq: list[int]) -> str:
-    """'decode' if every sequence computes one token, 'prefill' if none does, else 'mixed'."""
-    ones = sum(1 for n in num_tokens_per_seq if n == 1)
-    if ones == len(num_tokens_per_seq):
-        return "decode"
-    return "prefill" if ones == 0 else "mixed"
+from mmserve.core.step import STEP_KINDS
 
 
 @dataclass
 class StepKindTotals:
     steps: int = 0
-    tokens: int = 0          # tokens computed (prompt chunks + decodes)
-    sequences: int = 0       # sum over steps of the sequences in the step
-    host_s: float = 0.0      # Engine.step() time not spent waiting for the device
-    device_wait_s: float = 0.0   # time Engine.step() blocked on these steps' results
+    tokens: int = 0  # tokens computed (prompt chunks + decodes)
+    sequences: int = 0  # sum over steps of the sequences in the step
+    host_s: float = 0.0  # Engine.step() time not spent waiting for the device
+    device_wait_s: float = 0.0  # time Engine.step() blocked on these steps' results
 
     @property
     def wall_s(self) -> float:
@@ -36,8 +29,10 @@ class StepKindTotals:
 
 @dataclass
 class StepStats:
-    kinds: dict[str, StepKindTotals] = field(default_factory=lambda: {k: StepKindTotals() for k in STEP_KINDS})
-    idle_host_s: float = 0.0     # step() calls that launched nothing (only collected results)
+    kinds: dict[str, StepKindTotals] = field(
+        default_factory=lambda: {k: StepKindTotals() for k in STEP_KINDS}
+    )
+    idle_host_s: float = 0.0  # step() calls that launched nothing (only collected results)
 
     @property
     def device_wait_s(self) -> float:
@@ -60,6 +55,8 @@ class StepStats:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{kind: {steps, tokens, sequences, host_s, device_wait_s, wall_s}} plus {"idle": {host_s}}."""
-        out: dict[str, dict[str, float]] = {k: {**asdict(t), "wall_s": t.wall_s} for k, t in self.kinds.items()}
+        out: dict[str, dict[str, float]] = {
+            k: {**asdict(t), "wall_s": t.wall_s} for k, t in self.kinds.items()
+        }
         out["idle"] = {"host_s": self.idle_host_s}
         return out

@@ -6,6 +6,7 @@ with the seed's tensors per --model_type (PROTOCOL §5). `--protocol http` is mm
 generate / generate_stream endpoint, with images as `image_url_input` data URIs (the generate JSON cannot
 carry 5-D pixel tensors).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,28 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-DEFAULT_IMAGE = "https://storage.googleapis.com/sfr-vision-language-research/LAVIS/assets/merlion.png"
+DEFAULT_IMAGE = (
+    "https://storage.googleapis.com/sfr-vision-language-research/LAVIS/assets/merlion.png"
+)
 # the seed's, then families mmserve serves beyond them (their pictures go as image_bytes_input too)
-MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl", "pixtral",
-               "fuyu", "kosmos-2", "nougat", "pix2struct")
-PREPROCESSED_TYPES = ("blip2", "llava", "vila")   # the seed sends HF-processed FP16 `image_input` for these
+MODEL_TYPES = (
+    "blip2",
+    "llava",
+    "vila",
+    "mllama",
+    "llava_onevision",
+    "qwen2_vl",
+    "pixtral",
+    "fuyu",
+    "kosmos-2",
+    "nougat",
+    "pix2struct",
+)
+PREPROCESSED_TYPES = (
+    "blip2",
+    "llava",
+    "vila",
+)  # the seed sends HF-processed FP16 `image_input` for these
 
 
 class ClientError(Exception):
@@ -36,49 +54,94 @@ class ClientError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve client", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="verbose tritonclient")
-    p.add_argument("-u", "--url", default=None,
-                   help="server address (default localhost:8001 for grpc, localhost:8000 for http)")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
-                   help="grpc (KServe v2, like the seed) or http (Triton generate endpoint)")
-    p.add_argument("--model_name", default=None, help="target model (default: ensemble, or tensorrt_llm_bls "
-                   "with --use_bls)")
+    p.add_argument(
+        "-u",
+        "--url",
+        default=None,
+        help="server address (default localhost:8001 for grpc, localhost:8000 for http)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="grpc (KServe v2, like the seed) or http (Triton generate endpoint)",
+    )
+    p.add_argument(
+        "--model_name",
+        default=None,
+        help="target model (default: ensemble, or tensorrt_llm_bls with --use_bls)",
+    )
     p.add_argument("--text", default="Question: which city is this? Answer:", help="input text")
-    p.add_argument("--image", default=DEFAULT_IMAGE,
-                   help="comma-separated image paths, http(s) URLs or data:image/...;base64 URIs ('' for none)")
+    p.add_argument(
+        "--image",
+        default=DEFAULT_IMAGE,
+        help="comma-separated image paths, http(s) URLs or data:image/...;base64 URIs ('' for none)",
+    )
     p.add_argument("--video", default=None, help="video file (llava_onevision)")
-    p.add_argument("--video_num_frames", type=int, default=None, help="frames sampled from the video")
+    p.add_argument(
+        "--video_num_frames", type=int, default=None, help="frames sampled from the video"
+    )
     p.add_argument("--end-id", type=int, default=-1, help="end token id")
     p.add_argument("--pad-id", type=int, default=1, help="pad token id")
-    p.add_argument("-b", "--beam-width", type=int, default=1, help="beam width (also the number of beams printed)")
+    p.add_argument(
+        "-b",
+        "--beam-width",
+        type=int,
+        default=1,
+        help="beam width (also the number of beams printed)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=None)
     p.add_argument("--request-output-len", type=int, default=16, help="max_tokens")
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--streaming", action="store_true", help="stream (ModelStreamInfer / generate_stream)")
-    p.add_argument("--use_bls", action="store_true", help="send to tensorrt_llm_bls instead of ensemble")
-    p.add_argument("--prompt_table_extra_id", type=int, default=None,
-                   help="image identity for KV reuse, uint64 in [1, 2^64-1]")
-    p.add_argument("--lora-task-id", type=int, default=None,
-                   help="lora_task_id UINT64: the LoRA adapter cached under this id (with --use_bls): loaded at "
-                        "startup (--lora-modules ID=PATH) or sent once with --lora-path")
-    p.add_argument("--lora-path", default=None,
-                   help="directory with model.lora_weights.npy and model.lora_config.npy (TensorRT-LLM's "
-                        "hf_lora_convert.py output): sent as lora_weights / lora_config, cached under --lora-task-id")
-    p.add_argument("--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding")
-    p.add_argument("--hf_model_dir", default=None, help="HF processor directory (blip2/llava/vila: "
-                   "preprocess to FP16 image_input; without it, raw image_bytes_input is sent)")
+    p.add_argument(
+        "--streaming", action="store_true", help="stream (ModelStreamInfer / generate_stream)"
+    )
+    p.add_argument(
+        "--use_bls", action="store_true", help="send to tensorrt_llm_bls instead of ensemble"
+    )
+    p.add_argument(
+        "--prompt_table_extra_id",
+        type=int,
+        default=None,
+        help="image identity for KV reuse, uint64 in [1, 2^64-1]",
+    )
+    p.add_argument(
+        "--lora-task-id",
+        type=int,
+        default=None,
+        help="lora_task_id UINT64: the LoRA adapter cached under this id (with --use_bls): loaded at "
+        "startup (--lora-modules ID=PATH) or sent once with --lora-path",
+    )
+    p.add_argument(
+        "--lora-path",
+        default=None,
+        help="directory with model.lora_weights.npy and model.lora_config.npy (TensorRT-LLM's "
+        "hf_lora_convert.py output): sent as lora_weights / lora_config, cached under --lora-task-id",
+    )
+    p.add_argument(
+        "--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding"
+    )
+    p.add_argument(
+        "--hf_model_dir",
+        default=None,
+        help="HF processor directory (blip2/llava/vila: "
+        "preprocess to FP16 image_input; without it, raw image_bytes_input is sent)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     return p
 
 
 # ---- media ---------------------------------------------------------------------------------
 
+
 def load_image(source: str, timeout: float = 30.0) -> Image.Image:
     """Path, http(s) URL (fetched here) or data:image/...;base64 URI -> RGB image."""
     if source.startswith("http"):
         import httpx
+
         try:
             resp = httpx.get(source, follow_redirects=True, timeout=timeout)
             resp.raise_for_status()
@@ -101,6 +164,7 @@ def load_image(source: str, timeout: float = 30.0) -> Image.Image:
 def load_video(path: str, num_frames: int) -> np.ndarray:
     """[F, H, W, 3] uint8 frames at the seed's indices: arange(0, total, total / num_frames)."""
     import av
+
     try:
         with av.open(path) as container:
             total = container.streams.video[0].frames
@@ -108,7 +172,11 @@ def load_video(path: str, num_frames: int) -> np.ndarray:
                 total = sum(1 for _ in container.decode(video=0))
                 container.seek(0)
             wanted = set(np.arange(0, total, total / num_frames).astype(int).tolist())
-            frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(video=0)) if i in wanted]
+            frames = [
+                f.to_ndarray(format="rgb24")
+                for i, f in enumerate(container.decode(video=0))
+                if i in wanted
+            ]
     except Exception as e:
         raise ClientError(f"cannot read video {path}: {e}") from None
     if not frames:
@@ -124,10 +192,11 @@ def to_png_data_uri(image: Image.Image) -> str:
 
 # ---- request -------------------------------------------------------------------------------
 
+
 @dataclass
 class Request:
     model_name: str
-    tensors: list[tuple[str, np.ndarray]]                  # in the seed's prepare_inputs order
+    tensors: list[tuple[str, np.ndarray]]  # in the seed's prepare_inputs order
     images: list[Image.Image] = field(default_factory=list)  # for image_url_input over HTTP
     has_video: bool = False
 
@@ -137,12 +206,15 @@ def _preprocessed(args: argparse.Namespace, images: list[Image.Image]) -> np.nda
     if not Path(args.hf_model_dir).exists():
         raise ClientError(f"--hf_model_dir {args.hf_model_dir} does not exist")
     from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(args.hf_model_dir)
     image_processor = getattr(processor, "image_processor", processor)
     pixels = image_processor(images, return_tensors="pt")["pixel_values"]
     if pixels.dim() != 4:
-        raise ClientError(f"the processor in {args.hf_model_dir} gives pixel_values of shape {list(pixels.shape)}, "
-                          "not [N, 3, H, W]; send raw images instead (leave out --hf_model_dir)")
+        raise ClientError(
+            f"the processor in {args.hf_model_dir} gives pixel_values of shape {list(pixels.shape)}, "
+            "not [N, 3, H, W]; send raw images instead (leave out --hf_model_dir)"
+        )
     return pixels.unsqueeze(0).numpy().astype(np.float16)
 
 
@@ -154,8 +226,9 @@ def _raw_pixels(images: list[Image.Image]) -> np.ndarray | None:
     return np.stack(arrays)[None]
 
 
-def _image_tensors(args: argparse.Namespace, images: list[Image.Image],
-                   video: np.ndarray | None) -> list[tuple[str, np.ndarray]]:
+def _image_tensors(
+    args: argparse.Namespace, images: list[Image.Image], video: np.ndarray | None
+) -> list[tuple[str, np.ndarray]]:
     """The image/video tensor(s) the seed sends for --model_type."""
     if video is not None:
         return [("video_bytes_input", video[None])]
@@ -166,18 +239,24 @@ def _image_tensors(args: argparse.Namespace, images: list[Image.Image],
         h, w = max(im.height for im in images), max(im.width for im in images)
         padded = np.zeros((len(images), h, w, 3), dtype=np.uint8)
         for i, im in enumerate(images):
-            padded[i, :im.height, :im.width] = np.asarray(im)
+            padded[i, : im.height, : im.width] = np.asarray(im)
         sizes = np.array([[[im.height, im.width] for im in images]], dtype=np.int64)
         return [("image_bytes_input", padded[None]), ("image_sizes_input", sizes)]
     if kind in PREPROCESSED_TYPES and args.hf_model_dir is not None:
         return [("image_input", _preprocessed(args, images))]
     if kind in PREPROCESSED_TYPES:
-        print(f"[INFO] no --hf_model_dir: sending raw image_bytes_input for {kind} (the server preprocesses); "
-              "the seed would download the hub processor and send image_input", file=sys.stderr)
+        print(
+            f"[INFO] no --hf_model_dir: sending raw image_bytes_input for {kind} (the server preprocesses); "
+            "the seed would download the hub processor and send image_input",
+            file=sys.stderr,
+        )
     pixels = _raw_pixels(images)
     if pixels is None:
-        print("[INFO] the images differ in size, so they cannot stack into one image_bytes_input tensor; "
-              "sending them as image_url_input data URIs", file=sys.stderr)
+        print(
+            "[INFO] the images differ in size, so they cannot stack into one image_bytes_input tensor; "
+            "sending them as image_url_input data URIs",
+            file=sys.stderr,
+        )
         uris = np.array([[to_png_data_uri(im).encode() for im in images]], dtype=np.object_)
         return [("image_url_input", uris)]
     return [("image_bytes_input", pixels)]
@@ -215,10 +294,15 @@ def build_request(args: argparse.Namespace) -> Request:
     if args.protocol == "grpc":
         tensors += _image_tensors(args, images, video)
     elif video is not None:
-        raise ClientError("--video needs --protocol grpc (the generate endpoint cannot carry video tensors)")
+        raise ClientError(
+            "--video needs --protocol grpc (the generate endpoint cannot carry video tensors)"
+        )
     elif args.hf_model_dir is not None and args.model_type in PREPROCESSED_TYPES:
-        print("[INFO] --protocol http sends images as image_url_input data URIs; --hf_model_dir preprocessing "
-              "applies to grpc only", file=sys.stderr)
+        print(
+            "[INFO] --protocol http sends images as image_url_input data URIs; --hf_model_dir preprocessing "
+            "applies to grpc only",
+            file=sys.stderr,
+        )
     if args.repetition_penalty is not None:
         tensors.append(("repetition_penalty", scalar(args.repetition_penalty, np.float32)))
     if args.presence_penalty is not None:
@@ -233,7 +317,9 @@ def build_request(args: argparse.Namespace) -> Request:
         tensors.append(("lora_task_id", scalar(args.lora_task_id, np.uint64)))
     if args.lora_path is not None:
         if args.lora_task_id is None:
-            raise ClientError("--lora-path needs --lora-task-id (the id the adapter is cached under)")
+            raise ClientError(
+                "--lora-path needs --lora-task-id (the id the adapter is cached under)"
+            )
         tensors += _lora_tensors(args.lora_path)
     model = args.model_name or ("tensorrt_llm_bls" if args.use_bls else "ensemble")
     return Request(model, tensors, images, video is not None)
@@ -253,13 +339,19 @@ def _lora_tensors(path: str) -> list[tuple[str, np.ndarray]]:
 
 # ---- transports: each returns one list of beam texts per response ---------------------------
 
+
 def _decode_beams(arr: np.ndarray | None) -> list[str]:
     if arr is None:
         raise ClientError("the response has no text_output")
-    return [x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+    return [
+        x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
+        for x in arr.reshape(-1)
+    ]
 
 
-def send_grpc(url: str, req: Request, streaming: bool, timeout: float, verbose: bool) -> list[list[str]]:
+def send_grpc(
+    url: str, req: Request, streaming: bool, timeout: float, verbose: bool
+) -> list[list[str]]:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -273,12 +365,16 @@ def send_grpc(url: str, req: Request, streaming: bool, timeout: float, verbose: 
     try:
         with grpcclient.InferenceServerClient(url, verbose=verbose) as client:
             if not streaming:
-                result = client.infer(req.model_name, inputs, outputs=outputs, client_timeout=timeout)
+                result = client.infer(
+                    req.model_name, inputs, outputs=outputs, client_timeout=timeout
+                )
                 return [_decode_beams(result.as_numpy("text_output"))]
             results: queue.Queue = queue.Queue()
-            client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=timeout)
+            client.start_stream(
+                callback=lambda result, error: results.put((result, error)), stream_timeout=timeout
+            )
             client.async_stream_infer(req.model_name, inputs, outputs=outputs)
-            client.stop_stream(cancel_requests=False)   # blocks until the server ends the stream
+            client.stop_stream(cancel_requests=False)  # blocks until the server ends the stream
     except InferenceServerException as e:
         raise ClientError(_grpc_message(e)) from None
     while not results.empty():
@@ -347,11 +443,14 @@ def _http_json(resp) -> dict:
     except ValueError:
         raise ClientError(f"HTTP {resp.status_code}: {resp.text[:500]}") from None
     if resp.status_code != 200:
-        raise ClientError(f"HTTP {resp.status_code}: {obj.get('error', obj) if isinstance(obj, dict) else obj}")
+        raise ClientError(
+            f"HTTP {resp.status_code}: {obj.get('error', obj) if isinstance(obj, dict) else obj}"
+        )
     return obj
 
 
 # ---- main ----------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -373,8 +472,11 @@ def main(argv: list[str] | None = None) -> int:
             error = beams
             break
         if len(beams) < args.beam_width:
-            print(f"[WARNING] asked for {args.beam_width} beams, the server returned {len(beams)}", file=sys.stderr)
-        for i, text in enumerate(beams[:args.beam_width]):
+            print(
+                f"[WARNING] asked for {args.beam_width} beams, the server returned {len(beams)}",
+                file=sys.stderr,
+            )
+        for i, text in enumerate(beams[: args.beam_width]):
             if args.streaming:
                 print("[beam", i, "]: ", text)
             else:

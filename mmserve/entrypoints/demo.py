@@ -1,4 +1,5 @@
 """`python -m mmserve.entrypoints.demo`: one offline request on the embedded demo model, with its latency."""
+
 from __future__ import annotations
 
 import time
@@ -9,7 +10,10 @@ from mmserve.testing import default_model_dir, make_test_image
 
 def main() -> None:
     llm = LLM(str(default_model_dir()))
-    prompt = {"prompt": "USER: <image>\nWhat is in this picture? ASSISTANT:", "images": [make_test_image(0)]}
+    prompt = {
+        "prompt": "USER: <image>\nWhat is in this picture? ASSISTANT:",
+        "images": [make_test_image(0)],
+    }
     start = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     ms = (time.perf_counter() - start) * 1000

@@ -1,6 +1,7 @@
 """KServe v2 gRPC (`inference.GRPCInferenceService`, PROTOCOL §4) on grpc.aio, with tritonclient's generated
 stubs. ModelInfer returns one response; ModelStreamInfer is decoupled: several requests may be in flight
 on one stream, each answered by a response per new text piece and a final-flagged one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,23 +18,54 @@ from tritonclient.grpc import service_pb2_grpc
 import mmserve
 from mmserve.entrypoints import triton_protocol as tp
 from mmserve.entrypoints import triton_run as tr
-from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.restricted_apis import Restriction, grpc_category
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton_models import (
-    BLS, MODEL_VERSION, has_sequence_parameters, model_config, model_metadata)
+    BLS,
+    MODEL_VERSION,
+    has_sequence_parameters,
+    model_config,
+    model_metadata,
+)
+from mmserve.entrypoints.triton_outputs import select_outputs
 from mmserve.entrypoints.triton_tensors import (
-    NP_DTYPES, check_datatype, check_shape, datatype_of, from_raw, to_raw)
+    NP_DTYPES,
+    check_datatype,
+    check_shape,
+    datatype_of,
+    from_raw,
+    to_raw,
+)
 
 logger = logging.getLogger(__name__)
-EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters", "statistics"]
-_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-           503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+]
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    503: grpc.StatusCode.UNAVAILABLE,
+    500: grpc.StatusCode.INTERNAL,
+}
 # typed `contents` field of each datatype (FP16 has none: it must come as raw bytes)
-_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
-             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
 _DONE = object()
 
 
@@ -41,7 +73,9 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     """Input tensors from raw_input_contents (what tritonclient sends) or the typed contents fields."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise ValueError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+        raise ValueError(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
+        )
     tensors: dict[str, np.ndarray] = {}
     for i, inp in enumerate(request.inputs):
         name = inp.name
@@ -60,12 +94,15 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         arr = np.empty(count, dtype=np.object_) if datatype == "BYTES" else None
         if arr is not None:
             arr[:] = values
-        tensors[name] = (arr if arr is not None else np.array(values, dtype=NP_DTYPES[datatype])).reshape(shape)
+        tensors[name] = (
+            arr if arr is not None else np.array(values, dtype=NP_DTYPES[datatype])
+        ).reshape(shape)
     return tensors
 
 
-def _response(model: str, request_id: str, outputs: dict[str, np.ndarray],
-              final: bool | None = None) -> pb.ModelInferResponse:
+def _response(
+    model: str, request_id: str, outputs: dict[str, np.ndarray], final: bool | None = None
+) -> pb.ModelInferResponse:
     resp = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request_id)
     for name, arr in outputs.items():
         resp.outputs.add(name=name, datatype=datatype_of(arr), shape=list(arr.shape))
@@ -99,11 +136,17 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         s = self.state
-        ready = s.has_model(request.name) and request.version in ("", MODEL_VERSION) and s.engine.dead_error is None
+        ready = (
+            s.has_model(request.name)
+            and request.version in ("", MODEL_VERSION)
+            and s.engine.dead_error is None
+        )
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="mmserve", version=mmserve.__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(
+            name="mmserve", version=mmserve.__version__, extensions=EXTENSIONS
+        )
 
     async def _check(self, name: str, version: str, context) -> bool:
         try:
@@ -117,20 +160,28 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._check(request.name, request.version, context)
         meta = model_metadata(request.name)
         return pb.ModelMetadataResponse(
-            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
             inputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["inputs"]],
-            outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]])
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]],
+        )
 
     async def ModelConfig(self, request, context):
         await self._check(request.name, request.version, context)
         cfg = self.state.config
-        return pb.ModelConfigResponse(config=model_config(request.name, cfg.decoupled, cfg.accumulate_tokens))
+        return pb.ModelConfigResponse(
+            config=model_config(request.name, cfg.decoupled, cfg.accumulate_tokens)
+        )
 
     async def RepositoryIndex(self, request, context):
         alive = self.state.engine.dead_error is None
-        models = [pb.RepositoryIndexResponse.ModelIndex(name=name, version=MODEL_VERSION,
-                                                        state="READY" if alive else "UNAVAILABLE")
-                  for name in self.state.model_names]
+        models = [
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=name, version=MODEL_VERSION, state="READY" if alive else "UNAVAILABLE"
+            )
+            for name in self.state.model_names
+        ]
         return pb.RepositoryIndexResponse(models=[m for m in models if alive or not request.ready])
 
     async def ModelStatistics(self, request, context):
@@ -141,14 +192,18 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             except Exception as exc:
                 await context.abort(*_status(exc))
         names = [request.name] if request.name else state.model_names
-        return json_format.ParseDict(state.statistics.as_json(names, MODEL_VERSION), pb.ModelStatisticsResponse())
+        return json_format.ParseDict(
+            state.statistics.as_json(names, MODEL_VERSION), pb.ModelStatisticsResponse()
+        )
 
     # ---- inference ---------------------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
         state, error = self.state, None
         try:
             tp.check_model(state, request.model_name, request.model_version)
-            reqs = await tp.parse_request(state, request.model_name, decode_inputs(request), request.id)
+            reqs = await tp.parse_request(
+                state, request.model_name, decode_inputs(request), request.id
+            )
             requested = [o.name for o in request.outputs]
             outputs = select_outputs(await tr.infer(state, reqs), requested, request.model_name)
         except Exception as exc:
@@ -164,7 +219,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Requests are served concurrently; the RPC ends once the client half-closed and all are answered."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
-        producers = 1   # the reader, then one per request; each puts _DONE when it is through
+        producers = 1  # the reader, then one per request; each puts _DONE when it is through
 
         async def read() -> None:
             nonlocal producers
@@ -191,40 +246,64 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
-    async def _serve_stream_request(self, request: pb.ModelInferRequest, queue: asyncio.Queue) -> None:
+    async def _serve_stream_request(
+        self, request: pb.ModelInferRequest, queue: asyncio.Queue
+    ) -> None:
         """Answer one request of a stream into `queue` (PROTOCOL §4 decoupled semantics); ends with _DONE."""
         state, model, started = self.state, request.model_name, False
         params = request.parameters
-        empty_final = ("triton_enable_empty_final_response" in params
-                       and params["triton_enable_empty_final_response"].bool_param)
+        empty_final = (
+            "triton_enable_empty_final_response" in params
+            and params["triton_enable_empty_final_response"].bool_param
+        )
         # the BLS sends its data responses, then a flag-only final (sent only when the client asked for it)
         flag_only_final = model == BLS and state.config.decoupled
         try:
             tp.check_model(state, model, request.model_version)
             reqs = await tp.parse_request(state, model, decode_inputs(request), request.id)
             if len(reqs) != 1:
-                raise ValueError(f"text_input: ModelStreamInfer takes batch size 1, got {len(reqs)}")
+                raise ValueError(
+                    f"text_input: ModelStreamInfer takes batch size 1, got {len(reqs)}"
+                )
             requested = [o.name for o in request.outputs]
             accumulate = model == BLS and state.config.accumulate_tokens
             async for tensors, last in tr.stream(state, reqs[0], accumulate):
                 started = True
                 outputs = select_outputs(tensors, requested, model)
                 final = last and not flag_only_final
-                queue.put_nowait(pb.ModelStreamInferResponse(infer_response=_response(model, request.id, outputs,
-                                                                                      final)))
+                queue.put_nowait(
+                    pb.ModelStreamInferResponse(
+                        infer_response=_response(model, request.id, outputs, final)
+                    )
+                )
             if flag_only_final and empty_final:
-                queue.put_nowait(pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
-                    model_name=model, model_version=MODEL_VERSION, id=request.id,
-                    parameters={"triton_final_response": pb.InferParameter(bool_param=True)})))
+                queue.put_nowait(
+                    pb.ModelStreamInferResponse(
+                        infer_response=pb.ModelInferResponse(
+                            model_name=model,
+                            model_version=MODEL_VERSION,
+                            id=request.id,
+                            parameters={
+                                "triton_final_response": pb.InferParameter(bool_param=True)
+                            },
+                        )
+                    )
+                )
             state.metrics.count_request("grpc:ModelStreamInfer", "OK")
         except Exception as exc:
             code, message = _status(exc)
             state.metrics.count_request("grpc:ModelStreamInfer", code.name)
             resp = pb.ModelInferResponse(id=request.id)
-            if started:   # an error of the model itself also names the model and ends the request
-                resp = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id,
-                                             parameters={"triton_final_response": pb.InferParameter(bool_param=True)})
-            queue.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=resp))
+            if started:  # an error of the model itself also names the model and ends the request
+                resp = pb.ModelInferResponse(
+                    model_name=model,
+                    model_version=MODEL_VERSION,
+                    id=request.id,
+                    parameters={"triton_final_response": pb.InferParameter(bool_param=True)},
+                )
+            queue.put_nowait(
+                pb.ModelStreamInferResponse(error_message=message, infer_response=resp)
+            )
         finally:
             queue.put_nowait(_DONE)
 
@@ -255,7 +334,10 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
                 break
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(refuse, **kw)
         if handler.unary_stream is not None:
@@ -276,7 +358,9 @@ class UnexpectedErrors(grpc.aio.ServerInterceptor):
 
         async def fail(exc: Exception, context) -> None:
             logger.error("gRPC %s failed", details.method, exc_info=exc)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            )
 
         def unary(behavior):
             async def call(request, context):
@@ -286,9 +370,12 @@ class UnexpectedErrors(grpc.aio.ServerInterceptor):
                     raise
                 except Exception as exc:
                     await fail(exc, context)
+
             return call
 
-        def streaming(behavior):   # an async generator, or a coroutine that writes through the context
+        def streaming(
+            behavior,
+        ):  # an async generator, or a coroutine that writes through the context
             async def call(request, context):
                 try:
                     responses = behavior(request, context)
@@ -301,9 +388,13 @@ class UnexpectedErrors(grpc.aio.ServerInterceptor):
                     raise
                 except Exception as exc:
                     await fail(exc, context)
+
             return call
 
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
         if handler.stream_unary is not None:
@@ -313,7 +404,9 @@ class UnexpectedErrors(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
 
 
-async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(
+    state: ServerState, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
     """Start the KServe gRPC service; port 0 picks a free one. Returns (server, bound port)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", state.config.max_request_bytes),
@@ -324,6 +417,7 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[g
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(TritonServicer(state), server)
     cfg = state.config
     if cfg.grpc_use_ssl:
+
         def read(path: str) -> bytes:
             with open(path, "rb") as f:
                 return f.read()
@@ -331,7 +425,8 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> tuple[g
         credentials = grpc.ssl_server_credentials(
             [(read(cfg.grpc_server_key), read(cfg.grpc_server_cert))],
             root_certificates=read(cfg.grpc_root_cert) if cfg.grpc_root_cert else None,
-            require_client_auth=cfg.grpc_use_ssl_mutual)
+            require_client_auth=cfg.grpc_use_ssl_mutual,
+        )
         bound = server.add_secure_port(f"{host}:{port}", credentials)
     else:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -1,5 +1,6 @@
 """The HTTP app: health, metrics, and the Triton/KServe and OpenAI routers, over one ServerState; its pure-ASGI
 middlewares (body limits and request counts; the restricted API groups' header check)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,6 @@ from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai_responses import edge_error_response
 from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
-
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,12 @@ class UnexpectedErrors:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
             logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=exc)
-            with contextlib.suppress(Exception):   # the client may be gone already
+            with contextlib.suppress(Exception):  # the client may be gone already
                 if not started:
                     message = f"internal error: {type(exc).__name__}: {exc}"
-                    await edge_error_response(scope["path"], 500, message, "server_error")(scope, receive, send)
+                    await edge_error_response(scope["path"], 500, message, "server_error")(
+                        scope, receive, send
+                    )
                 elif not ended:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -74,7 +76,7 @@ class LimitsAndCounts:
             await edge_error_response(scope["path"], 413, message)(scope, receive, send)
             self.state.metrics.count_request("unmatched", 413)
             return
-        status = 500   # unless the app starts a response
+        status = 500  # unless the app starts a response
 
         async def send_and_note_status(message) -> None:
             nonlocal status
@@ -85,7 +87,9 @@ class LimitsAndCounts:
         try:
             await self.app(scope, receive, send_and_note_status)
         finally:
-            self.state.metrics.count_request(getattr(scope.get("route"), "path", "unmatched"), status)
+            self.state.metrics.count_request(
+                getattr(scope.get("route"), "path", "unmatched"), status
+            )
 
 
 class RestrictedApis:
@@ -103,7 +107,9 @@ class RestrictedApis:
                 sent = dict(scope["headers"]).get(restriction.header.encode("latin-1"))
                 if sent is None or sent.decode("latin-1") != restriction.value:
                     message = f"This API is restricted, expecting header '{restriction.header}'"
-                    await edge_error_response(scope["path"], 403, message, "permission_error")(scope, receive, send)
+                    await edge_error_response(scope["path"], 403, message, "permission_error")(
+                        scope, receive, send
+                    )
                     return
         await self.app(scope, receive, send)
 
@@ -113,8 +119,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.mm = state
 
     app.add_middleware(RestrictedApis, restrictions=state.config.http_restrictions)
-    app.add_middleware(LimitsAndCounts, state=state)   # refusals are counted too
-    app.add_middleware(UnexpectedErrors)   # added last = outermost: covers the other middlewares too
+    app.add_middleware(LimitsAndCounts, state=state)  # refusals are counted too
+    app.add_middleware(UnexpectedErrors)  # added last = outermost: covers the other middlewares too
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -146,6 +152,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _include_frontends(app: FastAPI) -> None:
     from mmserve.entrypoints import openai_api, tokenize_api, triton_http
+
     app.include_router(triton_http.router)
     app.include_router(openai_api.router)
     app.include_router(tokenize_api.router)

@@ -10,6 +10,7 @@ JSON cannot carry.
   models), so streamed chunks and whole responses agree. Binary tensor encodings (Triton's binary data
   extension, gRPC) carry the IEEE values unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ from pydantic import PlainSerializer
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def loads_object(data: bytes | bytearray | memoryview, what: str = "request body") -> dict[str, Any]:
+def loads_object(
+    data: bytes | bytearray | memoryview, what: str = "request body"
+) -> dict[str, Any]:
     """The JSON object in `data`; ValueError ("malformed JSON in <what>: ...") for anything else."""
     try:
         doc = json.loads(bytes(data))
@@ -62,10 +65,17 @@ def _finite(obj: Any) -> Any:
 def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
     """Compact UTF-8 JSON of `obj` with every non-finite float written by json_float's rule."""
     try:
-        text = json.dumps(obj, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False)
-    except ValueError:   # a non-finite float somewhere: rewrite them (only then pay for the walk)
-        text = json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"), sort_keys=sort_keys,
-                          ensure_ascii=False)
+        text = json.dumps(
+            obj, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False
+        )
+    except ValueError:  # a non-finite float somewhere: rewrite them (only then pay for the walk)
+        text = json.dumps(
+            _finite(obj),
+            allow_nan=False,
+            separators=(",", ":"),
+            sort_keys=sort_keys,
+            ensure_ascii=False,
+        )
     return text.encode("utf-8")
 
 

@@ -1,13 +1,29 @@
 """Prometheus metrics of the server: request counts, latency histograms, token counters, engine gauges."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from mmserve.engine.step_stats import STEP_KINDS
-from mmserve.outputs import RequestOutput
+from mmserve.core.outputs import RequestOutput
+from mmserve.core.step import STEP_KINDS
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    60.0,
+)
 
 
 class Metrics:
@@ -16,36 +32,75 @@ class Metrics:
     def __init__(self, stats_fn, step_stats_fn=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("mmserve_requests", "Requests by endpoint and HTTP/gRPC status",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("mmserve_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("mmserve_inter_token_latency_seconds", "Mean time between output tokens per request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("mmserve_e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("mmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("mmserve_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(
+            "mmserve_requests",
+            "Requests by endpoint and HTTP/gRPC status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mmserve_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mmserve_inter_token_latency_seconds",
+            "Mean time between output tokens per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mmserve_e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "mmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "mmserve_generation_tokens", "Generated tokens", registry=r
+        )
         self._stats_fn = stats_fn
         gauges = {
             "num_running": ("mmserve_num_requests_running", "Requests in the running batch"),
             "num_waiting": ("mmserve_num_requests_waiting", "Requests waiting to be scheduled"),
-            "kv_cache_usage": ("mmserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests"),
+            "kv_cache_usage": (
+                "mmserve_kv_cache_usage_ratio",
+                "Fraction of KV blocks held by requests",
+            ),
             "kv_cache_blocks_total": ("mmserve_kv_cache_blocks_total", "KV blocks in the pool"),
-            "kv_cache_bytes_per_token": ("mmserve_kv_cache_bytes_per_token",
-                                         "KV cache bytes per token over all layers (halved by --kv-cache-dtype fp8)"),
-            "prefix_cache_hit_rate": ("mmserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
-            "encoder_cache_hit_rate": ("mmserve_encoder_cache_hit_rate", "Vision encodings served from the cache"),
-            "prompt_end_cache_hits": ("mmserve_prompt_end_cache_hits",
-                                      "First tokens sampled from a repeated prompt's kept final hidden state"),
+            "kv_cache_bytes_per_token": (
+                "mmserve_kv_cache_bytes_per_token",
+                "KV cache bytes per token over all layers (halved by --kv-cache-dtype fp8)",
+            ),
+            "prefix_cache_hit_rate": (
+                "mmserve_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache",
+            ),
+            "encoder_cache_hit_rate": (
+                "mmserve_encoder_cache_hit_rate",
+                "Vision encodings served from the cache",
+            ),
+            "prompt_end_cache_hits": (
+                "mmserve_prompt_end_cache_hits",
+                "First tokens sampled from a repeated prompt's kept final hidden state",
+            ),
             "num_preemptions": ("mmserve_num_preemptions", "Requests preempted so far"),
-            "cross_kv_cache_usage": ("mmserve_cross_kv_cache_usage_ratio",
-                                     "Fraction of the cross-attention pool's blocks held by requests (0 without one)"),
-            "cross_kv_cache_blocks_total": ("mmserve_cross_kv_cache_blocks_total",
-                                            "Blocks of the cross-attention pool (cross-attention models only)"),
+            "cross_kv_cache_usage": (
+                "mmserve_cross_kv_cache_usage_ratio",
+                "Fraction of the cross-attention pool's blocks held by requests (0 without one)",
+            ),
+            "cross_kv_cache_blocks_total": (
+                "mmserve_cross_kv_cache_blocks_total",
+                "Blocks of the cross-attention pool (cross-attention models only)",
+            ),
         }
         for key, (name, doc) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda key=key: float(self._stats_fn().get(key, 0.0)))
+            Gauge(name, doc, registry=r).set_function(
+                lambda key=key: float(self._stats_fn().get(key, 0.0))
+            )
         if step_stats_fn is not None:
             r.register(_StepCollector(step_stats_fn))
 
@@ -80,13 +135,22 @@ class _StepCollector:
 
     def collect(self):
         stats = self._fn()
-        steps = CounterMetricFamily("mmserve_engine_steps", "Engine steps launched, by kind (decode, prefill, mixed)",
-                                    labels=["kind"])
-        tokens = CounterMetricFamily("mmserve_engine_step_tokens", "Tokens computed by engine steps, by kind",
-                                     labels=["kind"])
+        steps = CounterMetricFamily(
+            "mmserve_engine_steps",
+            "Engine steps launched, by kind (decode, prefill, mixed)",
+            labels=["kind"],
+        )
+        tokens = CounterMetricFamily(
+            "mmserve_engine_step_tokens",
+            "Tokens computed by engine steps, by kind",
+            labels=["kind"],
+        )
         seconds = CounterMetricFamily(
-            "mmserve_engine_step_seconds", "Time in Engine.step() by step kind and part: host (scheduling, inputs, "
-            "launches, outputs) or device_wait (blocked on the step's sampled tokens)", labels=["kind", "part"])
+            "mmserve_engine_step_seconds",
+            "Time in Engine.step() by step kind and part: host (scheduling, inputs, "
+            "launches, outputs) or device_wait (blocked on the step's sampled tokens)",
+            labels=["kind", "part"],
+        )
         for kind in STEP_KINDS:
             t = stats[kind]
             steps.add_metric([kind], t["steps"])

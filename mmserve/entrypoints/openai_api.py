@@ -5,6 +5,7 @@ OpenAI's JSON shape {"error": {"message", "type", "param", "code"}}; streams are
 ending in `data: [DONE]`. A client that disconnects aborts every choice's engine request.
 Request parsing lives in openai_requests.py, the building of answers in openai_responses.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,22 +19,54 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from mmserve.core.outputs import RequestOutput
 from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai_fanout import (
-    ChoiceRun, close_choices, engine_error, finish_choices, start_beam_choices, start_choices)
+    ChoiceRun,
+    close_choices,
+    engine_error,
+    finish_choices,
+    start_beam_choices,
+    start_choices,
+)
 from mmserve.entrypoints.openai_protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
-    Usage, new_id, now)
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    now,
+)
 from mmserve.entrypoints.openai_requests import (
-    beam_width_of, chat_params, chat_prompt, check_model, completion_params, completion_prompt, num_choices,
-    parse_body, with_lora)
+    beam_width_of,
+    chat_params,
+    chat_prompt,
+    check_model,
+    completion_params,
+    completion_prompt,
+    num_choices,
+    parse_body,
+    with_lora,
+)
 from mmserve.entrypoints.openai_responses import (
-    OpenAIError, ResponseContext, chat_chunk, chat_response, completion_chunk, completion_logprobs,
-    completion_response, echo_logprobs, sse, usage_of)
+    OpenAIError,
+    ResponseContext,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    echo_logprobs,
+    sse,
+    usage_of,
+)
 from mmserve.entrypoints.openapi_schemas import openai_route
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.streams import merge
-from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import choice_params
 
 logger = logging.getLogger(__name__)
@@ -41,6 +74,7 @@ router = APIRouter()
 
 
 # ---- routes --------------------------------------------------------------------------------
+
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
@@ -62,7 +96,10 @@ def _card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, parent=state.model_name if name in state.lora_names else None)
 
 
-@router.post("/v1/chat/completions", **openai_route(ChatCompletionRequest, ChatCompletionResponse, streams=True))
+@router.post(
+    "/v1/chat/completions",
+    **openai_route(ChatCompletionRequest, ChatCompletionResponse, streams=True),
+)
 async def chat_completions(request: Request) -> Response:
     try:
         state = _state(request)
@@ -75,7 +112,9 @@ async def chat_completions(request: Request) -> Response:
         if width := beam_width_of(req, params, n):
             runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
         else:
-            runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="messages")
+            runs = await start_choices(
+                state, prompt, choice_params(params, n), ctx.id, media_param="messages"
+            )
     except OpenAIError as e:
         return e.response()
     return await _reply(request, req, runs, ctx, _CHAT)
@@ -92,14 +131,24 @@ async def completions(request: Request) -> Response:
         prompt = with_lora(completion_prompt(req), req.model, state)
         echo = ""
         if req.echo:
-            echo = prompt["prompt"] if "prompt" in prompt else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
+            echo = (
+                prompt["prompt"]
+                if "prompt" in prompt
+                else state.engine.tokenizer.decode(prompt["prompt_token_ids"])
+            )
         ctx = ResponseContext(new_id("cmpl"), now(), req.model, req.logprobs is not None, echo)
         if width := beam_width_of(req, params, n):
             runs = start_beam_choices(state, prompt, params, width, req.length_penalty, ctx.id)
         else:
-            runs = await start_choices(state, prompt, choice_params(params, n), ctx.id, media_param="prompt")
-        if req.echo and req.logprobs is not None:   # the first output comes once the prompt is computed
-            ctx = dataclasses.replace(ctx, echo_logprobs=echo_logprobs(runs[0].last, state.engine.tokenizer.decode))
+            runs = await start_choices(
+                state, prompt, choice_params(params, n), ctx.id, media_param="prompt"
+            )
+        if (
+            req.echo and req.logprobs is not None
+        ):  # the first output comes once the prompt is computed
+            ctx = dataclasses.replace(
+                ctx, echo_logprobs=echo_logprobs(runs[0].last, state.engine.tokenizer.decode)
+            )
     except OpenAIError as e:
         return e.response()
     return await _reply(request, req, runs, ctx, _COMPLETION)
@@ -111,6 +160,7 @@ def _state(request: Request) -> ServerState:
 
 # ---- answering a started request -----------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Answer:
     """How one endpoint answers: a choice's stream chunks, the usage chunk, the whole response."""
@@ -120,12 +170,19 @@ class _Answer:
     body: Callable[[ResponseContext, list[RequestOutput]], BaseModel]
 
 
-async def _reply(request: Request, req: ChatCompletionRequest | CompletionRequest, runs: list[ChoiceRun],
-                 ctx: ResponseContext, answer: _Answer) -> Response:
+async def _reply(
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    runs: list[ChoiceRun],
+    ctx: ResponseContext,
+    answer: _Answer,
+) -> Response:
     """The SSE stream of a started request, or (not streaming) its whole response once every choice has finished."""
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _SSEResponse(_events(runs, ctx, answer, include_usage), cleanup=lambda: close_choices(runs))
+        return _SSEResponse(
+            _events(runs, ctx, answer, include_usage), cleanup=lambda: close_choices(runs)
+        )
     try:
         await _collect(request, runs)
     except OpenAIError as e:
@@ -143,12 +200,12 @@ async def _collect(request: Request, runs: list[ChoiceRun]) -> None:
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()   # the client is gone (or we were cancelled): closing the streams aborts the requests
+            task.cancel()  # the client is gone (or we were cancelled): closing the streams aborts the requests
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
         raise OpenAIError(499, "the client closed the connection", "client_closed_request")
-    task.result()   # raises a choice's failure as an OpenAIError
+    task.result()  # raises a choice's failure as an OpenAIError
 
 
 async def _disconnected(request: Request) -> None:
@@ -163,8 +220,11 @@ class _SSEResponse(StreamingResponse):
     otherwise leave the requests running until the garbage collector finalised their generators)."""
 
     def __init__(self, events: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
@@ -177,19 +237,25 @@ class _SSEResponse(StreamingResponse):
 
 # ---- streaming ---------------------------------------------------------------------------
 
-async def _events(runs: list[ChoiceRun], ctx: ResponseContext, answer: _Answer,
-                  include_usage: bool) -> AsyncIterator[str]:
+
+async def _events(
+    runs: list[ChoiceRun], ctx: ResponseContext, answer: _Answer, include_usage: bool
+) -> AsyncIterator[str]:
     """Every choice's chunks, interleaved as they come; then the usage chunk (include_usage) and [DONE].
     A failing choice aborts the others and ends the stream with its error event."""
     try:
-        async with contextlib.aclosing(merge([answer.choice_events(run, ctx) for run in runs])) as chunks:
+        async with contextlib.aclosing(
+            merge([answer.choice_events(run, ctx) for run in runs])
+        ) as chunks:
             async for chunk in chunks:
                 yield chunk
     except OpenAIError as e:
         yield sse(e.body())
-    except Exception as e:   # a fault of ours: the stream still ends the way clients expect
+    except Exception as e:  # a fault of ours: the stream still ends the way clients expect
         logger.error("stream %s failed", ctx.id, exc_info=e)
-        yield sse(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body())
+        yield sse(
+            OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body()
+        )
     else:
         if include_usage:
             yield answer.usage_chunk(ctx, usage_of([run.last for run in runs]))
@@ -240,6 +306,11 @@ async def _completion_choice_events(run: ChoiceRun, ctx: ResponseContext) -> Asy
     yield completion_chunk(ctx, "", finish=run.last.outputs[0].finish_reason, index=run.index)
 
 
-_CHAT = _Answer(_chat_choice_events, lambda ctx, usage: chat_chunk(ctx, Delta(), usage=usage), chat_response)
-_COMPLETION = _Answer(_completion_choice_events, lambda ctx, usage: completion_chunk(ctx, "", usage=usage),
-                      completion_response)
+_CHAT = _Answer(
+    _chat_choice_events, lambda ctx, usage: chat_chunk(ctx, Delta(), usage=usage), chat_response
+)
+_COMPLETION = _Answer(
+    _completion_choice_events,
+    lambda ctx, usage: completion_chunk(ctx, "", usage=usage),
+    completion_response,
+)

@@ -3,6 +3,7 @@
 Request models check types only; value ranges are checked once, by SamplingParams, and the routes in
 openai_api.py name the OpenAI parameter in the 400. Response models follow OpenAI's JSON field for field.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,6 +25,7 @@ class _Request(BaseModel):
 
 
 # ---- requests ------------------------------------------------------------------------------
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -86,7 +88,7 @@ class _SamplingFields(_Request):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: StrictInt | None = 1         # choices; null = 1 (openai_requests.num_choices checks the range)
+    n: StrictInt | None = 1  # choices; null = 1 (openai_requests.num_choices checks the range)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -104,12 +106,14 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    guided_json: str | dict[str, Any] | None = None     # a JSON schema the output follows
+    guided_json: str | dict[str, Any] | None = None  # a JSON schema the output follows
     guided_regex: str | None = None
-    guided_grammar: str | None = None                   # an EBNF (GBNF) grammar
-    prompt_logprobs: int | None = None   # each prompt token's logprob + the top k (not with stream)
-    use_beam_search: bool = False        # the n choices are the n best beams (not with stream)
-    length_penalty: float = 1.0          # beam search: a hypothesis scores sum(logprobs) / length ** length_penalty
+    guided_grammar: str | None = None  # an EBNF (GBNF) grammar
+    prompt_logprobs: int | None = None  # each prompt token's logprob + the top k (not with stream)
+    use_beam_search: bool = False  # the n choices are the n best beams (not with stream)
+    length_penalty: float = (
+        1.0  # beam search: a hypothesis scores sum(logprobs) / length ** length_penalty
+    )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,6 +136,7 @@ class CompletionRequest(_SamplingFields):
 
 
 # ---- responses -----------------------------------------------------------------------------
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -192,7 +197,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     # vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=_none)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=_none
+    )
 
 
 class Delta(BaseModel):
@@ -228,7 +235,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None, exclude_if=_none)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=_none
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -247,7 +256,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "mmserve"
-    parent: str | None = None   # a LoRA adapter's base model (left out for the base model names)
+    parent: str | None = None  # a LoRA adapter's base model (left out for the base model names)
 
 
 class ModelList(BaseModel):

@@ -2,6 +2,7 @@
 
 Every problem is raised as an OpenAIError 400 (404 for an unknown model) naming the OpenAI parameter.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,11 @@ from pydantic import BaseModel, ValidationError
 
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, check_length_penalty, unsupported_with_beams
 from mmserve.entrypoints.json_wire import loads_object
-from mmserve.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mmserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from mmserve.entrypoints.openai_responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 from mmserve.sampling_params import SamplingParams
@@ -38,8 +43,11 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
     """One 400 naming the most specific failing parameter (union branches add noise otherwise)."""
     errors = [(_clean_loc(err["loc"]), err["msg"]) for err in exc.errors()]
     # drop an error when another one points deeper into the same value
-    kept = [(loc, msg) for loc, msg in errors
-            if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in errors)]
+    kept = [
+        (loc, msg)
+        for loc, msg in errors
+        if not any(len(other) > len(loc) and other[: len(loc)] == loc for other, _ in errors)
+    ]
     seen: set[str] = set()
     parts = []
     for loc, msg in kept:
@@ -47,15 +55,20 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
         if text not in seen:
             seen.add(text)
             parts.append(text)
-    return OpenAIError(400, "; ".join(parts) or "invalid request", param=_param_name(kept[0][0]) if kept else None)
+    return OpenAIError(
+        400, "; ".join(parts) or "invalid request", param=_param_name(kept[0][0]) if kept else None
+    )
 
 
 def _clean_loc(loc: tuple) -> tuple:
     """Drop pydantic's union-branch markers such as 'str' or 'list[tagged-union[...]]' from a location."""
     keep = []
     for part in loc:
-        if isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict")
-                                      or part[:1].isupper()):
+        if isinstance(part, str) and (
+            "[" in part
+            or part in ("str", "int", "float", "bool", "list", "dict")
+            or part[:1].isupper()
+        ):
             continue
         keep.append(part)
     return tuple(keep)
@@ -70,8 +83,12 @@ def _param_name(loc: tuple) -> str:
 
 def check_model(state: ServerState, name: str) -> None:
     if not state.has_model(name):
-        raise OpenAIError(404, f"The model `{name}` does not exist. Served models: {', '.join(state.model_names)}",
-                          param="model", code="model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model `{name}` does not exist. Served models: {', '.join(state.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _unsupported(value: Any, param: str, what: str) -> None:
@@ -87,15 +104,21 @@ def num_choices(req: ChatCompletionRequest | CompletionRequest) -> int:
     return n
 
 
-def beam_width_of(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams, n: int) -> int:
+def beam_width_of(
+    req: ChatCompletionRequest | CompletionRequest, params: SamplingParams, n: int
+) -> int:
     """`use_beam_search`: the width (= n, the request's checked `n`, at most MAX_BEAM_WIDTH); 0 when not asked.
     400s name the parameter beam search cannot take yet."""
     if not req.use_beam_search:
         return 0
     if n > MAX_BEAM_WIDTH:
-        raise OpenAIError(400, f"n must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {n}", param="n")
+        raise OpenAIError(
+            400, f"n must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {n}", param="n"
+        )
     if req.stream:
-        raise OpenAIError(400, "use_beam_search is not supported with stream", param="use_beam_search")
+        raise OpenAIError(
+            400, "use_beam_search is not supported with stream", param="use_beam_search"
+        )
     try:
         check_length_penalty(req.length_penalty)
     except ValueError as e:
@@ -113,27 +136,50 @@ def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
         try:
             tok = int(key)
         except ValueError:
-            raise OpenAIError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
-            raise OpenAIError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100], "
-                                   f"got {value!r}", param="logit_bias")
+            raise OpenAIError(
+                400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not -100 <= value <= 100
+        ):
+            raise OpenAIError(
+                400,
+                f"logit_bias: the bias of token {key} must be a number in [-100, 100], "
+                f"got {value!r}",
+                param="logit_bias",
+            )
         out[tok] = float(value)
     return out
 
 
-async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerState) -> dict[str, Any]:
+async def _guided(
+    req: ChatCompletionRequest | CompletionRequest, state: ServerState
+) -> dict[str, Any]:
     """The guided-decoding kwargs of vLLM's extras guided_json / guided_regex / guided_grammar, and of a chat
     request's response_format (json_object: any JSON object; json_schema: its `schema`); the guide is compiled
     here, on a worker thread (a large schema's first compile takes a while; the engine reuses it), so a bad one
     is a 400 naming the field it came in."""
-    given = [(name, value) for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
-                                               ("guided_grammar", req.guided_grammar)) if value is not None]
+    given = [
+        (name, value)
+        for name, value in (
+            ("guided_json", req.guided_json),
+            ("guided_regex", req.guided_regex),
+            ("guided_grammar", req.guided_grammar),
+        )
+        if value is not None
+    ]
     fmt = getattr(req, "response_format", None) or {}
     if fmt.get("type") not in (None, "text"):
         given.append(("response_format", fmt))
     if len(given) > 1:
-        raise OpenAIError(400, f"{given[1][0]}: only one of guided_json, guided_regex, guided_grammar and "
-                               "response_format may constrain the output", param=given[1][0])
+        raise OpenAIError(
+            400,
+            f"{given[1][0]}: only one of guided_json, guided_regex, guided_grammar and "
+            "response_format may constrain the output",
+            param=given[1][0],
+        )
     if not given:
         return {}
     name, value = given[0]
@@ -149,8 +195,12 @@ async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerS
         wrapper = value.get("json_schema") if value["type"] == "json_schema" else None
         schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         if not isinstance(schema, dict):
-            raise OpenAIError(400, "response_format: expected {'type': 'text' | 'json_object'} or {'type': "
-                                   "'json_schema', 'json_schema': {'schema': {...}}}", param="response_format")
+            raise OpenAIError(
+                400,
+                "response_format: expected {'type': 'text' | 'json_object'} or {'type': "
+                "'json_schema', 'json_schema': {'schema': {...}}}",
+                param="response_format",
+            )
         kind, guide = "json_schema", json.dumps(schema)
     try:
         await asyncio.to_thread(state.engine.engine.grammars.compile, kind, guide)
@@ -161,15 +211,26 @@ async def _guided(req: ChatCompletionRequest | CompletionRequest, state: ServerS
 
 def _common_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
-        raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        raise OpenAIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     if req.prompt_logprobs is not None and req.stream:
-        raise OpenAIError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs")
-    kw: dict[str, Any] = dict(   # n stays 1: each choice is its own engine request
-        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        stop=req.stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-        stop_token_ids=req.stop_token_ids or [], include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logit_bias=_logit_bias(req.logit_bias),
-        prompt_logprobs=req.prompt_logprobs)
+        raise OpenAIError(
+            400, "prompt_logprobs is not supported with stream", param="prompt_logprobs"
+        )
+    kw: dict[str, Any] = dict(  # n stays 1: each choice is its own engine request
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        stop=req.stop,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids or [],
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=req.prompt_logprobs,
+    )
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -187,7 +248,9 @@ def _sampling_params(kw: dict[str, Any], param_names: dict[str, str]) -> Samplin
 
 
 def _default_max_tokens(state: ServerState) -> int:
-    return state.engine.engine.max_model_len  # the engine clamps it to what is left after the prompt
+    return (
+        state.engine.engine.max_model_len
+    )  # the engine clamps it to what is left after the prompt
 
 
 async def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
@@ -199,8 +262,12 @@ async def chat_params(req: ChatCompletionRequest, state: ServerState) -> Samplin
     kw["max_tokens"] = given if given is not None else _default_max_tokens(state)
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
-    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
-             "logprobs": "top_logprobs"}
+    names = {
+        "max_tokens": "max_completion_tokens"
+        if req.max_completion_tokens is not None
+        else "max_tokens",
+        "logprobs": "top_logprobs",
+    }
     return _sampling_params(kw, names)
 
 
@@ -211,7 +278,9 @@ async def completion_params(req: CompletionRequest, state: ServerState) -> Sampl
     kw = {**_common_kwargs(req), **await _guided(req, state)}
     kw["max_tokens"] = req.max_tokens if req.max_tokens is not None else _default_max_tokens(state)
     kw["logprobs"] = req.logprobs
-    if req.echo and req.logprobs is not None:   # the echoed prompt's tokens come with their logprobs too
+    if (
+        req.echo and req.logprobs is not None
+    ):  # the echoed prompt's tokens come with their logprobs too
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return _sampling_params(kw, {})
 
@@ -222,9 +291,12 @@ def chat_prompt(messages: list[ChatMessage], state: ServerState) -> dict[str, An
         prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in messages])
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, f"messages: {e}", param="messages") from None
-    except Exception as e:  # jinja2 TemplateError and the like: the template rejected these messages
-        raise OpenAIError(400, f"messages: the chat template cannot render these messages: {e}",
-                          param="messages") from None
+    except (
+        Exception
+    ) as e:  # jinja2 TemplateError and the like: the template rejected these messages
+        raise OpenAIError(
+            400, f"messages: the chat template cannot render these messages: {e}", param="messages"
+        ) from None
     return prompt
 
 
@@ -237,7 +309,11 @@ def completion_prompt(req: CompletionRequest) -> dict[str, Any]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise OpenAIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
+            raise OpenAIError(
+                400,
+                f"prompt: one prompt per request is supported, got {len(prompt)}",
+                param="prompt",
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         return {"prompt": prompt}

@@ -16,6 +16,7 @@ how a body is parsed or validated:
 The schemas describe what the routes accept; values the schema allows may still be refused by the route's own
 checks (a 400), e.g. `max_tokens` of 0 or an unknown model.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,7 +27,13 @@ from pydantic import BaseModel
 
 from mmserve.entrypoints.openai_protocol import ErrorResponse
 from mmserve.entrypoints.triton_models import (
-    ACCEPTED_INPUTS, BLS_EXTRA_OUTPUTS, OUTPUTS, TRTLLM_INPUTS, TRTLLM_OUTPUTS, TensorSpec)
+    ACCEPTED_INPUTS,
+    BLS_EXTRA_OUTPUTS,
+    OUTPUTS,
+    TRTLLM_INPUTS,
+    TRTLLM_OUTPUTS,
+    TensorSpec,
+)
 from mmserve.entrypoints.triton_tensors import NP_DTYPES
 
 JsonSchema = dict[str, Any]
@@ -37,8 +44,13 @@ _SSE = "text/event-stream"
 
 # ---- OpenAI-shaped routes (/v1/chat/completions, /v1/completions, /tokenize, /detokenize) -----------------------
 
-def openai_route(request: type[BaseModel], response: type[BaseModel] | JsonSchema, *, streams: bool = False,
-                 ) -> dict[str, Any]:
+
+def openai_route(
+    request: type[BaseModel],
+    response: type[BaseModel] | JsonSchema,
+    *,
+    streams: bool = False,
+) -> dict[str, Any]:
     """Keyword arguments of an OpenAI-shaped route's decorator: the request body from `request`, the 200 from
     `response` (a model, or a JSON schema), SSE as well when `streams`, and OpenAI's error object."""
     ok: dict[str, Any] = {"description": "the answer"}
@@ -47,18 +59,28 @@ def openai_route(request: type[BaseModel], response: type[BaseModel] | JsonSchem
     else:
         ok["model"] = response
     if streams:
-        ok["description"] = ("the answer; with `\"stream\": true`, server-sent events `data: {chunk}` ending in "
-                             "`data: [DONE]`")
+        ok["description"] = (
+            'the answer; with `"stream": true`, server-sent events `data: {chunk}` ending in '
+            "`data: [DONE]`"
+        )
         ok.setdefault("content", {})[_SSE] = {"schema": {"type": "string"}}
     error = {"model": ErrorResponse}
     return {
-        "openapi_extra": {"requestBody": _request_body(inline_defs(request.model_json_schema(mode="validation")))},
+        "openapi_extra": {
+            "requestBody": _request_body(inline_defs(request.model_json_schema(mode="validation")))
+        },
         "responses": {
             200: ok,
             400: {**error, "description": "an invalid request; `error.param` names the parameter"},
-            404: {**error, "description": "the model is not served (`error.code`: `model_not_found`)"},
-            "default": {**error, "description": "any other error (403 restricted API, 413 body too large, "
-                                                "503 server busy, 500)"},
+            404: {
+                **error,
+                "description": "the model is not served (`error.code`: `model_not_found`)",
+            },
+            "default": {
+                **error,
+                "description": "any other error (403 restricted API, 413 body too large, "
+                "503 server busy, 500)",
+            },
         },
     }
 
@@ -81,7 +103,11 @@ def inline_defs(schema: JsonSchema) -> JsonSchema:
                 raise ValueError(f"recursive model {name} cannot be inlined")
             target = resolve(defs[name], (*seen, name))
             return {**target, **{k: resolve(v, seen) for k, v in node.items() if k != "$ref"}}
-        return {k: resolve(v, seen) for k, v in node.items() if k != "$defs" and not _is_discriminator(k, v)}
+        return {
+            k: resolve(v, seen)
+            for k, v in node.items()
+            if k != "$defs" and not _is_discriminator(k, v)
+        }
 
     return resolve(schema, ())
 
@@ -105,11 +131,14 @@ TOKENIZE_RESPONSE: JsonSchema = {
 }
 
 DETOKENIZE_RESPONSE: JsonSchema = {
-    "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}},
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
 }
 
 
 # ---- Triton / KServe v2 -----------------------------------------------------------------------------------------
+
 
 def element_schema(datatype: str) -> JsonSchema:
     """One JSON element of a tensor of a Triton datatype (strings for BYTES, booleans for BOOL, integers within
@@ -129,8 +158,10 @@ def _generate_value(spec: TensorSpec) -> JsonSchema:
     several values per item)."""
     element = element_schema(spec.datatype)
     dims = ", ".join(map(str, spec.dims))
-    return {"description": f"{spec.datatype} [-1, {dims}]: a scalar or a flat array",
-            "anyOf": [element, {"type": "array", "items": element}]}
+    return {
+        "description": f"{spec.datatype} [-1, {dims}]: a scalar or a flat array",
+        "anyOf": [element, {"type": "array", "items": element}],
+    }
 
 
 def _generate_inputs() -> dict[str, JsonSchema]:
@@ -146,12 +177,16 @@ def generate_request_schema() -> JsonSchema:
     return {
         "type": "object",
         "description": "Keys naming inputs (top level or in `parameters`) become tensors; other keys are ignored. "
-                       "The text models need `text_input` (and `max_tokens` for `ensemble` / `tensorrt_llm_bls`), "
-                       "the token-level `tensorrt_llm` model `input_ids`, `input_lengths` and `request_output_len`.",
+        "The text models need `text_input` (and `max_tokens` for `ensemble` / `tensorrt_llm_bls`), "
+        "the token-level `tensorrt_llm` model `input_ids`, `input_lengths` and `request_output_len`.",
         "properties": {
             "id": {"type": "string", "description": "the request id, repeated in the response"},
-            "parameters": {"type": "object", "properties": inputs, "additionalProperties": True,
-                           "description": "more inputs (as at the top level) and ignored request parameters"},
+            "parameters": {
+                "type": "object",
+                "properties": inputs,
+                "additionalProperties": True,
+                "description": "more inputs (as at the top level) and ignored request parameters",
+            },
             **inputs,
         },
         "additionalProperties": True,
@@ -189,19 +224,26 @@ def infer_request_schema() -> JsonSchema:
         "type": "object",
         "required": ["name", "datatype", "shape"],
         "properties": {
-            "name": {"type": "string", "enum": names,
-                     "description": "an input of the model (`GET /v2/models/{model}` lists its own)"},
+            "name": {
+                "type": "string",
+                "enum": names,
+                "description": "an input of the model (`GET /v2/models/{model}` lists its own)",
+            },
             "datatype": {"type": "string", "enum": list(NP_DTYPES)},
             "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "data": {"description": "the elements in row-major order, flat or nested (strings for BYTES)"},
+            "data": {
+                "description": "the elements in row-major order, flat or nested (strings for BYTES)"
+            },
             "parameters": _tensor_parameters("binary_data_size", {"type": "integer", "minimum": 0}),
         },
     }
     output = {
         "type": "object",
         "required": ["name"],
-        "properties": {"name": {"type": "string"},
-                       "parameters": _tensor_parameters("binary_data", {"type": "boolean"})},
+        "properties": {
+            "name": {"type": "string"},
+            "parameters": _tensor_parameters("binary_data", {"type": "boolean"}),
+        },
     }
     return {
         "type": "object",
@@ -240,13 +282,20 @@ def infer_response_schema() -> JsonSchema:
     }
 
 
-TRITON_ERROR: JsonSchema = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+TRITON_ERROR: JsonSchema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
 
 
 def _triton_errors(per_model: bool) -> dict[int | str, Any]:
     def error(description: str) -> dict[str, Any]:
         return {"description": description, "content": {_JSON: {"schema": TRITON_ERROR}}}
-    errors: dict[int | str, Any] = {400: error("bad input; the message starts with the input it is about")}
+
+    errors: dict[int | str, Any] = {
+        400: error("bad input; the message starts with the input it is about")
+    }
     if per_model:
         errors[404] = error("unknown model or version")
         errors[503] = error("server busy (`Retry-After: 1`) or the engine has stopped")
@@ -254,38 +303,59 @@ def _triton_errors(per_model: bool) -> dict[int | str, Any]:
     return errors
 
 
-def triton_route(request: JsonSchema, response: JsonSchema, *, sse: bool = False, binary: bool = False,
-                 body_required: bool = True, per_model: bool = True) -> dict[str, Any]:
+def triton_route(
+    request: JsonSchema,
+    response: JsonSchema,
+    *,
+    sse: bool = False,
+    binary: bool = False,
+    body_required: bool = True,
+    per_model: bool = True,
+) -> dict[str, Any]:
     """Keyword arguments of a Triton route's registration: the JSON request body, the 200 (`response`; as
     server-sent events whose `data` are such objects when `sse`; also the binary tensor extension's octet stream
     when `binary`) and Triton's `{"error": message}` errors (404 and 503 too when `per_model`)."""
     if sse:
         content: dict[str, Any] = {_SSE: {"schema": {"type": "string"}}}
-        description = ("server-sent events `data: {response}`, each response as in `/generate` (or "
-                       "`data: {\"error\": message}` after the first)")
+        description = (
+            "server-sent events `data: {response}`, each response as in `/generate` (or "
+            '`data: {"error": message}` after the first)'
+        )
     else:
         content, description = {_JSON: {"schema": response}}, "the response"
     if binary:
         content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
-        description += ("; with binary outputs, `application/octet-stream`: the JSON header (its length in "
-                        "`Inference-Header-Content-Length`), then the outputs' bytes")
+        description += (
+            "; with binary outputs, `application/octet-stream`: the JSON header (its length in "
+            "`Inference-Header-Content-Length`), then the outputs' bytes"
+        )
     docs = {
         "openapi_extra": {"requestBody": _request_body(request, body_required)},
-        "responses": {200: {"description": description, "content": content}, **_triton_errors(per_model)},
+        "responses": {
+            200: {"description": description, "content": content},
+            **_triton_errors(per_model),
+        },
     }
-    if sse:   # not the default JSON 200 (the handlers return their responses themselves, so this is docs only)
+    if sse:  # not the default JSON 200 (the handlers return their responses themselves, so this is docs only)
         docs["response_class"] = StreamingResponse
     return docs
 
 
 REPOSITORY_INDEX_REQUEST: JsonSchema = {
-    "type": "object", "properties": {"ready": {"type": "boolean", "description": "only the models ready"}},
+    "type": "object",
+    "properties": {"ready": {"type": "boolean", "description": "only the models ready"}},
 }
 
 REPOSITORY_INDEX_RESPONSE: JsonSchema = {
     "type": "array",
-    "items": {"type": "object", "required": ["name", "version", "state", "reason"],
-              "properties": {"name": {"type": "string"}, "version": {"type": "string"},
-                             "state": {"type": "string", "enum": ["READY", "UNAVAILABLE"]},
-                             "reason": {"type": "string"}}},
+    "items": {
+        "type": "object",
+        "required": ["name", "version", "state", "reason"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "state": {"type": "string", "enum": ["READY", "UNAVAILABLE"]},
+            "reason": {"type": "string"},
+        },
+    },
 }

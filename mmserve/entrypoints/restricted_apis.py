@@ -11,14 +11,23 @@ mmserve also places its own HTTP routes in these groups: the OpenAI completions 
 This module is the policy (parsing, which group a route or method is in) and imports no server package: ServerConfig
 parses the options for every CLI command. The checks live with the servers: http_server.RestrictedApis (a pure-ASGI
 middleware) and grpc_server.RestrictedProtocols (a grpc.aio interceptor)."""
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-
-CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
-              "statistics", "trace", "logging")
+CATEGORIES = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 
 _MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
@@ -31,30 +40,45 @@ _HTTP_ROUTES = [
     ("GET", re.compile(r"/v2|" + _MODEL + r"|/v1/models(?:/.*)?"), "metadata"),
     ("POST", re.compile(_MODEL + r"/(?:infer|generate|generate_stream)"), "inference"),
     ("POST", re.compile(r"/v1/(?:chat/)?completions|/tokenize|/detokenize"), "inference"),
-    ("POST", re.compile(r"/v2/repository/(?:index|models/[^/]+/(?:load|unload))"), "model-repository"),
+    (
+        "POST",
+        re.compile(r"/v2/repository/(?:index|models/[^/]+/(?:load|unload))"),
+        "model-repository",
+    ),
 ]
 _GRPC_METHODS = {
-    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
-    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
-    "ModelInfer": "inference", "ModelStreamInfer": "inference",
-    "ModelConfig": "model-config", "ModelStatistics": "statistics",
-    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
     "RepositoryModelUnload": "model-repository",
-    "SystemSharedMemoryStatus": "shared-memory", "SystemSharedMemoryRegister": "shared-memory",
-    "SystemSharedMemoryUnregister": "shared-memory", "CudaSharedMemoryStatus": "shared-memory",
-    "CudaSharedMemoryRegister": "shared-memory", "CudaSharedMemoryUnregister": "shared-memory",
-    "TraceSetting": "trace", "LogSettings": "logging",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
 }
 
 
 @dataclass(frozen=True)
 class Restriction:
-    header: str   # lower case: HTTP header names and gRPC metadata keys compare that way
+    header: str  # lower case: HTTP header names and gRPC metadata keys compare that way
     value: str
 
 
-def parse_restrictions(specs: list[str] | tuple[str, ...], option: str, header_prefix: str = ""
-                       ) -> dict[str, Restriction]:
+def parse_restrictions(
+    specs: list[str] | tuple[str, ...], option: str, header_prefix: str = ""
+) -> dict[str, Restriction]:
     """{category: Restriction} from Triton-style specs "api1,api2:key=value"; a ValueError names the option and
     the spec for an unknown API, a missing key or value, or an API given in two groups."""
     restrictions: dict[str, Restriction] = {}
@@ -62,10 +86,14 @@ def parse_restrictions(specs: list[str] | tuple[str, ...], option: str, header_p
         apis, sep, pair = spec.partition(":")
         key, eq, value = pair.partition("=")
         if not sep or not eq or not apis.strip() or not key.strip():
-            raise ValueError(f"{option} '{spec}': expected APIS:KEY=VALUE, e.g. inference:my-key=secret")
+            raise ValueError(
+                f"{option} '{spec}': expected APIS:KEY=VALUE, e.g. inference:my-key=secret"
+            )
         for api in (a.strip() for a in apis.split(",")):
             if api not in CATEGORIES:
-                raise ValueError(f"{option} '{spec}': unknown API '{api}' (one of {', '.join(CATEGORIES)})")
+                raise ValueError(
+                    f"{option} '{spec}': unknown API '{api}' (one of {', '.join(CATEGORIES)})"
+                )
             if api in restrictions:
                 raise ValueError(f"{option}: API '{api}' can not be in more than one group")
             restrictions[api] = Restriction((header_prefix + key.strip()).lower(), value)

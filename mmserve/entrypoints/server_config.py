@@ -1,4 +1,5 @@
 """ServerConfig: what `mmserve serve` listens on and the limits it enforces at the edge."""
+
 from __future__ import annotations
 
 import os
@@ -11,12 +12,16 @@ from mmserve.entrypoints.restricted_apis import GRPC_HEADER_PREFIX, Restriction,
 class ServerConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
-    grpc_port: int = 8001              # 0 = pick a free port; -1 = no gRPC server
-    served_model_name: str | None = None   # default: the checkpoint directory's name
-    max_request_bytes: int = 64 * 2**20    # HTTP body / gRPC message cap
-    max_concurrent_requests: int = 1024     # beyond this, 503 with Retry-After
-    decoupled: bool = True             # Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces
-    accumulate_tokens: bool = False    # BLS streaming: each response carries all text so far (seed option)
+    grpc_port: int = 8001  # 0 = pick a free port; -1 = no gRPC server
+    served_model_name: str | None = None  # default: the checkpoint directory's name
+    max_request_bytes: int = 64 * 2**20  # HTTP body / gRPC message cap
+    max_concurrent_requests: int = 1024  # beyond this, 503 with Retry-After
+    decoupled: bool = (
+        True  # Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces
+    )
+    accumulate_tokens: bool = (
+        False  # BLS streaming: each response carries all text so far (seed option)
+    )
     # Triton's endpoint access limits, "APIS:KEY=VALUE" each (entrypoints/restricted_apis.py)
     http_restricted_api: tuple[str, ...] = ()
     grpc_restricted_protocol: tuple[str, ...] = ()
@@ -39,9 +44,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a port number, got {port}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        self.http_restrictions = parse_restrictions(self.http_restricted_api, "--http-restricted-api")
-        self.grpc_restrictions = parse_restrictions(self.grpc_restricted_protocol, "--grpc-restricted-protocol",
-                                                    GRPC_HEADER_PREFIX)
+        self.http_restrictions = parse_restrictions(
+            self.http_restricted_api, "--http-restricted-api"
+        )
+        self.grpc_restrictions = parse_restrictions(
+            self.grpc_restricted_protocol, "--grpc-restricted-protocol", GRPC_HEADER_PREFIX
+        )
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -51,9 +59,15 @@ class ServerConfig:
         if self.grpc_use_ssl and not (self.grpc_server_cert and self.grpc_server_key):
             raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
         if self.grpc_use_ssl_mutual and not self.grpc_root_cert:
-            raise ValueError("--grpc-use-ssl-mutual needs --grpc-root-cert (the CA that signs client certificates)")
-        for option, path in [("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
-                             ("--grpc-server-cert", self.grpc_server_cert),
-                             ("--grpc-server-key", self.grpc_server_key), ("--grpc-root-cert", self.grpc_root_cert)]:
+            raise ValueError(
+                "--grpc-use-ssl-mutual needs --grpc-root-cert (the CA that signs client certificates)"
+            )
+        for option, path in [
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-keyfile", self.ssl_keyfile),
+            ("--grpc-server-cert", self.grpc_server_cert),
+            ("--grpc-server-key", self.grpc_server_key),
+            ("--grpc-root-cert", self.grpc_root_cert),
+        ]:
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"{option}: cannot read {path}")

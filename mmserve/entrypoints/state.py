@@ -1,4 +1,5 @@
 """ServerState: what every frontend (HTTP routes, gRPC servicer) shares: engine, config, names, metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmserve.core.outputs import RequestOutput
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
@@ -16,7 +18,6 @@ from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.entrypoints.triton_metrics import TritonCollector
 from mmserve.entrypoints.triton_statistics import TritonStatistics
 from mmserve.multimodal.inputs import MediaConfig
-from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")
@@ -32,9 +33,11 @@ class ServerState:
     config: ServerConfig
     media: MediaConfig
     model_dir: str
-    model_type: str                     # HF config.model_type, e.g. "llava"
+    model_type: str  # HF config.model_type, e.g. "llava"
     metrics: Metrics = field(init=False)
-    statistics: TritonStatistics = field(init=False)   # Triton's statistics extension, per model name
+    statistics: TritonStatistics = field(
+        init=False
+    )  # Triton's statistics extension, per model name
     in_flight: int = 0
     # a client's request id (Triton's `id`) -> how to end each request running for it (an engine abort, a beam
     # search's stop), which a later request with that id and `stop` true calls (TensorRT-LLM's tensorrt_llm model)
@@ -65,22 +68,34 @@ class ServerState:
     def _slot(self):
         """One of the server's max_concurrent_requests places, for the duration of a request."""
         if self.in_flight >= self.config.max_concurrent_requests:
-            raise ServerBusy(f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})")
+            raise ServerBusy(
+                f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})"
+            )
         self.in_flight += 1
         try:
             yield
         finally:
             self.in_flight -= 1
 
-    async def generate(self, prompt: str | dict[str, Any], params: SamplingParams,
-                       request_id: str | None = None, client_id: str = "") -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None = None,
+        client_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:
         """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
         `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones.
         `client_id` (the client's own id, may repeat) lets `cancel` find it."""
         request_id = request_id or uuid.uuid4().hex
-        with self._slot(), self._registered(client_id, request_id, lambda: self.engine.abort(request_id)):
+        with (
+            self._slot(),
+            self._registered(client_id, request_id, lambda: self.engine.abort(request_id)),
+        ):
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
-            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
+            async with contextlib.aclosing(
+                self.engine.generate(prompt, params, request_id)
+            ) as stream:
                 async for out in stream:
                     if out.finished:
                         self.metrics.on_finished(out)
@@ -107,27 +122,46 @@ class ServerState:
             end()
         return len(running)
 
-    async def beam_search(self, prompt: dict[str, Any], params: SamplingParams, width: int, length_penalty: float,
-                          stream: bool = False, client_id: str = "") -> AsyncIterator[RequestOutput]:
+    async def beam_search(
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        width: int,
+        length_penalty: float,
+        stream: bool = False,
+        client_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:
         """Beam search (engine/beam_search.py) under the same cap and metrics as generate: one request however
         many beams; the metrics count the best beam's tokens. `stream`: the running beams after each step too.
         `cancel(client_id)` ends it after the step in flight, with the beams it has (finish reason "abort")."""
         request_id, stop = uuid.uuid4().hex, asyncio.Event()
         with self._slot(), self._registered(client_id, request_id, stop.set):
             inputs = await self.engine.preprocess(prompt)
-            async with contextlib.aclosing(beam_search_steps(self.engine, inputs, params, width, length_penalty,
-                                                             request_id, snapshots=stream, stop=stop)) as steps:
+            async with contextlib.aclosing(
+                beam_search_steps(
+                    self.engine,
+                    inputs,
+                    params,
+                    width,
+                    length_penalty,
+                    request_id,
+                    snapshots=stream,
+                    stop=stop,
+                )
+            ) as steps:
                 async for out in steps:
                     if out.finished:
                         self.metrics.on_finished(out)
                     yield out
 
-    async def generate_final(self, prompt: str | dict[str, Any], params: SamplingParams,
-                             client_id: str = "") -> RequestOutput:
+    async def generate_final(
+        self, prompt: str | dict[str, Any], params: SamplingParams, client_id: str = ""
+    ) -> RequestOutput:
         """generate run to its final output (closing the stream, so a cancel aborts the request at once)."""
         last = None
-        async with contextlib.aclosing(self.generate(prompt, params, client_id=client_id)) as outputs:
+        async with contextlib.aclosing(
+            self.generate(prompt, params, client_id=client_id)
+        ) as outputs:
             async for last in outputs:
                 pass
         return last
-

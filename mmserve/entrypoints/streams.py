@@ -1,4 +1,5 @@
 """Async stream plumbing the frontends share: `merge`, several async generators' items as they come."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 T = TypeVar("T")
-_END = object()   # what _next returns for an exhausted stream
+_END = object()  # what _next returns for an exhausted stream
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
@@ -18,7 +19,9 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
             async for item in only:
                 yield item
         return
-    waiting: dict[asyncio.Task, int] = {asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)}
+    waiting: dict[asyncio.Task, int] = {
+        asyncio.ensure_future(_next(s)): i for i, s in enumerate(streams)
+    }
     try:
         while waiting:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

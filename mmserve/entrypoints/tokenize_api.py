@@ -2,6 +2,7 @@
 clients of the token-level `tensorrt_llm` Triton model and for counting tokens. Text (or chat messages through the
 model's chat template) to ids and back; image placeholders stay single ids (the processor expands them per picture
 when a request carries the pictures). Errors are OpenAI-shaped 400s naming the field."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,8 +23,10 @@ router = APIRouter()
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None    # instead of prompt: rendered with the chat template first
-    add_special_tokens: bool = True              # prompt only: the template writes its own
+    messages: list[ChatMessage] | None = (
+        None  # instead of prompt: rendered with the chat template first
+    )
+    add_special_tokens: bool = True  # prompt only: the template writes its own
 
 
 class DetokenizeRequest(BaseModel):
@@ -47,7 +50,9 @@ async def tokenize(request: Request) -> Response:
         ids = _ids(state, req)
     except OpenAIError as e:
         return e.response()
-    return WireJSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len})
+    return WireJSONResponse(
+        {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
+    )
 
 
 @router.post("/detokenize", **openai_route(DetokenizeRequest, DETOKENIZE_RESPONSE))
@@ -57,7 +62,9 @@ async def detokenize(request: Request) -> Response:
         vocab = state.engine.engine.text_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise OpenAIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+            raise OpenAIError(
+                400, f"tokens: {bad[0]} is outside the vocabulary (size {vocab})", param="tokens"
+            )
     except OpenAIError as e:
         return e.response()
     return WireJSONResponse({"prompt": state.engine.tokenizer.decode(req.tokens)})
@@ -67,6 +74,10 @@ def _ids(state: ServerState, req: TokenizeRequest) -> list[int]:
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
-        return state.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        return state.engine.tokenizer(
+            req.prompt, add_special_tokens=req.add_special_tokens
+        ).input_ids
     # the template already wrote the special tokens it wants
-    return state.engine.tokenizer(chat_prompt(req.messages, state)["prompt"], add_special_tokens=False).input_ids
+    return state.engine.tokenizer(
+        chat_prompt(req.messages, state)["prompt"], add_special_tokens=False
+    ).input_ids

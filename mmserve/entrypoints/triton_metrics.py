@@ -4,6 +4,7 @@ counters and cumulative durations (from the statistics extension's numbers, trit
 `tensorrt_llm` model the engine gauges `nv_trt_llm_request_metrics{request_type}` (active, max, scheduled,
 context, waiting) and `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type}` (max, free, used, tokens_per,
 fraction)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,52 +16,107 @@ from mmserve.entrypoints.triton_statistics import TritonStatistics
 
 # Triton family name -> (help, statistics phase, what of it: count, or microseconds of its ns)
 _REQUEST_FAMILIES = {
-    "nv_inference_request_success": ("Number of successful inference requests, all batch sizes", "success", "count"),
-    "nv_inference_request_failure": ("Number of failed inference requests, all batch sizes", "fail", "count"),
-    "nv_inference_request_duration_us": ("Cumulative inference request duration in microseconds", "success", "us"),
-    "nv_inference_queue_duration_us": ("Cumulative inference queuing duration in microseconds", "queue", "us"),
-    "nv_inference_compute_input_duration_us": ("Cumulative compute input duration in microseconds",
-                                               "compute_input", "us"),
-    "nv_inference_compute_infer_duration_us": ("Cumulative compute inference duration in microseconds",
-                                               "compute_infer", "us"),
-    "nv_inference_compute_output_duration_us": ("Cumulative inference compute output duration in microseconds",
-                                                "compute_output", "us"),
+    "nv_inference_request_success": (
+        "Number of successful inference requests, all batch sizes",
+        "success",
+        "count",
+    ),
+    "nv_inference_request_failure": (
+        "Number of failed inference requests, all batch sizes",
+        "fail",
+        "count",
+    ),
+    "nv_inference_request_duration_us": (
+        "Cumulative inference request duration in microseconds",
+        "success",
+        "us",
+    ),
+    "nv_inference_queue_duration_us": (
+        "Cumulative inference queuing duration in microseconds",
+        "queue",
+        "us",
+    ),
+    "nv_inference_compute_input_duration_us": (
+        "Cumulative compute input duration in microseconds",
+        "compute_input",
+        "us",
+    ),
+    "nv_inference_compute_infer_duration_us": (
+        "Cumulative compute inference duration in microseconds",
+        "compute_infer",
+        "us",
+    ),
+    "nv_inference_compute_output_duration_us": (
+        "Cumulative inference compute output duration in microseconds",
+        "compute_output",
+        "us",
+    ),
 }
 
 
 class TritonCollector:
     """A prometheus_client collector over the server's TritonStatistics and the engine's stats()."""
 
-    def __init__(self, statistics: TritonStatistics, stats_fn: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, statistics: TritonStatistics, stats_fn: Callable[[], dict[str, float]]
+    ) -> None:
         self.statistics = statistics
         self.stats_fn = stats_fn
 
     def collect(self):
         by_model = dict(self.statistics.by_model)
         for name, (doc, phase, what) in _REQUEST_FAMILIES.items():
-            yield _counter(name, doc, {model: s.phases[phase].count if what == "count" else s.phases[phase].ns / 1000
-                                       for model, s in by_model.items()})
-        yield _counter("nv_inference_count", "Number of inferences performed (batch items)",
-                       {model: s.inference_count for model, s in by_model.items()})
-        yield _counter("nv_inference_exec_count", "Number of model executions performed",
-                       {model: s.execution_count for model, s in by_model.items()})
+            yield _counter(
+                name,
+                doc,
+                {
+                    model: s.phases[phase].count if what == "count" else s.phases[phase].ns / 1000
+                    for model, s in by_model.items()
+                },
+            )
+        yield _counter(
+            "nv_inference_count",
+            "Number of inferences performed (batch items)",
+            {model: s.inference_count for model, s in by_model.items()},
+        )
+        yield _counter(
+            "nv_inference_exec_count",
+            "Number of model executions performed",
+            {model: s.execution_count for model, s in by_model.items()},
+        )
         yield from self._engine_gauges(self.stats_fn())
 
     @staticmethod
     def _engine_gauges(s: dict[str, float]):
-        requests = GaugeMetricFamily("nv_trt_llm_request_metrics", "TRT LLM request metrics",
-                                     labels=["model", "request_type", "version"])
+        requests = GaugeMetricFamily(
+            "nv_trt_llm_request_metrics",
+            "TRT LLM request metrics",
+            labels=["model", "request_type", "version"],
+        )
         running, waiting = s.get("num_running", 0), s.get("num_waiting", 0)
-        for kind, value in [("active", running + waiting), ("max", s.get("max_num_seqs", 0)),
-                            ("scheduled", running), ("context", s.get("num_prefilling", 0)), ("waiting", waiting)]:
+        for kind, value in [
+            ("active", running + waiting),
+            ("max", s.get("max_num_seqs", 0)),
+            ("scheduled", running),
+            ("context", s.get("num_prefilling", 0)),
+            ("waiting", waiting),
+        ]:
             requests.add_metric([TRTLLM, kind, MODEL_VERSION], value)
         yield requests
-        blocks = GaugeMetricFamily("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics",
-                                   labels=["kv_cache_block_type", "model", "version"])
+        blocks = GaugeMetricFamily(
+            "nv_trt_llm_kv_cache_block_metrics",
+            "TRT LLM KV cache block metrics",
+            labels=["kv_cache_block_type", "model", "version"],
+        )
         total, usage = s.get("kv_cache_blocks_total", 0), s.get("kv_cache_usage", 0.0)
         used = round(total * usage)
-        for kind, value in [("max", total), ("free", total - used), ("used", used),
-                            ("tokens_per", s.get("block_size", 0)), ("fraction", usage)]:
+        for kind, value in [
+            ("max", total),
+            ("free", total - used),
+            ("used", used),
+            ("tokens_per", s.get("block_size", 0)),
+            ("fraction", usage),
+        ]:
             blocks.add_metric([kind, TRTLLM, MODEL_VERSION], value)
         yield blocks
 

@@ -1,6 +1,7 @@
 """The Triton models mmserve answers for (`ensemble`, `tensorrt_llm_bls`, the token-level `tensorrt_llm`, the
 checkpoint's own name): their input/output tensor specs (PROTOCOL §1.1, §1.2, §1.5), metadata and config answers,
 shared by REST and gRPC."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,16 +10,16 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
 ENSEMBLE, BLS, TRTLLM = "ensemble", "tensorrt_llm_bls", "tensorrt_llm"
-MAX_BATCH_SIZE = 8          # the seeds' triton_max_batch_size
+MAX_BATCH_SIZE = 8  # the seeds' triton_max_batch_size
 MODEL_VERSION = "1"
-ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}   # old input names (PROTOCOL §0)
+ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}  # old input names (PROTOCOL §0)
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    datatype: str              # wire name: BYTES, INT32, FP16, ...
-    dims: tuple[int, ...]      # without the batch dimension
+    datatype: str  # wire name: BYTES, INT32, FP16, ...
+    dims: tuple[int, ...]  # without the batch dimension
     optional: bool = True
 
 
@@ -27,7 +28,9 @@ def _specs(text: str) -> tuple[TensorSpec, ...]:
     out = []
     for line in text.strip().splitlines():
         name, dtype, dims, *req = line.split()
-        out.append(TensorSpec(name, dtype, tuple(int(d) for d in dims.split(",")), optional=not req))
+        out.append(
+            TensorSpec(name, dtype, tuple(int(d) for d in dims.split(",")), optional=not req)
+        )
     return tuple(out)
 
 
@@ -78,6 +81,7 @@ guided_decoding_guide_type BYTES 1
 guided_decoding_guide BYTES 1
 """)
 
+
 # the token-level model the ensembles call (PROTOCOL §1.5): token ids in, token ids out, no tokenizer; the inputs
 # it shares with the text models keep their specs
 def _named(specs: tuple[TensorSpec, ...], names: str) -> tuple[TensorSpec, ...]:
@@ -85,7 +89,8 @@ def _named(specs: tuple[TensorSpec, ...], names: str) -> tuple[TensorSpec, ...]:
     return tuple(by_name[n] for n in names.split())
 
 
-TRTLLM_INPUTS = (*_specs("""
+TRTLLM_INPUTS = (
+    *_specs("""
 input_ids INT32 -1 required
 input_lengths INT32 1 required
 prompt_table_extra_ids UINT64 -1
@@ -98,11 +103,19 @@ runtime_top_p FP32 1
 len_penalty FP32 1
 streaming BOOL 1
 stop BOOL 1
-"""), *_named(_COMMON_INPUTS, "end_id pad_id beam_width temperature repetition_penalty min_tokens presence_penalty "
-                              "frequency_penalty seed return_log_probs return_context_logits return_generation_logits"),
-    *_named(_BLS_EXTRA_INPUTS, "exclude_input_in_output num_return_sequences lora_task_id lora_weights lora_config "
-                               "guided_decoding_guide_type guided_decoding_guide prompt_embedding_table "
-                               "prompt_vocab_size"))
+"""),
+    *_named(
+        _COMMON_INPUTS,
+        "end_id pad_id beam_width temperature repetition_penalty min_tokens presence_penalty "
+        "frequency_penalty seed return_log_probs return_context_logits return_generation_logits",
+    ),
+    *_named(
+        _BLS_EXTRA_INPUTS,
+        "exclude_input_in_output num_return_sequences lora_task_id lora_weights lora_config "
+        "guided_decoding_guide_type guided_decoding_guide prompt_embedding_table "
+        "prompt_vocab_size",
+    ),
+)
 
 OUTPUTS = _specs("""
 text_output BYTES -1
@@ -114,10 +127,13 @@ batch_index INT32 1
 sequence_index INT32 1
 """)
 
-TRTLLM_OUTPUTS = (*_specs("""
+TRTLLM_OUTPUTS = (
+    *_specs("""
 output_ids INT32 -1,-1
 sequence_length INT32 -1
-"""), *OUTPUTS[1:])   # token ids instead of text_output
+"""),
+    *OUTPUTS[1:],
+)  # token ids instead of text_output
 
 BLS_EXTRA_OUTPUTS = _specs("""
 kv_cache_alloc_new_blocks INT32 1
@@ -139,17 +155,25 @@ def _ensemble_inputs() -> tuple[TensorSpec, ...]:
 
 def _bls_inputs() -> tuple[TensorSpec, ...]:
     base = [s for s in _COMMON_INPUTS if s.name != "image_sizes_input"]
-    base = [TensorSpec(s.name, s.datatype, (-1, 3, -1, -1)) if s.name == "image_input" else s for s in base]
+    base = [
+        TensorSpec(s.name, s.datatype, (-1, 3, -1, -1)) if s.name == "image_input" else s
+        for s in base
+    ]
     return (*base, *_BLS_EXTRA_INPUTS)
 
 
 def _own_inputs() -> tuple[TensorSpec, ...]:
-    return (*_COMMON_INPUTS, next(s for s in _BLS_EXTRA_INPUTS if s.name == "exclude_input_in_output"))
+    return (
+        *_COMMON_INPUTS,
+        next(s for s in _BLS_EXTRA_INPUTS if s.name == "exclude_input_in_output"),
+    )
 
 
 def inputs_of(model: str) -> tuple[TensorSpec, ...]:
     """Input specs of a served model (`model` must be one of state.model_names)."""
-    return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs, TRTLLM: lambda: TRTLLM_INPUTS}.get(model, _own_inputs)()
+    return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs, TRTLLM: lambda: TRTLLM_INPUTS}.get(
+        model, _own_inputs
+    )()
 
 
 def outputs_of(model: str) -> tuple[TensorSpec, ...]:
@@ -162,7 +186,9 @@ def outputs_of(model: str) -> tuple[TensorSpec, ...]:
 # the token-level model takes its own (triton_tokens.py).
 ACCEPTED_INPUTS: dict[str, TensorSpec] = {s.name: s for s in (*_COMMON_INPUTS, *_BLS_EXTRA_INPUTS)}
 for _old, _new in ALIASES.items():
-    ACCEPTED_INPUTS[_old] = TensorSpec(_old, ACCEPTED_INPUTS[_new].datatype, ACCEPTED_INPUTS[_new].dims)
+    ACCEPTED_INPUTS[_old] = TensorSpec(
+        _old, ACCEPTED_INPUTS[_new].datatype, ACCEPTED_INPUTS[_new].dims
+    )
 
 
 def platform_of(model: str) -> str:
@@ -176,17 +202,26 @@ def has_sequence_parameters(model: str) -> bool:
 
 def model_metadata(model: str) -> dict:
     """KServe model metadata: shapes are [-1] + dims since max_batch_size > 0."""
+
     def tensors(specs):
         return [{"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]} for s in specs]
-    return {"name": model, "versions": [MODEL_VERSION], "platform": platform_of(model),
-            "inputs": tensors(inputs_of(model)), "outputs": tensors(outputs_of(model))}
+
+    return {
+        "name": model,
+        "versions": [MODEL_VERSION],
+        "platform": platform_of(model),
+        "inputs": tensors(inputs_of(model)),
+        "outputs": tensors(outputs_of(model)),
+    }
 
 
 def _type_name(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
-def model_config(model: str, decoupled: bool, accumulate_tokens: bool) -> model_config_pb2.ModelConfig:
+def model_config(
+    model: str, decoupled: bool, accumulate_tokens: bool
+) -> model_config_pb2.ModelConfig:
     """The model's config as Triton would load it from config.pbtxt (the seeds' fill values)."""
     cfg = model_config_pb2.ModelConfig(name=model, max_batch_size=MAX_BATCH_SIZE)
     if model == ENSEMBLE:
@@ -198,11 +233,18 @@ def model_config(model: str, decoupled: bool, accumulate_tokens: bool) -> model_
         cfg.parameters["accumulate_tokens"].string_value = str(accumulate_tokens)
     cfg.version_policy.latest.num_versions = 1
     for s in inputs_of(model):
-        cfg.input.add(name=s.name, data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
-                      dims=list(s.dims), optional=s.optional)
+        cfg.input.add(
+            name=s.name,
+            data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
+            dims=list(s.dims),
+            optional=s.optional,
+        )
     for s in outputs_of(model):
-        cfg.output.add(name=s.name, data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
-                       dims=list(s.dims))
+        cfg.output.add(
+            name=s.name,
+            data_type=model_config_pb2.DataType.Value(_type_name(s.datatype)),
+            dims=list(s.dims),
+        )
     if model == ENSEMBLE:  # the ensemble is decoupled when a composing model is (PROTOCOL §1.1)
         cfg.model_transaction_policy.decoupled = decoupled
     return cfg
@@ -211,14 +253,22 @@ def model_config(model: str, decoupled: bool, accumulate_tokens: bool) -> model_
 def model_config_json(model: str, decoupled: bool, accumulate_tokens: bool) -> dict:
     """model_config as Triton's REST answer: proto field names, primitives printed, int64 arrays as numbers."""
     msg = model_config(model, decoupled, accumulate_tokens)
-    data = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    data = json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     return _fix_int_arrays(data)
 
 
 def _fix_int_arrays(node):
     if isinstance(node, dict):
-        return {k: ([int(x) for x in v] if k in ("dims", "shape") and isinstance(v, list) else _fix_int_arrays(v))
-                for k, v in node.items()}
+        return {
+            k: (
+                [int(x) for x in v]
+                if k in ("dims", "shape") and isinstance(v, list)
+                else _fix_int_arrays(v)
+            )
+            for k, v in node.items()
+        }
     if isinstance(node, list):
         return [_fix_int_arrays(x) for x in node]
     return node

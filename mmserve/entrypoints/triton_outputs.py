@@ -1,15 +1,16 @@
 """Output tensors of the Triton models from mmserve's RequestOutputs: the text (with or without the prompt), or
 the `tensorrt_llm` model's token ids and sequence lengths; log probs, context / generation logits, the BLS
 model's timing and KV-cache metrics, and the client's choice of outputs (PROTOCOL §1)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from mmserve.engine.kv_cache import cdiv
+from mmserve.core.outputs import RequestOutput
+from mmserve.core.transfer import cdiv
 from mmserve.entrypoints.triton_models import BLS, OUTPUTS, TRTLLM, TRTLLM_OUTPUTS, outputs_of
-from mmserve.outputs import RequestOutput
 
 
 @dataclass
@@ -18,12 +19,14 @@ class Chunk:
 
     text: str
     out: RequestOutput
-    first_token: int = 0        # output_log_probs covers out's token_ids[first_token:]
+    first_token: int = 0  # output_log_probs covers out's token_ids[first_token:]
     logprobs: bool = False
-    beams: list[str] | None = None   # beam search: each completion's text, best first (`text` is the first)
-    with_prompt: bool = False        # tensorrt_llm: output_ids start with the prompt's ids
-    pad_id: int = 0                  # tensorrt_llm: fills output_ids past a shorter beam or batch item
-    sequence_index: int = 0          # a streamed response of one of num_return_sequences sampled sequences
+    beams: list[str] | None = (
+        None  # beam search: each completion's text, best first (`text` is the first)
+    )
+    with_prompt: bool = False  # tensorrt_llm: output_ids start with the prompt's ids
+    pad_id: int = 0  # tensorrt_llm: fills output_ids past a shorter beam or batch item
+    sequence_index: int = 0  # a streamed response of one of num_return_sequences sampled sequences
 
 
 def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
@@ -38,7 +41,7 @@ def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0
     alone = tokenizer.decode(ids, skip_special_tokens=True)
     sep = ""
     if joint.startswith(prompt) and joint.endswith(alone):
-        sep = joint[len(prompt):len(joint) - len(alone)]
+        sep = joint[len(prompt) : len(joint) - len(alone)]
     return prompt + (sep if sep.isspace() else "") + completion.text
 
 
@@ -48,8 +51,12 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
 
     def ns(t):
         return int(t * 1e9) if t else 0
+
     ms = [c.out.metrics for c in chunks]
-    total = [cdiv(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids), block_size) for c in chunks]
+    total = [
+        cdiv(len(c.out.prompt_token_ids) + len(c.out.outputs[0].token_ids), block_size)
+        for c in chunks
+    ]
     reused = [(m.num_cached_tokens if m else 0) // block_size for m in ms]
     zeros = [0] * len(chunks)
     return {
@@ -59,7 +66,9 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
         "arrival_time_ns": col([ns(m and m.arrival_time) for m in ms], np.int64),
         "first_scheduled_time_ns": col([ns(m and m.first_scheduled_time) for m in ms], np.int64),
         "first_token_time_ns": col([ns(m and m.first_token_time) for m in ms], np.int64),
-        "last_token_time_ns": col([ns(m and (m.finished_time or m.first_token_time)) for m in ms], np.int64),
+        "last_token_time_ns": col(
+            [ns(m and (m.finished_time or m.first_token_time)) for m in ms], np.int64
+        ),
         "acceptance_rate": col(zeros, np.float32),
         "total_accepted_draft_tokens": col(zeros, np.int32),
         "total_draft_tokens": col(zeros, np.int32),
@@ -79,25 +88,31 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
     cum = np.zeros((n, beams), dtype=np.float32)
     for i, c in enumerate(chunks):
         rows = []
-        for k, comp in enumerate(c.out.outputs[:len(c.beams or [c.text])]):
-            ids = comp.token_ids[c.first_token:]
-            lps = (comp.logprobs or [])[c.first_token:] if c.logprobs else []
-            rows.append([entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids))
+        for k, comp in enumerate(c.out.outputs[: len(c.beams or [c.text])]):
+            ids = comp.token_ids[c.first_token :]
+            lps = (comp.logprobs or [])[c.first_token :] if c.logprobs else []
+            rows.append(
+                [entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids)
+            )
             cum[i, k] = (comp.cumulative_logprob or 0.0) if c.logprobs else 0.0
         per_token.append(rows)
     width = max(len(r) for rows in per_token for r in rows)
     out_lp = np.zeros((n, beams, width), dtype=np.float32)
     for i, rows in enumerate(per_token):
         for k, r in enumerate(rows):
-            out_lp[i, k, :len(r)] = r
+            out_lp[i, k, : len(r)] = r
     tensors = {
         **(_token_ids(chunks, beams) if model == TRTLLM else {"text_output": _texts(chunks)}),
         "cum_log_probs": cum,
         "output_log_probs": out_lp,
         "context_logits": _stack_logits([c.out.context_logits for c in chunks], (1, 1)),
-        "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[:, None],
+        "generation_logits": _stack_logits([c.out.generation_logits for c in chunks], (1, 1))[
+            :, None
+        ],
         "batch_index": np.arange(n, dtype=np.int32).reshape(n, 1),
-        "sequence_index": np.array([c.sequence_index for c in chunks], dtype=np.int32).reshape(n, 1),
+        "sequence_index": np.array([c.sequence_index for c in chunks], dtype=np.int32).reshape(
+            n, 1
+        ),
     }
     if model == BLS:
         tensors.update(_bls_metrics(chunks, block_size))
@@ -114,15 +129,21 @@ def _texts(chunks: list[Chunk]) -> np.ndarray:
 def _token_ids(chunks: list[Chunk], beams: int) -> dict[str, np.ndarray]:
     """output_ids [batch, beams, tokens] (the prompt's ids first when with_prompt; a stream's piece: its new ids)
     and sequence_length [batch, beams], as the tensorrt_llm model returns them."""
-    rows = [[(list(c.out.prompt_token_ids) if c.with_prompt else []) + list(comp.token_ids[c.first_token:])
-             for comp in c.out.outputs[:len(c.beams or [c.text])]] for c in chunks]
+    rows = [
+        [
+            (list(c.out.prompt_token_ids) if c.with_prompt else [])
+            + list(comp.token_ids[c.first_token :])
+            for comp in c.out.outputs[: len(c.beams or [c.text])]
+        ]
+        for c in chunks
+    ]
     width = max(len(r) for item in rows for r in item)
     ids = np.empty((len(chunks), beams, width), dtype=np.int32)
     lengths = np.zeros((len(chunks), beams), dtype=np.int32)
     for i, (c, item) in enumerate(zip(chunks, rows)):
         ids[i] = c.pad_id
         for k, r in enumerate(item):
-            ids[i, k, :len(r)] = r
+            ids[i, k, : len(r)] = r
             lengths[i, k] = len(r)
     return {"output_ids": ids, "sequence_length": lengths}
 
@@ -135,11 +156,13 @@ def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
     out = np.zeros((len(items), rows, vocab), dtype=np.float32)
     for i, a in enumerate(arrays):
         if a is not None:
-            out[i, :a.shape[0], :a.shape[1]] = a
+            out[i, : a.shape[0], : a.shape[1]] = a
     return out
 
 
-def select_outputs(tensors: dict[str, np.ndarray], requested: list[str] | None, model: str) -> dict[str, np.ndarray]:
+def select_outputs(
+    tensors: dict[str, np.ndarray], requested: list[str] | None, model: str
+) -> dict[str, np.ndarray]:
     """The outputs a request asked for, in its order; all of the model's standard ones when it named none."""
     if not requested:
         return {s.name: tensors[s.name] for s in (TRTLLM_OUTPUTS if model == TRTLLM else OUTPUTS)}

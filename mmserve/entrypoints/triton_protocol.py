@@ -2,6 +2,7 @@
 (they differ only in framing): input tensors -> TritonRequest (prompt dict + SamplingParams + options), PROTOCOL
 §1, §4. Every bad input raises ValueError naming the tensor. Running them is `triton_run.py`; the output tensors
 are built by `triton_outputs.py`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,22 +13,31 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.async_engine import EngineStopped
-from mmserve.engine.engine import EngineOverloaded
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, check_length_penalty, unsupported_with_beams
-from mmserve.engine.guided import GUIDE_TYPES
+from mmserve.engine.engine import EngineOverloaded
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.entrypoints.triton_models import (
-    ACCEPTED_INPUTS, ALIASES, BLS, ENSEMBLE, MAX_BATCH_SIZE, MODEL_VERSION, TRTLLM, TRTLLM_INPUTS)
+    ACCEPTED_INPUTS,
+    ALIASES,
+    BLS,
+    ENSEMBLE,
+    MAX_BATCH_SIZE,
+    MODEL_VERSION,
+    TRTLLM,
+    TRTLLM_INPUTS,
+)
 from mmserve.entrypoints.triton_prompts import build_prompt
 from mmserve.entrypoints.triton_tensors import image_arrays, pixel_values
 from mmserve.multimodal.inputs import aload_images
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import GUIDE_TYPES, SamplingParams
 
-MAX_RETURN_SEQUENCES = 16   # sampled sequences of one prompt (each its own engine request)
+MAX_RETURN_SEQUENCES = 16  # sampled sequences of one prompt (each its own engine request)
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
 UNSUPPORTED_INPUTS = ("prompt_embedding_table", "prompt_vocab_size", "num_draft_tokens")
-LORA_HOW = ("send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
-            "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone")
+LORA_HOW = (
+    "send lora_weights and lora_config with lora_task_id once (TensorRT-LLM's format), or load the adapter "
+    "at startup (--lora-modules TASK_ID=PATH); later requests name it with lora_task_id alone"
+)
 
 
 class ModelNotFound(LookupError):
@@ -62,13 +72,13 @@ class TritonRequest:
     stream: bool = False
     exclude_input: bool = False
     return_log_probs: bool = False
-    image_field: str | None = None     # the input the images came from, for error messages
-    beam_width: int = 1                # > 1: beam search (engine/beam_search.py), W completions
-    num_return: int = 1                # beams returned, best first (num_return_sequences; beam_width by default)
+    image_field: str | None = None  # the input the images came from, for error messages
+    beam_width: int = 1  # > 1: beam search (engine/beam_search.py), W completions
+    num_return: int = 1  # beams returned, best first (num_return_sequences; beam_width by default)
     length_penalty: float = 1.0
-    pad_id: int = 0                    # tensorrt_llm: fills output_ids past a shorter sequence
-    client_id: str = ""                # the request's Triton `id` (a later `stop` request names it)
-    cancel: bool = False               # tensorrt_llm `stop`: abort the running requests of client_id instead
+    pad_id: int = 0  # tensorrt_llm: fills output_ids past a shorter sequence
+    client_id: str = ""  # the request's Triton `id` (a later `stop` request names it)
+    cancel: bool = False  # tensorrt_llm `stop`: abort the running requests of client_id instead
 
 
 # ---- input tensors -> requests ------------------------------------------------------------------
@@ -83,8 +93,14 @@ def _kind(arr: np.ndarray) -> str:
     return "float" if np.issubdtype(arr.dtype, np.floating) else "int"
 
 
-def check_tensor(model: str, name: str, arr: np.ndarray, batch: int, specs: dict | None = None,
-                 batch_input: str = "text_input") -> None:
+def check_tensor(
+    model: str,
+    name: str,
+    arr: np.ndarray,
+    batch: int,
+    specs: dict | None = None,
+    batch_input: str = "text_input",
+) -> None:
     """An input's datatype, rank and batch size against its spec (`specs`: the model's, by name)."""
     spec = (ACCEPTED_INPUTS if specs is None else specs).get(name)
     if spec is None:
@@ -93,12 +109,18 @@ def check_tensor(model: str, name: str, arr: np.ndarray, batch: int, specs: dict
     if got != want and not (want == "float" and got == "int"):
         raise ValueError(f"{name}: expected datatype {spec.datatype}, got {arr.dtype} ({got} data)")
     ndim_ok = arr.ndim == len(spec.dims) + 1 or (spec.dims == (1,) and arr.ndim == 1)
-    fixed_ok = arr.ndim != len(spec.dims) + 1 or all(d < 0 or d == n for d, n in zip(spec.dims, arr.shape[1:]))
+    fixed_ok = arr.ndim != len(spec.dims) + 1 or all(
+        d < 0 or d == n for d, n in zip(spec.dims, arr.shape[1:])
+    )
     if not (ndim_ok and fixed_ok):
-        raise ValueError(f"{name}: expected shape [batch, {', '.join(map(str, spec.dims))}] (-1 = any), "
-                         f"got {list(arr.shape)}")
+        raise ValueError(
+            f"{name}: expected shape [batch, {', '.join(map(str, spec.dims))}] (-1 = any), "
+            f"got {list(arr.shape)}"
+        )
     if arr.shape[0] != batch:
-        raise ValueError(f"{name}: batch size {arr.shape[0]} does not match {batch_input}'s batch size {batch}")
+        raise ValueError(
+            f"{name}: batch size {arr.shape[0]} does not match {batch_input}'s batch size {batch}"
+        )
 
 
 class _Item:
@@ -122,17 +144,25 @@ class _Item:
     def strings(self, name: str) -> list[str]:
         v = self.values(name)
         try:
-            return [] if v is None else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in v]
+            return (
+                []
+                if v is None
+                else [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in v]
+            )
         except UnicodeDecodeError as exc:
             raise ValueError(f"{name}: not valid UTF-8 ({exc})") from exc
 
 
-async def parse_request(state: ServerState, model: str, tensors: dict[str, np.ndarray],
-                        client_id: str = "") -> list[TritonRequest]:
+async def parse_request(
+    state: ServerState, model: str, tensors: dict[str, np.ndarray], client_id: str = ""
+) -> list[TritonRequest]:
     """Input tensors (full shapes, batch first) -> one TritonRequest per batch item. Empty tensors count as
     absent (clients send them for unused optional inputs). `client_id`: the request's Triton `id`."""
-    if model == TRTLLM:   # token ids in, token ids out; triton_tokens builds on this module's helpers
+    if (
+        model == TRTLLM
+    ):  # token ids in, token ids out; triton_tokens builds on this module's helpers
         from mmserve.entrypoints.triton_tokens import parse_token_request
+
         reqs = await parse_token_request(state, tensors)
     else:
         reqs = await _parse_text_request(state, model, tensors)
@@ -141,7 +171,9 @@ async def parse_request(state: ServerState, model: str, tensors: dict[str, np.nd
     return [dataclasses.replace(r, client_id=client_id) for r in reqs]
 
 
-async def _parse_text_request(state: ServerState, model: str, tensors: dict[str, np.ndarray]) -> list[TritonRequest]:
+async def _parse_text_request(
+    state: ServerState, model: str, tensors: dict[str, np.ndarray]
+) -> list[TritonRequest]:
     for old, new in ALIASES.items():
         if old in tensors:
             if new in tensors:
@@ -153,9 +185,13 @@ async def _parse_text_request(state: ServerState, model: str, tensors: dict[str,
             raise ValueError(f"unexpected inference input '{name}' for model '{model}'")
     if "text_input" not in present:
         raise ValueError("text_input is required")
-    batch = present["text_input"].shape[0] if present["text_input"].ndim else 0   # 0-d: a shape error below
+    batch = (
+        present["text_input"].shape[0] if present["text_input"].ndim else 0
+    )  # 0-d: a shape error below
     if batch > MAX_BATCH_SIZE:
-        raise ValueError(f"text_input: batch size {batch} exceeds the model's max_batch_size {MAX_BATCH_SIZE}")
+        raise ValueError(
+            f"text_input: batch size {batch} exceeds the model's max_batch_size {MAX_BATCH_SIZE}"
+        )
     for name, arr in present.items():
         check_tensor(model, name, arr, batch)
     return [await _parse_item(state, model, _Item(present, b)) for b in range(batch)]
@@ -168,9 +204,11 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be a single value > 0, got {max_tokens}")
     for name in UNSUPPORTED_INPUTS:
-        if name in g.tensors and any(g.strings(name) if g.tensors[name].dtype == np.object_ else [1]):
+        if name in g.tensors and any(
+            g.strings(name) if g.tensors[name].dtype == np.object_ else [1]
+        ):
             raise ValueError(f"{name}: this input is not supported yet by mmserve")
-    kw: dict[str, Any] = {"include_stop_str_in_output": True}   # TensorRT-LLM keeps the stop word
+    kw: dict[str, Any] = {"include_stop_str_in_output": True}  # TensorRT-LLM keeps the stop word
     for name in ("return_context_logits", "return_generation_logits"):
         kw[name] = bool(g.scalar(name, False))
     if max_tokens is not None:
@@ -184,9 +222,9 @@ def _sampling_params(model: str, g: _Item) -> SamplingParams:
     kw.update(guided_params(g))
     top_p = g.scalar("top_p")
     if top_p is not None:
-        kw["top_p"] = 1.0 if top_p == 0 else float(top_p)    # TensorRT-LLM: top_p 0 means off
+        kw["top_p"] = 1.0 if top_p == 0 else float(top_p)  # TensorRT-LLM: top_p 0 means off
     end_id = g.scalar("end_id")
-    if end_id is not None and end_id >= 0:   # the seed client sends -1: the tokenizer's EOS
+    if end_id is not None and end_id >= 0:  # the seed client sends -1: the tokenizer's EOS
         kw["eos_token_id"] = int(end_id)
     kw["stop"] = [s for s in g.strings("stop_words") if s]
     kw["bad_words"] = [s for s in g.strings("bad_words") if s]
@@ -202,10 +240,14 @@ def guided_params(g: _Item) -> dict[str, Any]:
     if not kind:
         return {}
     if kind[0] not in GUIDE_TYPES:
-        raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind[0]!r}")
+        raise ValueError(
+            f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind[0]!r}"
+        )
     guide = [x for x in g.strings("guided_decoding_guide") if x]
     if kind[0] != "json" and not guide:
-        raise ValueError(f"guided_decoding_guide: needed for guided_decoding_guide_type {kind[0]!r}")
+        raise ValueError(
+            f"guided_decoding_guide: needed for guided_decoding_guide_type {kind[0]!r}"
+        )
     return {"guided_decoding_type": kind[0], "guided_decoding_guide": guide[0] if guide else None}
 
 
@@ -216,8 +258,10 @@ async def lora_name(state: ServerState, g: _Item) -> str | None:
     if task is None:
         return None
     if str(int(task)) not in state.lora_names:
-        raise ValueError(f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
-                         f"{', '.join(state.lora_names) or 'none'}); {LORA_HOW}")
+        raise ValueError(
+            f"lora_task_id: LoRA task {int(task)} is not loaded (loaded: "
+            f"{', '.join(state.lora_names) or 'none'}); {LORA_HOW}"
+        )
     return str(int(task))
 
 
@@ -231,7 +275,9 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
         params = dataclasses.replace(params, logit_bias=bias)
     given = [name for name in IMAGE_INPUTS if name in g.tensors]
     if len(given) > 1:
-        raise ValueError(f"only one of {', '.join(IMAGE_INPUTS)} may be given, got {', '.join(given)}")
+        raise ValueError(
+            f"only one of {', '.join(IMAGE_INPUTS)} may be given, got {', '.join(given)}"
+        )
     prompt: dict[str, Any] = {}
     num_images = num_videos = 0
     field = given[0] if given else None
@@ -239,8 +285,10 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
         prompt["pixel_values"] = pixel_values(g.tensors[field][g.b])
         num_images = len(prompt["pixel_values"])
         if num_images > state.media.max_images_per_request:
-            raise ValueError(f"image_input: {num_images} images, max_images_per_request="
-                             f"{state.media.max_images_per_request}")
+            raise ValueError(
+                f"image_input: {num_images} images, max_images_per_request="
+                f"{state.media.max_images_per_request}"
+            )
     elif field == "image_bytes_input":
         sizes = g.tensors["image_sizes_input"][g.b] if "image_sizes_input" in g.tensors else None
         arrays = image_arrays(field, g.tensors[field][g.b], sizes)
@@ -252,7 +300,7 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
             raise ValueError("image_url_input: empty URL")
         prompt["images"] = await aload_images([u.strip() for u in urls], state.media, field=field)
         num_images = len(urls)
-    elif field == "video_bytes_input":   # decoded frames [F, H, W, 3] (or [F, 3, H, W])
+    elif field == "video_bytes_input":  # decoded frames [F, H, W, 3] (or [F, 3, H, W])
         frames = g.tensors[field][g.b]
         if frames.ndim == 4 and frames.shape[-1] != 3 and frames.shape[1] == 3:
             frames = frames.transpose(0, 2, 3, 1)
@@ -261,34 +309,58 @@ async def _parse_item(state: ServerState, model: str, g: _Item) -> TritonRequest
     if extra_id is not None and extra_id < 1:
         raise ValueError(f"prompt_table_extra_id must be >= 1, got {extra_id}")
     if extra_id is not None and num_images:
-        prompt["image_ids"] = [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
+        prompt["image_ids"] = (
+            [str(extra_id)] if num_images == 1 else [f"{extra_id}.{k}" for k in range(num_images)]
+        )
     if (lora := await lora_name(state, g)) is not None:
         prompt["lora"] = lora
     decoder = g.strings("decoder_text_input")
     if len(decoder) > 1:
-        raise ValueError(f"decoder_text_input: expected a single string per batch item, got {len(decoder)}")
-    if decoder and decoder[0]:   # an encoder-decoder's answer starts with it (TensorRT-LLM's DECODER_QUERY)
+        raise ValueError(
+            f"decoder_text_input: expected a single string per batch item, got {len(decoder)}"
+        )
+    if (
+        decoder and decoder[0]
+    ):  # an encoder-decoder's answer starts with it (TensorRT-LLM's DECODER_QUERY)
         prompt["decoder_prompt"] = decoder[0]
     inputs = getattr(state.engine.engine, "inputs", None)
-    prompt["prompt"] = build_prompt(state.model_type, text[0], num_images, num_videos=num_videos,
-                                    wrap=model in (ENSEMBLE, BLS), image_token=getattr(inputs, "image_token", None),
-                                    video_token=getattr(inputs, "video_token", None))
+    prompt["prompt"] = build_prompt(
+        state.model_type,
+        text[0],
+        num_images,
+        num_videos=num_videos,
+        wrap=model in (ENSEMBLE, BLS),
+        image_token=getattr(inputs, "image_token", None),
+        video_token=getattr(inputs, "video_token", None),
+    )
     stream = bool(g.scalar("stream", False))
     width = beam_width(g, params)
     num_return = num_return_sequences(g, width)
-    return TritonRequest(model, prompt, params, stream=stream,
-                         exclude_input=bool(g.scalar("exclude_input_in_output", False)),
-                         return_log_probs=params.logprobs is not None, image_field=field, beam_width=width,
-                         length_penalty=check_length_penalty(float(g.scalar("length_penalty", 1.0))), num_return=num_return)
+    return TritonRequest(
+        model,
+        prompt,
+        params,
+        stream=stream,
+        exclude_input=bool(g.scalar("exclude_input_in_output", False)),
+        return_log_probs=params.logprobs is not None,
+        image_field=field,
+        beam_width=width,
+        length_penalty=check_length_penalty(float(g.scalar("length_penalty", 1.0))),
+        num_return=num_return,
+    )
 
 
 def num_return_sequences(g: _Item, width: int) -> int:
     """With beams, the N best of the W (default W); without, N sequences sampled for the prompt (default 1)."""
     num_return = int(g.scalar("num_return_sequences", width))
     if width > 1 and not 1 <= num_return <= width:
-        raise ValueError(f"num_return_sequences must be in [1, beam_width = {width}], got {num_return}")
+        raise ValueError(
+            f"num_return_sequences must be in [1, beam_width = {width}], got {num_return}"
+        )
     if width == 1 and not 1 <= num_return <= MAX_RETURN_SEQUENCES:
-        raise ValueError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {num_return}")
+        raise ValueError(
+            f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {num_return}"
+        )
     return num_return
 
 
@@ -311,7 +383,9 @@ def _embedding_bias(state: ServerState, g: _Item) -> dict[int, float]:
     words, weights = g.strings("embedding_bias_words"), g.values("embedding_bias_weights")
     weights = [] if weights is None else [float(w) for w in weights]
     if len(words) != len(weights):
-        raise ValueError(f"embedding_bias_weights: {len(weights)} values for {len(words)} embedding_bias_words")
+        raise ValueError(
+            f"embedding_bias_weights: {len(weights)} values for {len(words)} embedding_bias_words"
+        )
     if not all(math.isfinite(w) for w in weights):
         raise ValueError("embedding_bias_weights: values must be finite")
     bias: dict[int, float] = {}
@@ -334,7 +408,7 @@ async def _load_lora(state: ServerState, g: _Item, task: Any) -> None:
         raise ValueError("lora_weights: needs lora_task_id, the id the adapter is cached under")
     w, c = weights[g.b], config[g.b].reshape(-1, 3) if config[g.b].size % 3 == 0 else config[g.b]
     if w.ndim == 2 and w.shape[0] == 1 and len(c) > 1 and w.size % len(c) == 0:
-        w = w.reshape(len(c), -1)   # the generate extension sends a JSON array as one row
+        w = w.reshape(len(c), -1)  # the generate extension sends a JSON array as one row
     await state.engine.add_lora_tensors(str(int(task)), w, c)
 
 
@@ -344,12 +418,14 @@ def rename_fields(message: str, req: TritonRequest) -> str:
     if req.model == TRTLLM:
         message = re.sub(r"\bprompt_table\b", "prompt_embedding_table", message)
         message = re.sub(r"\bprompt_token_ids\b", "input_ids", message)
-        message = re.sub(r"^(stop|bad)_token_sequences:", r"\1_words_list:", message)   # RequestLimits
+        message = re.sub(
+            r"^(stop|bad)_token_sequences:", r"\1_words_list:", message
+        )  # RequestLimits
         if not message.startswith(tuple(s.name for s in TRTLLM_INPUTS)) and "prompt" in message:
             message = f"input_ids: {message}"
         return message
     message = re.sub(r"^decoder_prompt\b", "decoder_text_input", message)
-    message = re.sub(r"^stop:", "stop_words:", message)   # RequestLimits names SamplingParams.stop
+    message = re.sub(r"^stop:", "stop_words:", message)  # RequestLimits names SamplingParams.stop
     if req.image_field:
         message = re.sub(r"\bpixel_values\b", req.image_field, message)
         message = re.sub(r"^(?:images|videos)(\[\d+\])?", req.image_field + r"\1", message)

@@ -1,6 +1,7 @@
 """Running TritonRequests (triton_protocol.py) on the engine: one request's outputs (beam search, sampled
 sequences, plain), a batch answered in one response, and the streaming rules of decoupled models (PROTOCOL §1, §6):
 per new text piece or token ids, beams whole, sampled sequences side by side with their sequence_index."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,13 @@ from contextlib import aclosing
 
 import numpy as np
 
+from mmserve.core.outputs import CompletionOutput, RequestOutput, one_output
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.streams import merge
 from mmserve.entrypoints.triton_models import TRTLLM
 from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton_protocol import TritonRequest, rename_fields
 from mmserve.entrypoints.triton_statistics import Execution
-from mmserve.outputs import CompletionOutput, RequestOutput, one_output
 from mmserve.sampling_params import SamplingParams, choice_params
 
 
@@ -24,21 +25,35 @@ async def generate(state: ServerState, req: TritonRequest) -> AsyncIterator[Requ
     the running beams after each step first; num_return_sequences > 1 without beams: one output of the N sampled
     sequences); closing this generator aborts the request in the engine."""
     try:
-        if req.cancel:   # tensorrt_llm `stop`: the requests sent under this id end (their streams send what they have)
+        if req.cancel:  # tensorrt_llm `stop`: the requests sent under this id end (their streams send what they have)
             state.cancel(req.client_id)
-            yield RequestOutput(req.client_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True)
+            yield RequestOutput(
+                req.client_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], True
+            )
             return
         if req.beam_width > 1:
-            async with aclosing(state.beam_search(req.prompt, req.params, req.beam_width, req.length_penalty,
-                                                  stream=req.stream, client_id=req.client_id)) as steps:
+            async with aclosing(
+                state.beam_search(
+                    req.prompt,
+                    req.params,
+                    req.beam_width,
+                    req.length_penalty,
+                    stream=req.stream,
+                    client_id=req.client_id,
+                )
+            ) as steps:
                 async for out in steps:
-                    del out.outputs[req.num_return:]
+                    del out.outputs[req.num_return :]
                     yield out
             return
-        if req.num_return > 1:   # sampled sequences: one engine request each (seed + i), answered together
+        if (
+            req.num_return > 1
+        ):  # sampled sequences: one engine request each (seed + i), answered together
             yield await _sampled_sequences(state, req)
             return
-        async with aclosing(state.generate(req.prompt, req.params, client_id=req.client_id)) as outputs:
+        async with aclosing(
+            state.generate(req.prompt, req.params, client_id=req.client_id)
+        ) as outputs:
             async for out in outputs:
                 yield out
     except ValueError as exc:
@@ -50,8 +65,10 @@ async def _sampled_sequences(state: ServerState, req: TritonRequest) -> RequestO
     final outputs as one output of N completions."""
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(state.generate_final(req.prompt, p, req.client_id))
-                     for p in choice_params(req.params, req.num_return)]
+            tasks = [
+                group.create_task(state.generate_final(req.prompt, p, req.client_id))
+                for p in choice_params(req.params, req.num_return)
+            ]
     except BaseExceptionGroup as group_error:
         raise group_error.exceptions[0] from None
     return one_output([t.result() for t in tasks])
@@ -67,19 +84,31 @@ async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.n
         return await _infer(state, reqs, execution)
 
 
-async def _infer(state: ServerState, reqs: list[TritonRequest], execution: Execution) -> dict[str, np.ndarray]:
+async def _infer(
+    state: ServerState, reqs: list[TritonRequest], execution: Execution
+) -> dict[str, np.ndarray]:
     async def one(req: TritonRequest) -> Chunk:
         last = None
         async with aclosing(generate(state, req)) as outputs:
             async for out in outputs:
                 last = out
         execution.finished(last)
-        several = len(last.outputs) > 1   # beams, or sampled sequences
-        if req.model == TRTLLM:   # token ids only: nothing to decode
+        several = len(last.outputs) > 1  # beams, or sampled sequences
+        if req.model == TRTLLM:  # token ids only: nothing to decode
             beams = [""] * len(last.outputs) if several else None
-            return Chunk("", last, 0, req.return_log_probs, beams, with_prompt=not req.exclude_input,
-                         pad_id=req.pad_id)
-        texts = [full_text(state.engine.tokenizer, last, req.exclude_input, k) for k in range(len(last.outputs))]
+            return Chunk(
+                "",
+                last,
+                0,
+                req.return_log_probs,
+                beams,
+                with_prompt=not req.exclude_input,
+                pad_id=req.pad_id,
+            )
+        texts = [
+            full_text(state.engine.tokenizer, last, req.exclude_input, k)
+            for k in range(len(last.outputs))
+        ]
         return Chunk(texts[0], last, 0, req.return_log_probs, texts if several else None)
 
     if len(reqs) == 1:
@@ -94,8 +123,9 @@ async def _infer(state: ServerState, reqs: list[TritonRequest], execution: Execu
     return make_outputs(chunks, reqs[0].model, _block_size(state))
 
 
-async def stream(state: ServerState, req: TritonRequest, accumulate: bool = False
-                 ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+async def stream(
+    state: ServerState, req: TritonRequest, accumulate: bool = False
+) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
     """Responses of a decoupled model: (tensors, is_last). With `stream` true, one per new text piece
     (only the new text, or all text so far when `accumulate`; the tensorrt_llm model: per new tokens, their
     ids), the last one at finish; otherwise one response with the full text."""
@@ -103,7 +133,9 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
         yield await infer(state, [req]), True
         return
     block_size = _block_size(state)
-    with state.statistics.execution(req.model, 1) as execution:   # a stream closed early counts as a fail
+    with state.statistics.execution(
+        req.model, 1
+    ) as execution:  # a stream closed early counts as a fail
         if req.num_return > 1 and req.beam_width == 1 and not req.cancel:
             sent = [(0, 0)] * req.num_return
             running = req.num_return
@@ -128,12 +160,13 @@ async def stream(state: ServerState, req: TritonRequest, accumulate: bool = Fals
                 yield make_outputs([chunk], req.model, block_size), out.finished
 
 
-def _stream_chunk(req: TritonRequest, out: RequestOutput, sent_chars: int, sent_tokens: int,
-                  accumulate: bool) -> Chunk | None:
+def _stream_chunk(
+    req: TritonRequest, out: RequestOutput, sent_chars: int, sent_tokens: int, accumulate: bool
+) -> Chunk | None:
     """What a streamed response carries for `out`, given how much of its first completion was sent already; None
     when there is nothing new and it has not finished."""
     completion = out.outputs[0]
-    if req.beam_width > 1:   # beams change from step to step: each response carries them whole
+    if req.beam_width > 1:  # beams change from step to step: each response carries them whole
         beams = [c.text for c in out.outputs]
         return Chunk(beams[0], out, 0, req.return_log_probs, beams, pad_id=req.pad_id)
     if req.model == TRTLLM:
@@ -146,17 +179,23 @@ def _stream_chunk(req: TritonRequest, out: RequestOutput, sent_chars: int, sent_
     return Chunk(piece, out, sent_tokens, req.return_log_probs)
 
 
-async def _sampled_streams(state: ServerState, req: TritonRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _sampled_streams(
+    state: ServerState, req: TritonRequest
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """num_return_sequences N without beams, streamed: the N sampled sequences' outputs as they come, each with
     its sequence's index (TensorRT-LLM's `sequence_index`). Closing this generator aborts all N."""
-    async def tagged(index: int, params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+
+    async def tagged(
+        index: int, params: SamplingParams
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         async with aclosing(state.generate(req.prompt, params, client_id=req.client_id)) as outputs:
             async for out in outputs:
                 yield index, out
 
     try:
-        async with aclosing(merge([tagged(i, p) for i, p in enumerate(choice_params(req.params, req.num_return))])
-                            ) as outputs:
+        async with aclosing(
+            merge([tagged(i, p) for i, p in enumerate(choice_params(req.params, req.num_return))])
+        ) as outputs:
             async for item in outputs:
                 yield item
     except ValueError as exc:

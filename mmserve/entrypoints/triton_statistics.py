@@ -11,6 +11,7 @@ What each duration measures here (Triton's names; every Triton request counts on
 - compute_output: its last token to its last response (detokenizing, building the output tensors).
 inference_count counts batch items, execution_count requests (mmserve batches inside the engine, not per model
 execution); cache hits / misses stay 0 (Triton's response cache; prefix-cache hits are in /metrics)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,18 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
-from mmserve.outputs import RequestOutput
+from mmserve.core.outputs import RequestOutput
 
-PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
+PHASES = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
 
 
 @dataclass
@@ -93,8 +103,15 @@ class TritonStatistics:
 
     def _json(self, name: str, version: str) -> dict:
         stats = self.by_model.get(name, ModelStatistics())
-        return {"name": name, "version": version, "last_inference": stats.last_inference_ms,
-                "inference_count": stats.inference_count, "execution_count": stats.execution_count,
-                "inference_stats": {p: {f.name: getattr(d, f.name) for f in fields(d)}
-                                    for p, d in stats.phases.items()},
-                "batch_stats": [], "memory_usage": []}
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": stats.last_inference_ms,
+            "inference_count": stats.inference_count,
+            "execution_count": stats.execution_count,
+            "inference_stats": {
+                p: {f.name: getattr(d, f.name) for f in fields(d)} for p, d in stats.phases.items()
+            },
+            "batch_stats": [],
+            "memory_usage": [],
+        }

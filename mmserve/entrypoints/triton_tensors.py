@@ -1,6 +1,7 @@
 """Wire encodings of KServe/Triton tensors <-> numpy: raw bytes (binary extension, gRPC raw contents),
 JSON `data`, and the generate extension's JSON values (PROTOCOL §2.1, §3, §4). Errors are ValueErrors
 naming the tensor."""
+
 from __future__ import annotations
 
 import struct
@@ -10,21 +11,34 @@ import numpy as np
 import torch
 
 NP_DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BYTES": np.object_,
 }
 
 
 def check_datatype(name: str, datatype: Any) -> str:
     if not isinstance(datatype, str) or datatype not in NP_DTYPES:
-        raise ValueError(f"{name}: unsupported datatype {datatype!r} (expected one of {', '.join(NP_DTYPES)})")
+        raise ValueError(
+            f"{name}: unsupported datatype {datatype!r} (expected one of {', '.join(NP_DTYPES)})"
+        )
     return datatype
 
 
 def check_shape(name: str, shape: Any) -> list[int]:
     if not isinstance(shape, (list, tuple)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
         raise ValueError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
     return [int(d) for d in shape]
 
@@ -58,7 +72,7 @@ def deserialize_bytes(name: str, buf: bytes | memoryview) -> list[bytes]:
         pos += 4
         if pos + n > len(view):
             raise ValueError(f"{name}: BYTES element of {n} bytes runs past the end of the data")
-        items.append(bytes(view[pos:pos + n]))
+        items.append(bytes(view[pos : pos + n]))
         pos += n
     return items
 
@@ -75,15 +89,21 @@ def from_raw(name: str, datatype: str, shape: list[int], raw: bytes | memoryview
     if datatype == "BYTES":
         items = deserialize_bytes(name, raw)
         if len(items) != count:
-            raise ValueError(f"{name}: shape {shape} needs {count} BYTES elements, got {len(items)}")
+            raise ValueError(
+                f"{name}: shape {shape} needs {count} BYTES elements, got {len(items)}"
+            )
         out = np.empty(count, dtype=np.object_)
         out[:] = items
         return out.reshape(shape)
     dtype = np.dtype(NP_DTYPES[datatype]).newbyteorder("<")
     if len(raw) != count * dtype.itemsize:
-        raise ValueError(f"{name}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
-                         f"got {len(raw)}")
-    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+        raise ValueError(
+            f"{name}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"got {len(raw)}"
+        )
+    return (
+        np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+    )
 
 
 # ---- JSON `data` (KServe REST) -------------------------------------------------------------------
@@ -139,7 +159,10 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
 def to_json(arr: np.ndarray) -> list:
     """Flat row-major list; BYTES as str (utf-8, undecodable bytes replaced)."""
     if arr.dtype == np.object_:
-        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+        return [
+            x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+            for x in arr.reshape(-1)
+        ]
     return arr.reshape(-1).tolist()
 
 
@@ -150,7 +173,9 @@ def generate_shape(name: str, metadata_shape: list[int], count: int) -> list[int
     for i in range(len(shape) - 1, -1, -1):
         if shape[i] >= 0:
             if shape[i] == 0 or remaining % shape[i]:
-                raise ValueError(f"The schema can not convert input '{name}' to tensor with proper shape")
+                raise ValueError(
+                    f"The schema can not convert input '{name}' to tensor with proper shape"
+                )
             remaining //= shape[i]
     free = [i for i, d in enumerate(shape) if d < 0]
     for k, i in enumerate(reversed(free)):
@@ -164,7 +189,9 @@ def from_generate_value(name: str, datatype: str, dims: tuple[int, ...], value: 
     """A JSON scalar or 1-D array -> tensor of shape [batch] + dims (`[]` -> an empty tensor)."""
     if isinstance(value, list):
         if any(isinstance(v, (list, dict)) for v in value):
-            raise ValueError(f"{name}: generate accepts a JSON scalar or a 1-D array, got a nested value")
+            raise ValueError(
+                f"{name}: generate accepts a JSON scalar or a 1-D array, got a nested value"
+            )
         values = value
     elif isinstance(value, dict) or value is None:
         raise ValueError(f"{name}: generate accepts a JSON scalar or a 1-D array, got {value!r}")
@@ -180,8 +207,10 @@ def from_generate_value(name: str, datatype: str, dims: tuple[int, ...], value: 
 def image_arrays(name: str, pixels: np.ndarray, sizes: np.ndarray | None) -> list[np.ndarray]:
     """[N, H, W, C] or [N, C, H, W] uint8 -> N HxWxC arrays, cropped to image_sizes_input (pixtral padding)."""
     if pixels.ndim != 4:
-        raise ValueError(f"{name}: expected [batch, num_images, H, W, C] or [batch, num_images, C, H, W] pixels, "
-                         f"got {pixels.ndim + 1}-D")
+        raise ValueError(
+            f"{name}: expected [batch, num_images, H, W, C] or [batch, num_images, C, H, W] pixels, "
+            f"got {pixels.ndim + 1}-D"
+        )
     if pixels.shape[-1] not in (1, 3, 4) and pixels.shape[1] in (1, 3, 4):
         pixels = pixels.transpose(0, 2, 3, 1)
     images = list(pixels)
@@ -189,19 +218,23 @@ def image_arrays(name: str, pixels: np.ndarray, sizes: np.ndarray | None) -> lis
         sizes = sizes.reshape(-1, 2)
         if len(sizes) != len(images):
             raise ValueError(f"image_sizes_input: {len(sizes)} sizes for {len(images)} images")
-        images = [im[:max(int(h), 1), :max(int(w), 1)] for im, (h, w) in zip(images, sizes)]
+        images = [im[: max(int(h), 1), : max(int(w), 1)] for im, (h, w) in zip(images, sizes)]
     return images
 
 
 def pixel_values(arr: np.ndarray) -> torch.Tensor:
     """image_input [N, C, H, W] or [N, H, W, C] (already preprocessed) -> float32 [N, 3, H, W]."""
     if arr.ndim != 4:
-        raise ValueError(f"image_input: expected [batch, num_images, C, H, W] preprocessed pixels, "
-                         f"got {arr.ndim + 1}-D")
+        raise ValueError(
+            f"image_input: expected [batch, num_images, C, H, W] preprocessed pixels, "
+            f"got {arr.ndim + 1}-D"
+        )
     if arr.shape[1] != 3 and arr.shape[-1] == 3:
         arr = arr.transpose(0, 3, 1, 2)
     if arr.shape[1] != 3:
-        raise ValueError(f"image_input: expected 3 channels, got shape {list(arr.shape)} per batch item")
+        raise ValueError(
+            f"image_input: expected 3 channels, got shape {list(arr.shape)} per batch item"
+        )
     pv = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     if not torch.isfinite(pv).all():
         raise ValueError("image_input: contains NaN or infinite values")

@@ -13,6 +13,7 @@ that the timed kernel pays to write back, and it launches each timed call from P
 slow launcher (Triton's) is timed with the GPU waiting for it. For o_proj (4096 x 4096) it timed cuBLAS
 faster than the GEMV (23.3 vs 26.4 us) that is faster in the decode graph (~11.5 vs 15.8 us).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,12 +21,12 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from mmserve.graph_capture import graph_capture
+from mmserve.kernels.graph_capture import graph_capture
 
 _CHOICE: dict[Hashable, int] = {}
-TIMINGS: dict[Hashable, list[float]] = {}   # ms per candidate, as measured when the choice was made
+TIMINGS: dict[Hashable, list[float]] = {}  # ms per candidate, as measured when the choice was made
 ROUNDS = 3
-_FLUSH_BYTES = 256 << 20                     # > L2 of any current GPU (H100: 50 MB)
+_FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100: 50 MB)
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
@@ -33,18 +34,24 @@ def _flush_l2(device: torch.device) -> None:
     """Evict the L2 cache by reading (not writing) a buffer larger than it: the lines left behind are clean."""
     buf = _flush_buffers.get(device)
     if buf is None:
-        buf = _flush_buffers[device] = torch.ones(_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
-        buf.sum()                            # the fill's dirty lines are written back here, not in a timed call
+        buf = _flush_buffers[device] = torch.ones(
+            _FLUSH_BYTES // 4, dtype=torch.float32, device=device
+        )
+        buf.sum()  # the fill's dirty lines are written back here, not in a timed call
     buf.amax()
 
 
-def bench_ms(fn: Callable[[], object], quantiles: Sequence[float] | None = None, reps: int = 16,
-             replays: int = 7) -> float | list[float]:
+def bench_ms(
+    fn: Callable[[], object],
+    quantiles: Sequence[float] | None = None,
+    reps: int = 16,
+    replays: int = 7,
+) -> float | list[float]:
     """GPU time of one call of `fn` in ms: the median (or the given quantiles, as triton's autotuner asks) over
     replays of a graph of `reps` x (L2 flush, fn), less the same graph without fn. `fn` must be capturable."""
     device = torch.device("cuda", torch.cuda.current_device())
     _flush_l2(device)
-    fn()                                     # compile / pick kernels outside the capture
+    fn()  # compile / pick kernels outside the capture
     torch.cuda.synchronize(device)
     pool = torch.cuda.graph_pool_handle()
     with_fn, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -57,16 +64,18 @@ def bench_ms(fn: Callable[[], object], quantiles: Sequence[float] | None = None,
         for _ in range(reps):
             _flush_l2(device)
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(replays)]
-    with_fn.replay()                         # first replays upload the graphs
+    with_fn.replay()  # first replays upload the graphs
     flush_only.replay()
-    for ev in events:                        # interleaved, so a clock change hits both alike
+    for ev in events:  # interleaved, so a clock change hits both alike
         ev[0].record()
         with_fn.replay()
         ev[1].record()
         flush_only.replay()
         ev[2].record()
     torch.cuda.synchronize(device)
-    per_call = sorted(max(0.0, (a.elapsed_time(b) - b.elapsed_time(c)) / reps) for a, b, c in events)
+    per_call = sorted(
+        max(0.0, (a.elapsed_time(b) - b.elapsed_time(c)) / reps) for a, b, c in events
+    )
     if quantiles is None:
         return statistics.median(per_call)
     return [per_call[min(len(per_call) - 1, int(q * len(per_call)))] for q in quantiles]
@@ -78,7 +87,9 @@ def run_fastest(key: Hashable, candidates: Sequence[Callable[[], torch.Tensor]])
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
             return candidates[0]()
-        times = [min(ts) for ts in zip(*([bench_ms(fn) for fn in candidates] for _ in range(ROUNDS)))]
+        times = [
+            min(ts) for ts in zip(*([bench_ms(fn) for fn in candidates] for _ in range(ROUNDS)))
+        ]
         TIMINGS[key] = times
         choice = _CHOICE[key] = min(range(len(times)), key=times.__getitem__)
     return candidates[choice]()

@@ -13,6 +13,7 @@ Each program reads its first weight tile before it waits for the previous kernel
 launch, kernels/pdl.py; weights are never written during a forward pass), so that read overlaps the previous
 kernel's tail: a batch-1 step is a chain of ~300 short kernels, and 128 of them are GEMVs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,14 +24,31 @@ import triton.language as tl
 from mmserve.kernels.fastest import bench_ms, run_fastest
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
-_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(4, 1024, 4, 3), (4, 1024, 4, 4), (4, 1024, 8, 3), (2, 2048, 4, 3),
-                                 (4, 2048, 8, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4),
-                                 (16, 512, 8, 3), (16, 256, 4, 4), (4, 512, 4, 4),
-                                 (4, 2048, 4, 3), (8, 2048, 8, 3), (2, 4096, 8, 3),   # wider K tiles: 1-byte rows
-                                 # one row per program: N = 4096 (down_proj) in 2-4 row blocks leaves 8-16
-                                 # programs per SM, and the SMs that run one more than others set the time
-                                 (1, 2048, 4, 3), (1, 4096, 8, 3), (1, 1024, 4, 4), (1, 2048, 8, 4)]]
+_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bn, bk, w, s in [
+        (4, 1024, 4, 3),
+        (4, 1024, 4, 4),
+        (4, 1024, 8, 3),
+        (2, 2048, 4, 3),
+        (4, 2048, 8, 3),
+        (8, 512, 4, 3),
+        (8, 1024, 8, 3),
+        (8, 1024, 4, 4),
+        (16, 512, 8, 3),
+        (16, 256, 4, 4),
+        (4, 512, 4, 4),
+        (4, 2048, 4, 3),
+        (8, 2048, 8, 3),
+        (2, 4096, 8, 3),  # wider K tiles: 1-byte rows
+        # one row per program: N = 4096 (down_proj) in 2-4 row blocks leaves 8-16
+        # programs per SM, and the SMs that run one more than others set the time
+        (1, 2048, 4, 3),
+        (1, 4096, 8, 3),
+        (1, 1024, 4, 4),
+        (1, 2048, 8, 4),
+    ]
+]
 
 
 @triton.jit
@@ -72,9 +90,23 @@ def _row_values(w):
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_ms)
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
-                 X_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    xs_ptr,
+    ws_ptr,
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    X_SCALED: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -84,7 +116,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS
     # peeled too (its load is issued before the loop's); both measured best on an H100 (docs/benchmarks.md).
     w0 = tl.load(rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     wait_for_previous(PDL)
-    w1 = tl.load(rows + BLOCK_K + rk[None, :], mask=n_mask[:, None] & (BLOCK_K + rk < K)[None, :], other=0.0)
+    w1 = tl.load(
+        rows + BLOCK_K + rk[None, :], mask=n_mask[:, None] & (BLOCK_K + rk < K)[None, :], other=0.0
+    )
     x0 = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
     x1 = tl.load(x_ptr + BLOCK_K + rk, mask=BLOCK_K + rk < K, other=0.0).to(tl.float32)
     acc = _row_values(w0) * x0[None, :] + _row_values(w1) * x1[None, :]
@@ -103,9 +137,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, N, K, stride_w, HAS
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """F.linear for x with one row ([K] or [1, K]); weight [N, K] with unit stride along K. With scales
     (FP8 operands; int8 weights take only weight_scale): y = x_scale * weight_scale[n] * (x @ weight^T)[n]
     (+ bias), summed in fp32; a scale left out is 1."""
@@ -113,26 +152,49 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert x.numel() == k and weight.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
     x = x.contiguous()
     y = torch.empty(x.shape[:-1] + (n,), dtype=out_dtype or x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)   # noqa: E731
-    args = (x, weight, bias if bias is not None else weight, y, x_scale if x_scale is not None else y,
-            weight_scale if weight_scale is not None else y, n, k, weight.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, X_SCALED=x_scale is not None, W_SCALED=weight_scale is not None)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    args = (
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        x_scale if x_scale is not None else y,
+        weight_scale if weight_scale is not None else y,
+        n,
+        k,
+        weight.stride(0),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None, X_SCALED=x_scale is not None, W_SCALED=weight_scale is not None
+    )
     if x.is_cuda:
         _gemv_kernel[grid](*args, **flags, **pdl_options(x.device))
-    else:   # Triton's interpreter (CPU tests) cannot time configs: one fixed config
+    else:  # Triton's interpreter (CPU tests) cannot time configs: one fixed config
         _gemv_kernel.fn[grid](*args, **flags, BLOCK_N=8, BLOCK_K=64, PDL=False)
     return y
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K"], do_bench=bench_ms)
 @triton.jit
-def _gemv_int4_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_int4_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    ws_ptr,
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Packed int4 rows (two values per byte, low nibble first; layers/weight_only.py): BLOCK_K bytes per tile
     hold 2 * BLOCK_K weights, multiplied by the even and the odd elements of x (strided reads that L1 serves;
     splitting one contiguous read in registers measured slower)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rb = tl.arange(0, BLOCK_K)          # byte offsets in a row of K / 2 bytes
+    rb = tl.arange(0, BLOCK_K)  # byte offsets in a row of K / 2 bytes
     n_mask = rn < N
     rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
     half = K // 2
@@ -156,24 +218,44 @@ def _gemv_int4_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, N, K, stride_w, HAS_BI
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def gemv_int4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemv_int4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """gemv for packed int4 weights (uint8 [N, K / 2], unit stride along K): y = weight_scale[n] *
     (x @ unpack(weight)^T)[n] (+ bias), summed in fp32."""
     n, k = weight.shape[0], 2 * weight.shape[1]
     assert x.numel() == k and weight.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
     x = x.contiguous()
     y = torch.empty(x.shape[:-1] + (n,), dtype=out_dtype or x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)   # noqa: E731
-    args = (x, weight, bias if bias is not None else weight_scale, y, weight_scale, n, k, weight.stride(0))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    args = (
+        x,
+        weight,
+        bias if bias is not None else weight_scale,
+        y,
+        weight_scale,
+        n,
+        k,
+        weight.stride(0),
+    )
     if x.is_cuda:
         _gemv_int4_kernel[grid](*args, HAS_BIAS=bias is not None, **pdl_options(x.device))
-    else:   # Triton's interpreter (CPU tests): one fixed config
-        _gemv_int4_kernel.fn[grid](*args, HAS_BIAS=bias is not None, BLOCK_N=8, BLOCK_K=32, PDL=False)
+    else:  # Triton's interpreter (CPU tests): one fixed config
+        _gemv_int4_kernel.fn[grid](
+            *args, HAS_BIAS=bias is not None, BLOCK_N=8, BLOCK_K=32, PDL=False
+        )
     return y
 
 
-def linear_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_one_row(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear for a one-row CUDA activation by whichever of cuBLAS / gemv was faster for this shape."""
-    return run_fastest(("linear_one_row", weight.shape, weight.dtype, bias is not None, weight.device),
-                       [lambda: F.linear(x, weight, bias), lambda: gemv(x, weight, bias)])
+    return run_fastest(
+        ("linear_one_row", weight.shape, weight.dtype, bias is not None, weight.device),
+        [lambda: F.linear(x, weight, bias), lambda: gemv(x, weight, bias)],
+    )

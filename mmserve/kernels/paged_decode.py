@@ -11,6 +11,7 @@ Two kernels, chosen per launch from host shapes by `decode_tile`:
   and an fp16 cache as fast or faster (up to 10 % at batch 16).
 Partitions of a split sequence are merged by `_decode_reduce_kernel` by their log-sum-exp weights.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,21 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.attention.kv_quant import cache_scales
-from mmserve.kernels.paged_attention import (_check_last_dim_contiguous, _load_kv_tile, _online_softmax_step,
-                                             _precision)
+from mmserve.kernels.fp8_format import cache_scales
+from mmserve.kernels.paged_attention import (
+    _check_last_dim_contiguous,
+    _load_kv_tile,
+    _online_softmax_step,
+    _precision,
+)
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
-_MIN_TOKENS_PER_SPLIT = 256   # a split-K partition shorter than this costs more to merge than it saves
+_MIN_TOKENS_PER_SPLIT = (
+    256  # a split-K partition shorter than this costs more to merge than it saves
+)
 _MAX_SPLITS = 32
-FP8_WIDE_BATCH = 16    # from this many sequences an fp8 cache of grouped heads takes the register-capped tile
-ROWS_MIN_BATCH = 8     # from this many sequences ungrouped heads take the CUDA-core kernel
+FP8_WIDE_BATCH = (
+    16  # from this many sequences an fp8 cache of grouped heads takes the register-capped tile
+)
+ROWS_MIN_BATCH = 8  # from this many sequences ungrouped heads take the CUDA-core kernel
 
 
 @triton.jit
 def _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
     """(seq_len, first key tile, last key tile + 1) of this program's split-K partition of sequence seq."""
-    seq_len = tl.load(seq_lens_ptr + seq)              # 0 for CUDA-graph padding rows: no tiles, zero output
+    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for CUDA-graph padding rows: no tiles, zero output
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
@@ -52,13 +61,33 @@ def _partition_lse(m, l):
 # would compile a new variant mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Tensor cores: one program = one sequence x one KV head x one split; it serves all GROUP query heads of
     that KV head (as rows of a 16-row tile, at least)."""
@@ -75,8 +104,11 @@ def _decode_kernel(
     head = kvh * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -85,30 +117,64 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         tok_mask = tok < seq_len
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, kvh, d, d_mask,
-                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            tok,
+            tok_mask,
+            kvh,
+            d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+        )
         m, l, acc = _online_softmax_step(q, k, v, tok_mask[None, :], m, l, acc, qk_scale, PREC)
 
     o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split     # part_lse [B, H, S]
+        row = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split  # part_lse [B, H, S]
         tl.store(part_lse_ptr + row, _partition_lse(m, l), mask=g_mask)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
     else:
-        tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(
+            out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=o_mask,
+        )
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_rows_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, bias_ptr,
-    qk_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_bias,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    bias_ptr,
+    qk_scale,
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_bias,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """CUDA cores: one program = one head (its own KV head) x one sequence x one split. Key-tile row r folds
@@ -125,7 +191,12 @@ def _decode_rows_kernel(
     seq_len, tile_lo, tile_hi = _partition(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + head * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32) * qk_scale
+    q = (
+        tl.load(q_ptr + seq * stride_qt + head * stride_qh + d, mask=d_mask, other=0.0).to(
+            tl.float32
+        )
+        * qk_scale
+    )
 
     m = tl.full([BLOCK_N], -1e30, tl.float32)
     l = tl.zeros([BLOCK_N], tl.float32)
@@ -134,11 +205,28 @@ def _decode_rows_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         tok_mask = tok < seq_len
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok, tok_mask, head, d, d_mask,
-                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            tok,
+            tok_mask,
+            head,
+            d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+        )
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)
-        if HAS_BIAS:   # in the base-2 exponent's units, like qk_scale
-            s += tl.load(bias_ptr + head * stride_bias + (seq_len - 1 - tok), mask=tok_mask, other=0.0) * 1.4426950408889634
+        if HAS_BIAS:  # in the base-2 exponent's units, like qk_scale
+            s += (
+                tl.load(
+                    bias_ptr + head * stride_bias + (seq_len - 1 - tok), mask=tok_mask, other=0.0
+                )
+                * 1.4426950408889634
+            )
         s = tl.where(tok_mask, s, float("-inf"))
         m_new = tl.maximum(m, s)
         alpha = tl.exp2(m - m_new)
@@ -153,17 +241,29 @@ def _decode_rows_kernel(
     l_all = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) * (v_scale / tl.where(l_all > 0, l_all, 1.0))
     if SPLIT:
-        row = (seq * tl.num_programs(0) + head) * num_splits + split     # part_lse [B, H, S]
+        row = (seq * tl.num_programs(0) + head) * num_splits + split  # part_lse [B, H, S]
         tl.store(part_lse_ptr + row, _partition_lse(m_all, l_all))
         tl.store(part_out_ptr + row * HEAD_DIM + d, o, mask=d_mask)
     else:
-        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(
+            out_ptr + seq * stride_ot + head * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the split-K partials of one (sequence, head) by their log-sum-exp weights."""
     wait_for_previous(PDL)
@@ -175,19 +275,35 @@ def _decode_reduce_kernel(
     s_mask = s < num_splits
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)   # every split empty (seq_len 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty (seq_len 0)
     w = tl.exp2(lse - lse_max)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     den = tl.sum(w, 0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, *,
-                           k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
-                           distance_bias: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    distance_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query per sequence over its whole cached context.
 
     Args:
@@ -212,15 +328,21 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        num_splits = default_num_splits(
+            num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device
+        )
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     split = num_splits > 1
     if split:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
     else:
-        part_out = part_lse = out   # unused
+        part_out = part_lse = out  # unused
     kc, vc = kv_cache[0], kv_cache[1]
     tile = decode_tile(d_pad, kv_cache.element_size(), num_seqs, group)
     if distance_bias is not None:
@@ -229,27 +351,72 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         tile = decode_tile(d_pad, kv_cache.element_size(), max(num_seqs, ROWS_MIN_BATCH), group)
         if not tile.rows:
             raise ValueError(f"distance_bias: head_dim {head_dim} is past the CUDA-core kernel's")
-    args = (q, kc, vc, block_tables, seq_lens, out, part_out, part_lse, scale * k_scale * math.log2(math.e), v_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0))
-    launch = dict(BLOCK_SIZE=block_size, BLOCK_N=tile.keys, SPLIT=split, num_warps=tile.warps,
-                  num_stages=tile.stages, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
-                  **pdl_options(q.device))
+    args = (
+        q,
+        kc,
+        vc,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * k_scale * math.log2(math.e),
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        block_tables.stride(0),
+    )
+    launch = dict(
+        BLOCK_SIZE=block_size,
+        BLOCK_N=tile.keys,
+        SPLIT=split,
+        num_warps=tile.warps,
+        num_stages=tile.stages,
+        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
+        **pdl_options(q.device),
+    )
     if tile.rows:
         bias = (distance_bias, distance_bias.stride(0)) if distance_bias is not None else (out, 0)
         _decode_rows_kernel[(num_heads, num_seqs, num_splits)](
-            *args[:8], bias[0], *args[8:], bias[1], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            HAS_BIAS=distance_bias is not None, **launch)
+            *args[:8],
+            bias[0],
+            *args[8:],
+            bias[1],
+            HEAD_DIM=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            HAS_BIAS=distance_bias is not None,
+            **launch,
+        )
     else:
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            *args, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-            PREC=_precision(q.dtype), **launch)
+            *args,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            PREC=_precision(q.dtype),
+            **launch,
+        )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            S_PAD=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant for every split count
-            num_warps=4, **pdl_options(q.device),
+            part_out,
+            part_lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            S_PAD=max(
+                _MAX_SPLITS, triton.next_power_of_2(num_splits)
+            ),  # one variant for every split count
+            num_warps=4,
+            **pdl_options(q.device),
         )
     return out
 
@@ -257,6 +424,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 class DecodeTile(NamedTuple):
     """The decode kernel and its tile: keys per loop iteration, pipeline stages, warps, a cap on registers per
     thread (None: the compiler's choice), and whether it is the CUDA-core kernel (`_decode_rows_kernel`)."""
+
     keys: int
     stages: int
     warps: int
@@ -290,7 +458,9 @@ def decode_tile(d_pad: int, cache_bytes: int, num_seqs: int, group: int) -> Deco
     return DecodeTile(128, 2, 4)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
+) -> int:
     """Split-K partitions for decode, from host ints only (so a captured CUDA graph stays valid).
 
     Enough programs to fill the GPU about twice (four times when the (sequence, KV head) pairs fill under a
@@ -311,5 +481,5 @@ def _num_sms_of(device_index: int) -> int:
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4   # the Triton CPU interpreter: a few splits so tests exercise split-K
+        return 4  # the Triton CPU interpreter: a few splits so tests exercise split-K
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -20,6 +20,7 @@ vs 5.74 ms, H100, 2026-11-26). The weight-only GEMM (kernels/weight_only_gemm.py
 after its main loop (5.20 ms there); the FP8 small-M GEMM measured better releasing early (docs/benchmarks.md).
 Set MMSERVE_DISABLE_PDL=1 to launch without it (to compare).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,7 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:   # a Triton without grid dependency control: PDL stays off
+except ImportError:  # a Triton without grid dependency control: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
 
@@ -60,8 +61,9 @@ def pdl_options(device: torch.device, release_after_loop: bool = False) -> dict:
     """Launch keyword arguments of a kernel that calls wait_for_previous: PDL on for CUDA devices of compute
     capability 9.0 or newer, off elsewhere (older GPUs, the Triton interpreter on CPU). `release_after_loop`:
     the kernel calls release_dependents after its main loop, so the next kernel becomes resident only then."""
-    if device.type != "cuda" or not _pdl_supported(device.index if device.index is not None
-                                                   else torch.cuda.current_device()):
+    if device.type != "cuda" or not _pdl_supported(
+        device.index if device.index is not None else torch.cuda.current_device()
+    ):
         return {"PDL": 0}
     return {"PDL": AFTER_LOOP if release_after_loop else AFTER_WAIT, "launch_pdl": True}
 

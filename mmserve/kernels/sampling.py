@@ -21,6 +21,7 @@ Passes over the row: one (max and mass, online) + per draw one scan (+ one mass 
 min-p on the first draw). Penalties, masks and logprobs are the torch sampler's work before this
 (worker/sampler.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,11 +64,16 @@ def _draw(base, cols, vocab, cut, above, top, scale, target, BLOCK: tl.constexpr
         hit = ok & (tl.cumsum(w, 0) + run > target)
         idx = tl.min(tl.where(hit, start + cols, vocab), 0)
         first = (pick < 0) & (idx < vocab)
-        pick_logit = tl.where(first, tl.max(tl.where(start + cols == idx, x, float("-inf")), 0), pick_logit)
+        pick_logit = tl.where(
+            first, tl.max(tl.where(start + cols == idx, x, float("-inf")), 0), pick_logit
+        )
         pick = tl.where(first, idx, pick)
         block_last = tl.max(tl.where(ok, start + cols, -1), 0)
-        last_logit = tl.where(block_last >= 0, tl.max(tl.where(start + cols == block_last, x, float("-inf")), 0),
-                              last_logit)
+        last_logit = tl.where(
+            block_last >= 0,
+            tl.max(tl.where(start + cols == block_last, x, float("-inf")), 0),
+            last_logit,
+        )
         last = tl.maximum(last, block_last)
         run += tl.sum(w, 0)
     missed = pick < 0
@@ -85,8 +91,21 @@ _MIN_P: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit(do_not_specialize=["flags"])
-def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, floor_ptr, top_p_ptr, min_p_ptr,
-                   seed_ptr, flags, MAX_TRIES: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride,
+    vocab,
+    out_ptr,
+    greedy_ptr,
+    temp_ptr,
+    floor_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    flags,
+    MAX_TRIES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
@@ -95,7 +114,7 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
     if (flags & _TEMP) != 0:
         temp = tl.load(temp_ptr + row)
     scale = 1.0 / temp
-    floor = tl.full((), float("-inf"), tl.float32)        # inclusive: the top-k cut
+    floor = tl.full((), float("-inf"), tl.float32)  # inclusive: the top-k cut
     if (flags & _FLOOR) != 0:
         floor = tl.load(floor_ptr + row)
 
@@ -121,8 +140,8 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
         p = tl.full((), 1.0, tl.float32)
         if (flags & _TOP_P) != 0:
             p = tl.load(top_p_ptr + row)
-        cut = floor                                        # inclusive: top-k and min-p together
-        mass = z                                           # of the set the next draw is from
+        cut = floor  # inclusive: top-k and min-p together
+        mass = z  # of the set the next draw is from
         if (flags & _MIN_P) != 0:
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0.0:
@@ -130,17 +149,19 @@ def _sample_kernel(logits_ptr, stride, vocab, out_ptr, greedy_ptr, temp_ptr, flo
                 mass = _mass(base, cols, vocab, cut, float("-inf"), top, scale, BLOCK)
         seed = tl.load(seed_ptr + row)
 
-        pivot = tl.full((), float("-inf"), tl.float32)    # exclusive: draws at or below it were rejected by top-p
+        pivot = tl.full(
+            (), float("-inf"), tl.float32
+        )  # exclusive: draws at or below it were rejected by top-p
         tries = tl.zeros((), tl.int32)
         done = tl.zeros((), tl.int32)
         while done == 0:
             u = tl.rand(seed, tries)
             pick, pick_logit = _draw(base, cols, vocab, cut, pivot, top, scale, u * mass, BLOCK)
             accept = pick >= 0
-            if p < 1.0:                                    # p = 1 without top-p
+            if p < 1.0:  # p = 1 without top-p
                 above = _mass(base, cols, vocab, floor, pick_logit, top, scale, BLOCK)
                 accept = accept & (above < p * z)
-                mass = above                               # the set above a rejected draw is the next one
+                mass = above  # the set above a rejected draw is the next one
             tries += 1
             token = tl.where(accept, pick, top_idx)
             pivot = tl.where(accept, pivot, pick_logit)
@@ -153,7 +174,9 @@ def top_k_active(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
     return (top_k > 0) & (top_k < vocab)
 
 
-def kth_largest(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+def kth_largest(
+    logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None
+) -> torch.Tensor:
     """[B] in logits' dtype: each row's top_k-th largest value of logits [B, V], -inf where top-k is off (top_k
     <= 0 or >= V). max_top_k: the largest active k, known on the host (None: read from top_k, a device sync).
     The top-k threshold of both samplers (this kernel's and worker/sampler.py's torch one)."""
@@ -162,14 +185,22 @@ def kth_largest(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None
     if max_top_k is None:
         max_top_k = int(torch.where(active, top_k, 1).max())
     k_max = max(1, min(max_top_k, vocab))
-    values = logits.topk(k_max, dim=-1).values                                  # [B, k_max] descending
+    values = logits.topk(k_max, dim=-1).values  # [B, k_max] descending
     kth = values.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
     return torch.where(active, kth, float("-inf"))
 
 
-def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: torch.Tensor | None = None,
-           temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None, max_top_k: int | None = None,
-           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    vocab_size: int,
+    seeds: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    max_top_k: int | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One token id per row of `logits` [B, >= vocab_size] -> [B] int64 (see the module doc).
 
     seeds [B] int64 (the row's Philox seed); greedy [B] bool; temperature [B] fp32 (> 0 on sampling rows);
@@ -181,15 +212,34 @@ def sample(logits: torch.Tensor, vocab_size: int, seeds: torch.Tensor, greedy: t
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    floor = kth_largest(logits[:, :vocab_size], top_k, max_top_k).float() if top_k is not None else None
+    floor = (
+        kth_largest(logits[:, :vocab_size], top_k, max_top_k).float() if top_k is not None else None
+    )
     block = min(8192, triton.next_power_of_2(vocab_size))
-    f32 = _placeholder(logits.device, torch.float32)   # a tensor a launch does not have: typed, never read
-    given = [(greedy, _GREEDY, _placeholder(logits.device, torch.bool)), (temperature, _TEMP, f32),
-             (floor, _FLOOR, f32), (top_p, _TOP_P, f32), (min_p, _MIN_P, f32)]
+    f32 = _placeholder(
+        logits.device, torch.float32
+    )  # a tensor a launch does not have: typed, never read
+    given = [
+        (greedy, _GREEDY, _placeholder(logits.device, torch.bool)),
+        (temperature, _TEMP, f32),
+        (floor, _FLOOR, f32),
+        (top_p, _TOP_P, f32),
+        (min_p, _MIN_P, f32),
+    ]
     flags = sum(bit.value for t, bit, _ in given if t is not None)
     per_row = [t if t is not None else placeholder for t, _, placeholder in given]
-    _sample_kernel[(rows,)](logits, logits.stride(0), vocab_size, out, *per_row, seeds, flags, MAX_TRIES=_MAX_TRIES,
-                            BLOCK=block, num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
+    _sample_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        vocab_size,
+        out,
+        *per_row,
+        seeds,
+        flags,
+        MAX_TRIES=_MAX_TRIES,
+        BLOCK=block,
+        num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
+    )
     return out
 
 

@@ -1,4 +1,5 @@
 """Activation functions by their Hugging Face config names, and the fused SiLU-and-mul of gated MLPs."""
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,7 @@ class SiluAndMul(QuantizesForFP8, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from mmserve.kernels.fused_ops import silu_and_mul
+
             consumer = self.fp8_consumer(x)
             if consumer is not None:
                 return silu_and_mul(x, quantize=True, input_scale=consumer.input_scale)
@@ -32,7 +34,7 @@ _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": _quick_gelu,
     "relu": F.relu,
-    "relu2": lambda x: F.relu(x).square(),   # Persimmon / Fuyu
+    "relu2": lambda x: F.relu(x).square(),  # Persimmon / Fuyu
     "silu": F.silu,
 }
 

@@ -14,28 +14,22 @@ accumulated in fp32. `fp8_linear` runs it with FP8 tensor cores on GPUs that hav
 >= 8.9: kernels/fp8_gemm.py, whose large GEMMs accumulate in the tensor cores' narrower accumulator for fp16 /
 bf16 outputs) and with this module's reference arithmetic everywhere else (CPU, older GPUs).
 """
-from __future__ import annotations
 
-from typing import NamedTuple
+from __future__ import annotations
 
 import torch
 
-from mmserve.attention.kv_quant import FP8_MAX   # 448, the format's largest finite value
-
-FP8 = torch.float8_e4m3fn
-AMAX_FLOOR = 1e-12   # an all-zero row still gets a finite scale
-
-
-class QuantizedRows(NamedTuple):
-    """Activations already quantized as `quantize_rows` does it (a norm or activation kernel fused the
-    quantization into its output), for an FP8 linear layer to take as they are."""
-
-    q: torch.Tensor        # [M, K] e4m3
-    scale: torch.Tensor    # [M] fp32
-    dtype: torch.dtype     # of the activations before quantization: the layer's output dtype
+from mmserve.kernels.fp8_format import (
+    AMAX_FLOOR,
+    FP8,
+    FP8_MAX,  # 448, the format's largest finite value
+    QuantizedRows,
+)
 
 
-def quantize_weight(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude (`amax` [N] when given:
     a row-parallel shard's rows are part of longer ones) maps to 448."""
     w = weight.float()
@@ -43,7 +37,9 @@ def quantize_weight(weight: torch.Tensor, amax: torch.Tensor | None = None) -> t
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 x [M, K], fp32 scale [M]) for activations x [M, K]: per-row dynamic scales, or the static one."""
     xf = x.float()
     if input_scale is None:
@@ -53,8 +49,13 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     return (xf * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear_reference(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_linear_reference(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """The W8A8 product in plain torch (fp32 accumulation): the oracle the GPU kernels are tested against."""
     if isinstance(x, QuantizedRows):
         xq, xs, dtype, shape = x.q, x.scale, x.dtype, x.q.shape
@@ -80,7 +81,7 @@ class QuantizesForFP8:
     _fp8_consumer: tuple = ()
 
     def quantize_for(self, linear) -> None:
-        self._fp8_consumer = (linear,)   # a tuple: not registered as a submodule
+        self._fp8_consumer = (linear,)  # a tuple: not registered as a submodule
 
     def fp8_consumer(self, x: torch.Tensor):
         """The FP8 linear to quantize x's output for, or None."""
@@ -90,13 +91,19 @@ class QuantizesForFP8:
         return linear if linear.weight_scale is not None else None
 
 
-def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y = x @ dequant(weight)^T (+ bias) with x quantized per row; x [..., K] (or already quantized rows
     [M, K]), weight fp8 [N, K]."""
     rows = x.q if isinstance(x, QuantizedRows) else x
     if rows.is_cuda and fp8_supported(rows.device):
         from mmserve.kernels.fp8_gemm import fp8_matmul, fp8_matmul_quantized
+
         if isinstance(x, QuantizedRows):
             return fp8_matmul_quantized(x.q, x.scale, weight, weight_scale, bias, x.dtype)
         shape = x.shape

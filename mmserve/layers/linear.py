@@ -10,6 +10,7 @@ weight (--quantization fp8), `make_fp8` makes room for a pre-quantized checkpoin
 layers/fp8_linear.py. Or an int8 / packed int4 weight with one fp32 scale per row (`to_weight_only`, --quantization
 int8 | int4: weight-only, activations stay in the model's dtype; layers/weight_only.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,33 +18,58 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from mmserve.layers.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_weight
-from mmserve.layers.weight_only import quantize_weight_int4, quantize_weight_int8, weight_only_linear
+from mmserve.kernels.fp8_format import FP8, QuantizedRows
+from mmserve.layers.fp8_linear import fp8_linear, quantize_weight
+from mmserve.layers.weight_only import (
+    quantize_weight_int4,
+    quantize_weight_int8,
+    weight_only_linear,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on CUDA in fp16/bf16 a single row (batch-1 decode) may go to the Triton GEMV instead, and up to
     SMALL_M rows (batched decode) to the Triton small-M GEMM, per shape whichever timed faster than cuBLAS."""
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype \
-            and weight.stride(-1) == 1:
+    if (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+    ):
         rows = x.numel() // x.shape[-1]
         if rows == 1:
             from mmserve.kernels.gemv import linear_one_row
+
             return linear_one_row(x, weight, bias)
         from mmserve.kernels.weight_only_gemm import SMALL_M, small_m_gemm
+
         if rows <= SMALL_M:
             from mmserve.kernels.fastest import run_fastest
             from mmserve.layers.weight_only import rows_bucket
+
             x2 = x.reshape(rows, -1).contiguous()
-            key = ("linear_small_m", tuple(weight.shape), x.dtype, bias is not None, rows_bucket(rows), x.device)
-            y = run_fastest(key, [lambda: F.linear(x2, weight, bias), lambda: small_m_gemm(x2, weight, bias)])
+            key = (
+                "linear_small_m",
+                tuple(weight.shape),
+                x.dtype,
+                bias is not None,
+                rows_bucket(rows),
+                x.device,
+            )
+            y = run_fastest(
+                key, [lambda: F.linear(x2, weight, bias), lambda: small_m_gemm(x2, weight, bias)]
+            )
             return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -60,14 +86,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.register_parameter("weight_scale", None)   # FP8 / int8 weights only: fp32 [out_features]
-        self.register_buffer("input_scale", None)       # FP8 with a static activation scale: fp32 [1]
+        self.register_parameter(
+            "weight_scale", None
+        )  # FP8 / int8 weights only: fp32 [out_features]
+        self.register_buffer("input_scale", None)  # FP8 with a static activation scale: fp32 [1]
 
     def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
         """(first row in our weight, rows, first row in the checkpoint tensor) for a checkpoint part."""
         return 0, self.weight.shape[0], 0
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         default_weight_loader(param, loaded)
 
     def full_in_features(self) -> int:
@@ -78,16 +108,19 @@ class LinearBase(nn.Module):
         """Output rows of a checkpoint part (None: the whole layer) in the unsharded model."""
         return self.out_features
 
-    def lora_shard(self, shard_id: object, r: int, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, torch.Tensor,
-                                                                                               torch.Tensor]:
+    def lora_shard(
+        self, shard_id: object, r: int, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """(first output row, rows, A, B) of a rank-r LoRA delta on this rank, from the unsharded A [r, full in] and
         B [full rows of the part, r]; ValueError naming the shapes that do not fit."""
         offset, size, start = self._out_rows(shard_id)
         full_in, rows = self.full_in_features(), self.full_rows(shard_id)
         if a.shape != (r, full_in) or b.shape != (rows, r):
-            raise ValueError(f"A {list(a.shape)} and B {list(b.shape)}; the model's layer needs [{r}, {full_in}] and "
-                             f"[{rows}, {r}]")
-        if self.in_features != full_in:   # row-parallel: this rank's input columns
+            raise ValueError(
+                f"A {list(a.shape)} and B {list(b.shape)}; the model's layer needs [{r}, {full_in}] and "
+                f"[{rows}, {r}]"
+            )
+        if self.in_features != full_in:  # row-parallel: this rank's input columns
             a = a.narrow(1, get_tp_rank() * self.in_features, self.in_features)
         return offset, size, a, b.narrow(0, start, size)
 
@@ -123,8 +156,10 @@ class LinearBase(nn.Module):
         """Hold an e4m3 weight and its scales, to be filled from a pre-quantized checkpoint."""
         if not self.is_fp8:
             w = self.weight
-            self._set_quantized(torch.empty(w.shape, dtype=FP8, device=w.device),
-                          torch.ones(w.shape[0], dtype=torch.float32, device=w.device))
+            self._set_quantized(
+                torch.empty(w.shape, dtype=FP8, device=w.device),
+                torch.ones(w.shape[0], dtype=torch.float32, device=w.device),
+            )
 
     def _set_quantized(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """Hold a quantized weight (e4m3 or int8) and its per-row scales."""
@@ -133,7 +168,9 @@ class LinearBase(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.weight_scale.weight_loader = self.scale_loader
 
-    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def scale_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         """A weight scale per tensor (or per fused part: a scalar) or per output row ([rows] or [rows, 1])."""
         offset, size, start = self._out_rows(shard_id)
         rows = param.data.narrow(0, offset, size)
@@ -145,12 +182,16 @@ class LinearBase(nn.Module):
     def load_input_scale(self, loaded: torch.Tensor) -> None:
         """A static activation scale; fused parts (q, k, v of one input) keep the largest."""
         value = loaded.detach().float().max().reshape(1).to(self.weight.device)
-        self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
+        self.input_scale = (
+            value if self.input_scale is None else torch.maximum(self.input_scale, value)
+        )
 
     def _matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None and self.is_weight_only:
             return weight_only_linear(x, self.weight, self.weight_scale, bias)
-        if self.weight_scale is not None:   # FP8 weights; x may come quantized by the producing kernel
+        if (
+            self.weight_scale is not None
+        ):  # FP8 weights; x may come quantized by the producing kernel
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         return linear(x, self.weight, bias)
 
@@ -177,7 +218,9 @@ class ColumnParallelLinear(LinearBase):
     def full_rows(self, shard_id: object = None) -> int:
         return self.out_features * get_tp_size()
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         offset, size, start = self._out_rows(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
@@ -203,11 +246,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul; shard_id in {"q", "k", "v"}."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
-        self.num_kv_heads = max(1, num_kv_heads // tp)   # KV heads are replicated when fewer than ranks
+        self.num_kv_heads = max(
+            1, num_kv_heads // tp
+        )  # KV heads are replicated when fewer than ranks
         self._kv_replicas = max(1, tp // num_kv_heads)
         out = (num_heads + 2 * num_kv_heads * self._kv_replicas) * head_dim
         super().__init__(hidden_size, out, bias)
@@ -224,7 +271,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             return super().full_rows()
         heads = self.num_heads if shard_id == "q" else self.num_kv_heads
-        return heads * get_tp_size() // (1 if shard_id == "q" else self._kv_replicas) * self.head_dim
+        return (
+            heads * get_tp_size() // (1 if shard_id == "q" else self._kv_replicas) * self.head_dim
+        )
 
 
 class RowParallelLinear(LinearBase):
@@ -238,8 +287,10 @@ class RowParallelLinear(LinearBase):
     def full_in_features(self) -> int:
         return self.in_features * get_tp_size()
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if param.dim() == 1:   # bias: full on every rank, added once after the reduce
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if param.dim() == 1:  # bias: full on every rank, added once after the reduce
             default_weight_loader(param, loaded)
             return
         size = param.shape[1]

@@ -1,5 +1,6 @@
 """Normalisation layers: RMSNorm with an optional fused residual add (and, on GPUs, FP8 output for an FP8 linear);
 ShardedLayerNorm, a LayerNorm over features that tensor parallelism splits across ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -22,14 +23,23 @@ class RMSNorm(QuantizesForFP8, nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if x.is_cuda:
             from mmserve.kernels.fused_ops import rms_norm
+
             consumer = self.fp8_consumer(x) if x.dtype == self.weight.dtype else None
             if consumer is not None:
-                return rms_norm(x, self.weight, self.eps, residual, quantize=True, input_scale=consumer.input_scale)
+                return rms_norm(
+                    x,
+                    self.weight,
+                    self.eps,
+                    residual,
+                    quantize=True,
+                    input_scale=consumer.input_scale,
+                )
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -47,16 +57,22 @@ class ShardedLayerNorm(nn.Module):
         super().__init__()
         tp = get_tp_size()
         if hidden_size % tp:
-            raise ValueError(f"ShardedLayerNorm: {hidden_size} features do not split over {tp} ranks")
+            raise ValueError(
+                f"ShardedLayerNorm: {hidden_size} features do not split over {tp} ranks"
+            )
         self.hidden_size, self.eps, self.local = hidden_size, eps, hidden_size // tp
         self.weight = nn.Parameter(torch.ones(self.local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.local), requires_grad=False)
         for param in (self.weight, self.bias):
             param.weight_loader = self._load_slice
 
-    def _load_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def _load_slice(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if loaded.shape != (self.hidden_size,):
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not match LayerNorm({self.hidden_size})")
+            raise ValueError(
+                f"weight shape {tuple(loaded.shape)} does not match LayerNorm({self.hidden_size})"
+            )
         param.data.copy_(loaded.narrow(0, get_tp_rank() * self.local, self.local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ GEMM with prompt-sized tiles (the weights turned into the activations' dtype in 
 copy dequantized for the call, whichever was timed faster for the shape (kernels/fastest.py). The CPU computes the formula above in the activations'
 dtype (fp32 on the CPU: exact up to summation order).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
-def quantize_weight_int8(weight: torch.Tensor, amax: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_int8(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight [N, K], fp32 scale [N]): each output row scaled so its largest magnitude (`amax` [N] when
     given: a row-parallel shard's rows are part of longer ones) maps to 127."""
     w = weight.float()
@@ -34,16 +36,19 @@ def quantize_weight_int8(weight: torch.Tensor, amax: torch.Tensor | None = None
     return torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def quantize_weight_int4(weight: torch.Tensor, amax: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_int4(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 weight [N, K / 2], fp32 scale [N]): each output row scaled so its largest magnitude (`amax`
     as for int8) maps to 7; K must be even."""
     if weight.shape[1] % 2:
-        raise ValueError(f"int4 weights pack two values per byte: in_features {weight.shape[1]} must be even")
+        raise ValueError(
+            f"int4 weights pack two values per byte: in_features {weight.shape[1]} must be even"
+        )
     w = weight.float()
     scale = (w.abs().amax(dim=1) if amax is None else amax).clamp(min=1e-12) / INT4_MAX
     q = torch.round(w / scale[:, None]).clamp(-INT4_MAX, INT4_MAX).to(torch.int16)
-    nibbles = q & 0xF                                            # two's complement in 4 bits
+    nibbles = q & 0xF  # two's complement in 4 bits
     return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8), scale
 
 
@@ -61,13 +66,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+def weight_only_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y = x @ dequant(weight)^T (+ bias); x [..., K] in the model's dtype, weight int8 [N, K] or packed int4
     uint8 [N, K / 2], scale fp32 [N]."""
     rows = x.numel() // x.shape[-1]
-    if x.is_cuda and rows == 1:   # one row: the GEMV reads the stored rows as they are
+    if x.is_cuda and rows == 1:  # one row: the GEMV reads the stored rows as they are
         from mmserve.kernels.gemv import gemv, gemv_int4
+
         if weight.dtype == torch.uint8:
             y = gemv_int4(x.reshape(-1), weight, bias, scale, x.dtype)
         else:
@@ -76,13 +83,26 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from mmserve.kernels.fastest import run_fastest
         from mmserve.kernels.weight_only_gemm import SMALL_M, weight_only_gemm
+
         x2 = x.reshape(rows, -1).contiguous()
         if rows <= SMALL_M:
             y = weight_only_gemm(x2, weight, scale, bias)
-        else:   # compute-bound: the in-register dequantization, or cuBLAS on a dequantized copy if that was faster
-            key = ("weight_only_linear", tuple(weight.shape), weight.dtype, x.dtype, rows_bucket(rows), x.device)
-            y = run_fastest(key, [lambda: weight_only_gemm(x2, weight, scale, bias),
-                                  lambda: F.linear(x2, dequantize(weight, scale, x.dtype), bias)])
+        else:  # compute-bound: the in-register dequantization, or cuBLAS on a dequantized copy if that was faster
+            key = (
+                "weight_only_linear",
+                tuple(weight.shape),
+                weight.dtype,
+                x.dtype,
+                rows_bucket(rows),
+                x.device,
+            )
+            y = run_fastest(
+                key,
+                [
+                    lambda: weight_only_gemm(x2, weight, scale, bias),
+                    lambda: F.linear(x2, dequantize(weight, scale, x.dtype), bias),
+                ],
+            )
         return y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, dequantize(weight, scale, x.dtype), bias)
 

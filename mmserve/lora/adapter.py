@@ -5,6 +5,7 @@ it becomes (our module, output rows) through the family's weight renames and the
 so a q_proj delta lands in the q rows of our fused qkv_proj. The delta of a row x is `scaling * (x @ A^T) @ B^T`
 (A [rank, in], B [out, rank]; scaling lora_alpha / r, or / sqrt(r) with rsLoRA).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,20 +27,23 @@ class LoRATarget:
 
     offset: int
     size: int
-    a: torch.Tensor   # [rank, in] (this tensor-parallel rank's input columns)
-    b: torch.Tensor   # [size, rank], scaling folded in
+    a: torch.Tensor  # [rank, in] (this tensor-parallel rank's input columns)
+    b: torch.Tensor  # [size, rank], scaling folded in
 
 
 @dataclass
 class LoRAAdapter:
     name: str
-    digest: str                                       # content hash: part of its requests' prefix-cache keys
+    digest: str  # content hash: part of its requests' prefix-cache keys
     rank: int
-    targets: dict[str, list[LoRATarget]] = field(default_factory=dict)   # our module name -> its parts
+    targets: dict[str, list[LoRATarget]] = field(
+        default_factory=dict
+    )  # our module name -> its parts
 
     @classmethod
-    def load(cls, name: str, path: str | Path, model: nn.Module, device: torch.device,
-             dtype: torch.dtype) -> "LoRAAdapter":
+    def load(
+        cls, name: str, path: str | Path, model: nn.Module, device: torch.device, dtype: torch.dtype
+    ) -> "LoRAAdapter":
         """Read a PEFT adapter directory and resolve it onto `model`; ValueError naming what does not fit."""
         path = Path(path)
         config_file = path / "adapter_config.json"
@@ -47,16 +51,22 @@ class LoRAAdapter:
             raise ValueError(f"LoRA adapter {name!r}: {config_file} not found")
         config = json.loads(config_file.read_text())
         if config.get("peft_type", "LORA").upper() != "LORA":
-            raise ValueError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LoRA")
+            raise ValueError(
+                f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LoRA"
+            )
         if config.get("bias", "none") != "none":
-            raise ValueError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+            raise ValueError(
+                f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')"
+            )
         for key in ("use_dora", "fan_in_fan_out"):
             if config.get(key):
                 raise ValueError(f"LoRA adapter {name!r}: {key} is not supported")
         if config.get("rank_pattern") or config.get("alpha_pattern"):
-            raise ValueError(f"LoRA adapter {name!r}: per-module rank_pattern / alpha_pattern are not supported")
+            raise ValueError(
+                f"LoRA adapter {name!r}: per-module rank_pattern / alpha_pattern are not supported"
+            )
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-        scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+        scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
         tensors, digest = _read_tensors(path)
         adapter = cls(name, digest, rank)
         params = dict(model.named_parameters())
@@ -64,12 +74,16 @@ class LoRAAdapter:
         for key, tensor in tensors.items():
             stem, _, kind = key.rpartition(".lora_")
             if kind not in ("A.weight", "B.weight"):
-                raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A / lora_B weight "
-                                 "(modules_to_save and embedding adapters are not supported)")
+                raise ValueError(
+                    f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A / lora_B weight "
+                    "(modules_to_save and embedding adapters are not supported)"
+                )
             pairs.setdefault(stem, {})[kind[0]] = tensor
         for stem, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
-                raise ValueError(f"LoRA adapter {name!r}: {stem} has no lora_{'B' if 'A' in ab else 'A'}")
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {stem} has no lora_{'B' if 'A' in ab else 'A'}"
+                )
             module_name, shard = _resolve(model, params, stem.removeprefix(_PEFT_PREFIX), name)
             module = model.get_submodule(module_name)
             try:
@@ -77,7 +91,10 @@ class LoRAAdapter:
             except ValueError as e:
                 raise ValueError(f"LoRA adapter {name!r}: {stem} has {e}") from None
             adapter.targets.setdefault(module_name, []).append(
-                LoRATarget(offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype)))
+                LoRATarget(
+                    offset, size, a.to(device, dtype), (b.float() * scaling).to(device, dtype)
+                )
+            )
         if not adapter.targets:
             raise ValueError(f"LoRA adapter {name!r} has no LoRA weights")
         return adapter
@@ -87,20 +104,27 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     safetensors, binary = path / "adapter_model.safetensors", path / "adapter_model.bin"
     if safetensors.is_file():
         from safetensors.torch import load_file
+
         data = safetensors.read_bytes()
         return load_file(str(safetensors)), hashlib.sha256(data).hexdigest()
     if binary.is_file():
         data = binary.read_bytes()
-        return torch.load(str(binary), map_location="cpu", weights_only=True), hashlib.sha256(data).hexdigest()
-    raise ValueError(f"LoRA adapter at {path}: neither adapter_model.safetensors nor adapter_model.bin found")
+        return torch.load(str(binary), map_location="cpu", weights_only=True), hashlib.sha256(
+            data
+        ).hexdigest()
+    raise ValueError(
+        f"LoRA adapter at {path}: neither adapter_model.safetensors nor adapter_model.bin found"
+    )
 
 
-def _resolve(model: nn.Module, params: dict[str, nn.Parameter], hf_module: str, adapter: str) -> tuple[str, object]:
+def _resolve(
+    model: nn.Module, params: dict[str, nn.Parameter], hf_module: str, adapter: str
+) -> tuple[str, object]:
     """(our module name, packed shard id or None) of a checkpoint linear layer of the language model."""
     name = hf_module + ".weight"
     for old, new in getattr(model, "weight_renames", []):
         if name.startswith(old):
-            name = new + name[len(old):]
+            name = new + name[len(old) :]
             break
     shard = None
     if name not in params:
@@ -110,11 +134,19 @@ def _resolve(model: nn.Module, params: dict[str, nn.Parameter], hf_module: str, 
                 break
     module_name = name.removesuffix(".weight")
     if name not in params or not isinstance(model.get_submodule(module_name), LinearBase):
-        raise ValueError(f"LoRA adapter {adapter!r}: {hf_module} is not a linear layer of this model")
-    if not module_name.startswith("language_model.") or module_name.startswith("language_model.lm_head"):
-        raise ValueError(f"LoRA adapter {adapter!r}: {hf_module} is outside the language model's decoder layers; "
-                         "only those take LoRA here")
+        raise ValueError(
+            f"LoRA adapter {adapter!r}: {hf_module} is not a linear layer of this model"
+        )
+    if not module_name.startswith("language_model.") or module_name.startswith(
+        "language_model.lm_head"
+    ):
+        raise ValueError(
+            f"LoRA adapter {adapter!r}: {hf_module} is outside the language model's decoder layers; "
+            "only those take LoRA here"
+        )
     if hasattr(model, "lora_target_ok") and not model.lora_target_ok(module_name):
-        raise ValueError(f"LoRA adapter {adapter!r}: {hf_module} is in a cross-attention layer; LoRA there is not "
-                         "supported")
+        raise ValueError(
+            f"LoRA adapter {adapter!r}: {hf_module} is in a cross-attention layer; LoRA there is not "
+            "supported"
+        )
     return module_name, shard

@@ -7,6 +7,7 @@ targets gets a forward hook; during a step (`step(groups)`), the hook adds each 
 rows of that adapter's sequences, so requests with different adapters and without one share a batch. Outside a
 step the hooks do nothing (CUDA graph captures, encoders). Steps with LoRA rows run eagerly (no CUDA graphs).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,10 +31,14 @@ RowGroup = tuple[LoRAAdapter, torch.Tensor]
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, max_loras: int = 8) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, dtype: torch.dtype, max_loras: int = 8
+    ) -> None:
         self.model, self.device, self.dtype, self.max_loras = model, device, dtype, max_loras
         self.adapters: dict[str, LoRAAdapter] = {}
-        self.evictable: OrderedDict[str, None] = OrderedDict()   # installed adapters, least recently used first
+        self.evictable: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # installed adapters, least recently used first
         # the loaded names, replaced whole on every change: other threads (the server's) read it while the engine
         # thread loads and evicts
         self.names: tuple[str, ...] = ()
@@ -44,7 +49,9 @@ class LoRAManager:
         """Load the PEFT adapter at `path` as `name` (replacing one of that name). ValueError if it does not fit."""
         self._check_loadable(name)
         if name not in self.adapters and len(self.adapters) >= self.max_loras:
-            raise ValueError(f"{len(self.adapters)} LoRA adapters are loaded already (max_loras {self.max_loras})")
+            raise ValueError(
+                f"{len(self.adapters)} LoRA adapters are loaded already (max_loras {self.max_loras})"
+            )
         adapter = LoRAAdapter.load(name, path, self.model, self.device, self.dtype)
         self.install(adapter, evictable=False)
         return adapter
@@ -77,15 +84,19 @@ class LoRAManager:
         current = self.adapters.get(adapter.name)
         if current is not None:
             if current.digest != adapter.digest:
-                raise ValueError(f"lora_weights: LoRA task {adapter.name} is loaded with other weights")
-            self.get(adapter.name)   # most recently used
+                raise ValueError(
+                    f"lora_weights: LoRA task {adapter.name} is loaded with other weights"
+                )
+            self.get(adapter.name)  # most recently used
             return False
-        self._check_loadable(adapter.name)   # before anything is evicted for it
+        self._check_loadable(adapter.name)  # before anything is evicted for it
         if len(self.adapters) >= self.max_loras:
             victim = next((n for n in self.evictable if n not in held), None)
             if victim is None:
-                raise ValueError(f"lora_task_id: all {self.max_loras} LoRA adapter slots (max_loras) hold adapters "
-                                 "loaded at startup or in use")
+                raise ValueError(
+                    f"lora_task_id: all {self.max_loras} LoRA adapter slots (max_loras) hold adapters "
+                    "loaded at startup or in use"
+                )
             self.remove(victim)
             logger.info("LoRA adapter %r evicted for %r", victim, adapter.name)
         self.install(adapter, evictable=True)
@@ -122,7 +133,9 @@ class LoRAManager:
             self._groups = None
 
     def _hook(self, module_name: str):
-        def add_deltas(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        def add_deltas(
+            module: nn.Module, inputs: tuple, output: torch.Tensor
+        ) -> torch.Tensor | None:
             if self._groups is None:
                 return None
             x = inputs[0]
@@ -132,9 +145,10 @@ class LoRAManager:
                 for t in adapter.targets.get(module_name, ()):
                     delta = (x[rows] @ t.a.T) @ t.b.T
                     if partial:
-                        delta = tp_all_reduce(delta)   # identity at TP=1
-                    output[rows, t.offset:t.offset + t.size] += delta.to(output.dtype)
+                        delta = tp_all_reduce(delta)  # identity at TP=1
+                    output[rows, t.offset : t.offset + t.size] += delta.to(output.dtype)
             return output
+
         return add_deltas
 
     def _linears(self) -> Iterator[tuple[str, LinearBase]]:

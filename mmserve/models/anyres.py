@@ -6,6 +6,7 @@ feature grid with the letterbox padding removed (and, for `anyres_max_N`, downsc
 each row ended by `image_newline`. Placeholder counts and packed features come from the same functions,
 so the prompt always has exactly as many placeholders as the model gives embeddings.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,10 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MAX_RATIO = 1.1   # anyres_max_N downscales only grids more than 10% (per side) above N tiles
+MAX_RATIO = 1.1  # anyres_max_N downscales only grids more than 10% (per side) above N tiles
 
 
-def select_best_resolution(size: tuple[int, int], pinpoints: list[tuple[int, int]]) -> tuple[int, int]:
+def select_best_resolution(
+    size: tuple[int, int], pinpoints: list[tuple[int, int]]
+) -> tuple[int, int]:
     """The (height, width) pinpoint that keeps most of the image's pixels, then wastes least; size is (h, w)."""
     h, w = size
     best, best_kept, best_wasted = None, 0, math.inf
@@ -34,7 +37,7 @@ def select_best_resolution(size: tuple[int, int], pinpoints: list[tuple[int, int
 def unpad_box(size: tuple[int, int], rows: int, cols: int) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) of the image inside a rows x cols letterboxed grid (HF's rounding)."""
     h, w = size
-    if w / h > cols / rows:                       # wider than the grid: padding above and below
+    if w / h > cols / rows:  # wider than the grid: padding above and below
         pad = (rows - int(round(h * (cols / w), 7))) // 2
         return pad, rows - pad, 0, cols
     pad = (cols - int(round(w * (rows / h), 7))) // 2
@@ -42,31 +45,39 @@ def unpad_box(size: tuple[int, int], rows: int, cols: int) -> tuple[int, int, in
 
 
 def parse_max_tiles(vision_aspect_ratio: str | None) -> int | None:
-    """"anyres_max_9" -> 9; None (LLaVA-NeXT: plain anyres) -> None."""
+    """ "anyres_max_9" -> 9; None (LLaVA-NeXT: plain anyres) -> None."""
     if vision_aspect_ratio is None:
         return None
     m = re.fullmatch(r"anyres_max_(\d+)", vision_aspect_ratio)
     if not m or int(m.group(1)) < 1:
-        raise ValueError(f"vision_aspect_ratio {vision_aspect_ratio!r} is not supported (expected 'anyres_max_<N>')")
+        raise ValueError(
+            f"vision_aspect_ratio {vision_aspect_ratio!r} is not supported (expected 'anyres_max_<N>')"
+        )
     return int(m.group(1))
 
 
 @dataclass(frozen=True)
 class AnyresSpec:
-    pinpoints: tuple[tuple[int, int], ...]   # candidate mosaic resolutions (height, width) in pixels
-    tile: int                                 # tile side in pixels (the vision tower's image_size)
-    grid: int                                 # features per tile side (tile // patch_size)
-    max_tiles: int | None = None              # anyres_max_N; None = never downscale (LLaVA-NeXT)
+    pinpoints: tuple[tuple[int, int], ...]  # candidate mosaic resolutions (height, width) in pixels
+    tile: int  # tile side in pixels (the vision tower's image_size)
+    grid: int  # features per tile side (tile // patch_size)
+    max_tiles: int | None = None  # anyres_max_N; None = never downscale (LLaVA-NeXT)
 
     @classmethod
     def from_config(cls, config) -> AnyresSpec:
         vc = config.vision_config
         pins = tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints)
         if not pins or any(h % vc.image_size or w % vc.image_size for h, w in pins):
-            raise ValueError(f"image_grid_pinpoints {config.image_grid_pinpoints} must be multiples of the "
-                             f"vision image_size {vc.image_size}")
-        return cls(pins, vc.image_size, vc.image_size // vc.patch_size,
-                   parse_max_tiles(getattr(config, "vision_aspect_ratio", None)))
+            raise ValueError(
+                f"image_grid_pinpoints {config.image_grid_pinpoints} must be multiples of the "
+                f"vision image_size {vc.image_size}"
+            )
+        return cls(
+            pins,
+            vc.image_size,
+            vc.image_size // vc.patch_size,
+            parse_max_tiles(getattr(config, "vision_aspect_ratio", None)),
+        )
 
     def tile_grid(self, size: tuple[int, int]) -> tuple[int, int]:
         """Tiles down and across the mosaic of an image of size (h, w)."""
@@ -82,7 +93,7 @@ class AnyresSpec:
         """anyres_max_N target grid for an unpadded rows x cols grid, or None to keep it."""
         if self.max_tiles is None:
             return None
-        ratio = math.sqrt(rows * cols / (self.max_tiles * self.grid ** 2))
+        ratio = math.sqrt(rows * cols / (self.max_tiles * self.grid**2))
         return (int(rows // ratio), int(cols // ratio)) if ratio > MAX_RATIO else None
 
     def feature_grid(self, size: tuple[int, int]) -> tuple[int, int]:
@@ -95,20 +106,29 @@ class AnyresSpec:
     def num_tokens(self, size: tuple[int, int], tiled: bool = True) -> int:
         """Placeholders of one image: base tile + mosaic rows each ended by a newline (base + newline if not tiled)."""
         if not tiled:
-            return self.grid ** 2 + 1
+            return self.grid**2 + 1
         rows, cols = self.feature_grid(size)
-        return self.grid ** 2 + rows * (cols + 1)
+        return self.grid**2 + rows * (cols + 1)
 
-    def pack(self, tiles: torch.Tensor, size: tuple[int, int], newline: torch.Tensor) -> torch.Tensor:
+    def pack(
+        self, tiles: torch.Tensor, size: tuple[int, int], newline: torch.Tensor
+    ) -> torch.Tensor:
         """tiles [T, grid*grid, D] (base first) of an image of size (h, w) -> [num_tokens, D]."""
         g = self.grid
-        if len(tiles) == 1:                       # base tile only (OneVision multi-image)
+        if len(tiles) == 1:  # base tile only (OneVision multi-image)
             return torch.cat([tiles[0], newline[None].to(tiles)])
         r, c = self.tile_grid(size)
         if len(tiles) != r * c + 1:
             raise ValueError(f"image of size {size} needs {r * c + 1} tiles, got {len(tiles)}")
         # [r*c, g*g, D] -> [D, r*g, c*g]: tile rows then patch rows down, tile cols then patch cols across
-        x = tiles[1:].view(r, c, g, g, -1).permute(4, 0, 2, 1, 3).contiguous().flatten(1, 2).flatten(2, 3)
+        x = (
+            tiles[1:]
+            .view(r, c, g, g, -1)
+            .permute(4, 0, 2, 1, 3)
+            .contiguous()
+            .flatten(1, 2)
+            .flatten(2, 3)
+        )
         top, bottom, left, right = unpad_box(size, r * g, c * g)
         x = x[:, top:bottom, left:right]
         scaled = self._scaled_shape(bottom - top, right - left)

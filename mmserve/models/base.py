@@ -13,6 +13,7 @@ A family class wraps a vision encoder and a causal language model (``self.langua
   model, ``compute_logits`` gives logits; ``uses_mrope`` makes it pass positions as [3, T].
   The loader calls ``load_weights`` with the checkpoint's (name, tensor) pairs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 
 
 class MultiModalCausalLM(nn.Module):
@@ -36,8 +37,10 @@ class MultiModalCausalLM(nn.Module):
     """
 
     language_model: nn.Module
-    uses_mrope: bool = False            # the runner passes positions [3, T] (t, h, w) instead of [T]
-    placeholder_in_prompt: bool = True  # False: the HF processor inserts the placeholder tokens itself
+    uses_mrope: bool = False  # the runner passes positions [3, T] (t, h, w) instead of [T]
+    placeholder_in_prompt: bool = (
+        True  # False: the HF processor inserts the placeholder tokens itself
+    )
     # True: get_mm_embeddings of items with equal input shapes has no host syncs and no data-dependent
     # shapes, so the runner may replay it from CUDA graphs (worker/encoder_graphs.py)
     encoder_cuda_graphs: bool = False
@@ -54,8 +57,9 @@ class MultiModalCausalLM(nn.Module):
     weight_renames: list[tuple[str, str]] = []
 
     @classmethod
-    def build_mm_items(cls, hf_config: Any, enc: Any, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config: Any, enc: Any, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """One ``MultiModalItem`` per image / video of the prompt: its placeholder run in ``ids`` (offset,
         length), its encoder inputs taken from the HF processor output ``enc``, and its cache key."""
         raise NotImplementedError
@@ -89,11 +93,12 @@ class MultiModalCausalLM(nn.Module):
         encoding so the scheduler can hold pool blocks for them."""
         raise NotImplementedError
 
-    def cross_kv_order(self, items: list[MultiModalItem], prompt_len: int) -> tuple[torch.Tensor | None, int]:
+    def cross_kv_order(
+        self, items: list[MultiModalItem], prompt_len: int
+    ) -> tuple[torch.Tensor | None, int]:
         """Cross-attention families: (order, n): the pool keeps a request's concatenated encoder tokens in this
         order (None: as they are), the n its generated tokens attend first. Default: they attend all."""
         return None, sum(self.cross_kv_tokens(it) for it in items)
-
 
     def drop_encoders(self) -> None:
         """Free every submodule but the language model: a tensor-parallel worker runs the text path only (the
@@ -106,7 +111,9 @@ class MultiModalCausalLM(nn.Module):
         """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, text_hidden]; ``positions`` [T], or [3, T] (t, h, w) with M-RoPE ([T] = text only)."""
         return self.language_model(inputs_embeds, positions, meta)
 
@@ -120,8 +127,10 @@ def check_single_image(image_keys: list[str], video_keys: list[str], required: b
     which read exactly one); ValueError otherwise."""
     if video_keys or len(image_keys) > 1 or (required and not image_keys):
         how = "exactly" if required else "at most"
-        raise ValueError(f"this model takes {how} one image per prompt, got {len(image_keys)} image(s) and "
-                         f"{len(video_keys)} video(s)")
+        raise ValueError(
+            f"this model takes {how} one image per prompt, got {len(image_keys)} image(s) and "
+            f"{len(video_keys)} video(s)"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """BLIP-2 family: ViT vision tower + Q-Former (learned queries cross-attending to the image) + projection
 + OPT backbone (HF `Salesforce/blip2-opt-*` checkpoints). One image becomes `num_query_tokens` embeddings."""
+
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.cross_attention import attend_batched
 from mmserve.layers.linear import ReplicatedLinear
@@ -35,15 +36,23 @@ class Blip2VisionEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.empty(1, 1, h), requires_grad=False)
         self.patch_embedding = nn.Conv2d(3, h, p, p)
         num_positions = (config.image_size // p) ** 2 + 1
-        self.position_embedding = nn.Parameter(torch.empty(1, num_positions, h), requires_grad=False)
+        self.position_embedding = nn.Parameter(
+            torch.empty(1, num_positions, h), requires_grad=False
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values [N, 3, H, W] -> [N, 1 + patches, hidden]
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        patches = (
+            self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+            .flatten(2)
+            .transpose(1, 2)
+        )
         x = torch.cat([self.class_embedding.expand(len(patches), 1, -1), patches], dim=1)
         if x.shape[1] != self.position_embedding.shape[1]:
-            raise ValueError(f"image gives {x.shape[1] - 1} patches but the vision tower has positions for "
-                             f"{self.position_embedding.shape[1] - 1}")
+            raise ValueError(
+                f"image gives {x.shape[1] - 1} patches but the vision tower has positions for "
+                f"{self.position_embedding.shape[1] - 1}"
+            )
         return x + self.position_embedding
 
 
@@ -74,7 +83,13 @@ class Blip2VisionModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embeddings = Blip2VisionEmbeddings(config)
-        self.encoder = _Stack("layers", [CLIPEncoderLayer(config, Blip2VisionAttention) for _ in range(config.num_hidden_layers)])
+        self.encoder = _Stack(
+            "layers",
+            [
+                CLIPEncoderLayer(config, Blip2VisionAttention)
+                for _ in range(config.num_hidden_layers)
+            ],
+        )
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -158,7 +173,9 @@ class Blip2QFormerModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.encoder = _Stack("layer", [Blip2QFormerLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.encoder = _Stack(
+            "layer", [Blip2QFormerLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
 
     def forward(self, queries: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         # queries [N, Q, qformer_hidden], image [N, S, vision_hidden] -> [N, Q, qformer_hidden]
@@ -174,10 +191,12 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     front of the prompt. The Q-Former and query tokens stay in fp32 whatever the model dtype, as in
     transformers (`_keep_in_fp32_modules`)."""
 
-    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    weight_renames = (
+        WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    )
     encoder_cuda_graphs = True
 
-    placeholder_in_prompt = False   # the HF processor inserts the image tokens itself
+    placeholder_in_prompt = False  # the HF processor inserts the image tokens itself
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -185,8 +204,10 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
         text = self.text_config = config.text_config
         qcfg = config.qformer_config
         self.vision_model = Blip2VisionModel(config.vision_config)
-        self.query_tokens = nn.Parameter(torch.empty(1, config.num_query_tokens, qcfg.hidden_size,
-                                                     dtype=torch.float32), requires_grad=False)
+        self.query_tokens = nn.Parameter(
+            torch.empty(1, config.num_query_tokens, qcfg.hidden_size, dtype=torch.float32),
+            requires_grad=False,
+        )
         self.qformer = Blip2QFormerModel(qcfg).float()
         self.language_projection = ReplicatedLinear(qcfg.hidden_size, text.hidden_size, bias=True)
         self.language_model = self._language_model(text)
@@ -196,41 +217,58 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     @staticmethod
     def _language_model(text) -> nn.Module:
         if text.model_type != "opt":
-            raise ValueError(f"BLIP-2 with a {text.model_type!r} language model is not supported (OPT, T5)")
+            raise ValueError(
+                f"BLIP-2 with a {text.model_type!r} language model is not supported (OPT, T5)"
+            )
         if text.word_embed_proj_dim != text.hidden_size:
-            raise ValueError("BLIP-2 needs OPT's word_embed_proj_dim == hidden_size (the projection writes "
-                             "hidden_size-wide image embeddings into the word-embedding stream)")
+            raise ValueError(
+                "BLIP-2 needs OPT's word_embed_proj_dim == hidden_size (the projection writes "
+                "hidden_size-wide image embeddings into the word-embedding stream)"
+            )
         return OPTForCausalLM(text)
 
     def query_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] images -> [N, num_query_tokens, text_hidden]: vision tower, Q-Former, projection."""
-        image = self.vision_model(pixels)                                         # [N, S, vision_hidden]
+        image = self.vision_model(pixels)  # [N, S, vision_hidden]
         queries = self.query_tokens.expand(len(pixels), -1, -1)
-        out = self.qformer(queries, image.to(queries.dtype)).to(image.dtype)     # [N, Q, qformer_hidden]
+        out = self.qformer(queries, image.to(queries.dtype)).to(
+            image.dtype
+        )  # [N, Q, qformer_hidden]
         return self.language_projection(out)
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """The single image's run of `num_query_tokens` image tokens and its pixel_values [3, H, W]."""
         check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
             return []
         n = hf_config.num_query_tokens
         (offset,) = placeholder_runs(ids, hf_config.image_token_index, [n])
-        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, offset, n, image_keys[0])]
+        return [
+            MultiModalItem(
+                "image", {"pixel_values": enc["pixel_values"][0]}, offset, n, image_keys[0]
+            )
+        ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode images in one batch. Returns one [num_query_tokens, text_hidden] tensor per item."""
         feats = list(self.query_embeddings(torch.stack([it.data["pixel_values"] for it in items])))
         for item, emb in zip(items, feats):
             if len(emb) != item.length:
-                raise ValueError(f"image gives {len(emb)} embeddings but the prompt has {item.length} image tokens")
+                raise ValueError(
+                    f"image gives {len(emb)} embeddings but the prompt has {item.length} image tokens"
+                )
         return feats
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        ignore = ("position_ids",) + (("language_model.lm_head.",) if self.language_model.tied else ())
-        load_weights(self, _used(weights), self.weight_renames, OPTForCausalLM.packed_modules, ignore=ignore)
+        ignore = ("position_ids",) + (
+            ("language_model.lm_head.",) if self.language_model.tied else ()
+        )
+        load_weights(
+            self, _used(weights), self.weight_renames, OPTForCausalLM.packed_modules, ignore=ignore
+        )
 
 
 def _used(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,6 +3,7 @@ query tokens and the question go through the T5 encoder once per request; the de
 start token, attending the encoder states through every layer's cross-attention (the encoder-decoder path of
 `nougat.py`). The encoder's input holds the text, so the item's identity is the picture and the text together.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.models.base import CrossKVLayout, check_single_image
 from mmserve.models.blip2 import Blip2ForConditionalGeneration, _used
 from mmserve.models.t5 import T5LanguageModel
@@ -23,7 +24,9 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
     uses_cross_attention = True
     cross_decode_graphs = True
     encoder_decoder = True
-    encoder_reads_text = True   # the processor's ids (query tokens + question) are the encoder's input
+    encoder_reads_text = (
+        True  # the processor's ids (query tokens + question) are the encoder's input
+    )
     encoder_cuda_graphs = False
 
     @staticmethod
@@ -36,16 +39,25 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
         return [hf_config.text_config.decoder_start_token_id]
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         check_single_image(image_keys, video_keys, required=True)
         encoder_ids = enc["encoder_input_ids"][0].long()
         n = hf_config.num_query_tokens
         if int((encoder_ids == hf_config.image_token_index).sum()) != n:
             raise ValueError(f"the encoder input needs {n} image tokens")
         key = f"{image_keys[0]}:{hashlib.sha256(encoder_ids.numpy().tobytes()).hexdigest()[:32]}"
-        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0], "input_ids": encoder_ids}, 0, 1,
-                               key, kv_from=0)]
+        return [
+            MultiModalItem(
+                "image",
+                {"pixel_values": enc["pixel_values"][0], "input_ids": encoder_ids},
+                0,
+                1,
+                key,
+                kv_from=0,
+            )
+        ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per request: every decoder layer's cross keys/values over the T5 encoder's states of [query tokens with
@@ -80,5 +92,7 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
                 seen.add(name)
                 yield name, tensor
 
-        load_weights(self, tracked(), self.weight_renames, {}, ignore=("position_ids", "embed_tokens.weight"))
+        load_weights(
+            self, tracked(), self.weight_renames, {}, ignore=("position_ids", "embed_tokens.weight")
+        )
         self.language_model.share_head_if_absent(seen)

@@ -1,4 +1,5 @@
 """CLIP vision tower (ViT with class token and learned positions), returning any layer's hidden states."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,13 @@ class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.class_embedding = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
-                                         config.patch_size, bias=False)
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels,
+            config.hidden_size,
+            config.patch_size,
+            config.patch_size,
+            bias=False,
+        )
         num_positions = (config.image_size // config.patch_size) ** 2 + 1
         self.position_embedding = nn.Embedding(num_positions, config.hidden_size)
         for p in self.parameters():
@@ -42,9 +48,11 @@ class CLIPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, s, _ = x.shape
-        q, k, v = (p(x).view(n, s, self.num_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+        q, k, v = (
+            p(x).view(n, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(o.transpose(1, 2).reshape(n, s, -1))
 
 
@@ -77,7 +85,9 @@ class CLIPEncoderLayer(nn.Module):
 class CLIPEncoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
 
 
 class CLIPVisionTower(nn.Module):

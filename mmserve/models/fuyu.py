@@ -5,13 +5,14 @@ The processor lays a picture out as rows of `|SPEAKER|` image tokens, each row e
 plain token, embedded as such). Each row is one MultiModalItem here: a contiguous run of image tokens with its
 patches, keyed by the picture's hash and the row, so the runner's chunking and caches work per row unchanged.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.llama import LlamaForCausalLM
@@ -42,9 +43,11 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 class FuyuForCausalLM(MultiModalCausalLM):
     """Picture rows of image tokens -> linear patch embeddings; everything else is the Persimmon decoder."""
 
-    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    weight_renames = (
+        WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    )
 
-    placeholder_in_prompt = False   # the processor lays out the picture's tokens itself
+    placeholder_in_prompt = False  # the processor lays out the picture's tokens itself
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -52,11 +55,14 @@ class FuyuForCausalLM(MultiModalCausalLM):
         self.text_config = config.text_config
         patch = config.patch_size * config.patch_size * config.num_channels
         self.vision_embed_tokens = ReplicatedLinear(patch, self.text_config.hidden_size, bias=True)
-        self.language_model = LlamaForCausalLM(self.text_config, backbone=PersimmonModel(self.text_config))
+        self.language_model = LlamaForCausalLM(
+            self.text_config, backbone=PersimmonModel(self.text_config)
+        )
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """One item per row of the picture's image tokens, with that row's patches [row width, 3 * 30 * 30]."""
         check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
@@ -66,11 +72,20 @@ class FuyuForCausalLM(MultiModalCausalLM):
         patches = patches.reshape(-1, patches.shape[-1])
         runs = image_token_runs(ids, hf_config.image_token_id)
         if sum(n for _, n in runs) != len(patches):
-            raise ValueError(f"the prompt has {sum(n for _, n in runs)} image tokens for {len(patches)} patches")
+            raise ValueError(
+                f"the prompt has {sum(n for _, n in runs)} image tokens for {len(patches)} patches"
+            )
         items, start = [], 0
         for row, (offset, n) in enumerate(runs):
-            items.append(MultiModalItem("image", {"patches": patches[start:start + n]}, offset, n,
-                                        f"{image_keys[0]}:row{row}"))
+            items.append(
+                MultiModalItem(
+                    "image",
+                    {"patches": patches[start : start + n]},
+                    offset,
+                    n,
+                    f"{image_keys[0]}:row{row}",
+                )
+            )
             start += n
         return items
 
@@ -80,5 +95,10 @@ class FuyuForCausalLM(MultiModalCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = bool(getattr(self.text_config, "tie_word_embeddings", False))
-        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
-                     ignore=("rotary_emb.inv_freq",) + (("lm_head.",) if tied else ()))
+        load_weights(
+            self,
+            weights,
+            self.weight_renames,
+            LlamaForCausalLM.packed_modules,
+            ignore=("rotary_emb.inv_freq",) + (("lm_head.",) if tied else ()),
+        )

@@ -5,6 +5,7 @@ the MLP after the activation), scaled token embeddings and fixed sinusoidal posi
 
 Text positions start at `pad_token_id + 1` (fairseq's convention, which the sinusoid table follows).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,12 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.distributed import get_tp_size
-from mmserve.engine.request import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_batched
-from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from mmserve.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from mmserve.layers.norm import ShardedLayerNorm
 from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPVisionTower
@@ -63,7 +69,7 @@ class Kosmos2TextAttention(nn.Module):
         self.inner_attn_ln = ShardedLayerNorm(dim, eps=config.layer_norm_eps)
         self.out_proj = RowParallelLinear(dim, dim, bias=True)
         local = heads // get_tp_size()
-        self.attn = Attention(local, self.head_dim, local, self.head_dim ** -0.5)
+        self.attn = Attention(local, self.head_dim, local, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -75,7 +81,9 @@ class Kosmos2TextFFN(nn.Module):
         super().__init__()
         self.fc1 = ColumnParallelLinear(config.embed_dim, config.ffn_dim, bias=True)
         self.act = get_act_fn(config.activation_function)
-        self.ffn_layernorm = ShardedLayerNorm(config.ffn_dim, eps=config.layer_norm_eps)   # fc1's columns
+        self.ffn_layernorm = ShardedLayerNorm(
+            config.ffn_dim, eps=config.layer_norm_eps
+        )  # fc1's columns
         self.fc2 = RowParallelLinear(config.ffn_dim, config.embed_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,15 +113,26 @@ class Kosmos2TextDecoder(nn.Module):
         self.embed_scale = math.sqrt(config.embed_dim) if config.scale_embedding else 1.0
         self.position_offset = (config.pad_token_id if config.pad_token_id is not None else -1) + 1
         self.embed_tokens = nn.Embedding(config.vocab_size, config.embed_dim)
-        self.register_buffer("positions", sinusoid_table(config.max_position_embeddings + self.position_offset + 2,
-                                                         config.embed_dim, config.pad_token_id), persistent=False)
+        self.register_buffer(
+            "positions",
+            sinusoid_table(
+                config.max_position_embeddings + self.position_offset + 2,
+                config.embed_dim,
+                config.pad_token_id,
+            ),
+            persistent=False,
+        )
         self.layers = nn.ModuleList(Kosmos2TextBlock(config) for _ in range(config.layers))
         self.layer_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = inputs_embeds * self.embed_scale + self.positions[positions + self.position_offset].to(inputs_embeds.dtype)
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = inputs_embeds * self.embed_scale + self.positions[positions + self.position_offset].to(
+            inputs_embeds.dtype
+        )
         for layer in self.layers:
             x = layer(x, meta)
         return self.layer_norm(x)
@@ -127,24 +146,35 @@ class Kosmos2ImageToTextProjection(nn.Module):
         text = config.text_config
         dim, self.num_heads = text.embed_dim, text.attention_heads
         self.dense = ReplicatedLinear(config.vision_config.hidden_size, dim, bias=True)
-        self.latent_query = nn.Parameter(torch.empty(config.latent_query_num, dim), requires_grad=False)
-        self.x_attn = nn.ModuleDict({name: ReplicatedLinear(dim, dim, bias=True)
-                                     for name in ("q_proj", "k_proj", "v_proj", "out_proj")})
+        self.latent_query = nn.Parameter(
+            torch.empty(config.latent_query_num, dim), requires_grad=False
+        )
+        self.x_attn = nn.ModuleDict(
+            {
+                name: ReplicatedLinear(dim, dim, bias=True)
+                for name in ("q_proj", "k_proj", "v_proj", "out_proj")
+            }
+        )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         latent = self.latent_query.expand(len(features), -1, -1)
         states = torch.cat([self.dense(features), latent], dim=1)
         a = self.x_attn
-        return a["out_proj"](attend_batched(a["q_proj"](latent), a["k_proj"](states), a["v_proj"](states),
-                                            self.num_heads))
+        return a["out_proj"](
+            attend_batched(
+                a["q_proj"](latent), a["k_proj"](states), a["v_proj"](states), self.num_heads
+            )
+        )
 
 
 class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     """One image per prompt: its latent-query embeddings fill the image span the processor puts first."""
 
-    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    weight_renames = (
+        WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    )
 
-    placeholder_in_prompt = False   # the processor writes <image>, the span and </image> itself
+    placeholder_in_prompt = False  # the processor writes <image>, the span and </image> itself
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -152,19 +182,32 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
         self.text_config = config.text_config
         self.vision_model = CLIPVisionTower(config.vision_config)
         self.image_to_text_projection = Kosmos2ImageToTextProjection(config)
-        self.language_model = LlamaForCausalLM(self.text_config, backbone=Kosmos2TextDecoder(self.text_config))
+        self.language_model = LlamaForCausalLM(
+            self.text_config, backbone=Kosmos2TextDecoder(self.text_config)
+        )
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """The image span (where image_embeds_position_mask is 1) and the image's pixel_values [3, H, W]."""
         check_single_image(image_keys, video_keys, required=False)
         if not image_keys:
             return []
         span = [i for i, m in enumerate(enc["image_embeds_position_mask"][0].tolist()) if m]
-        if not span or span[-1] - span[0] != len(span) - 1 or len(span) != hf_config.latent_query_num:
-            raise ValueError(f"the image span has {len(span)} positions; the model gives {hf_config.latent_query_num}")
-        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, span[0], len(span), image_keys[0])]
+        if (
+            not span
+            or span[-1] - span[0] != len(span) - 1
+            or len(span) != hf_config.latent_query_num
+        ):
+            raise ValueError(
+                f"the image span has {len(span)} positions; the model gives {hf_config.latent_query_num}"
+            )
+        return [
+            MultiModalItem(
+                "image", {"pixel_values": enc["pixel_values"][0]}, span[0], len(span), image_keys[0]
+            )
+        ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         pixels = torch.stack([it.data["pixel_values"] for it in items])
@@ -173,7 +216,14 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
         return list(self.image_to_text_projection(states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = bool(getattr(self.text_config, "tie_word_embeddings", False)
-                    or getattr(self.config, "tie_word_embeddings", False))
-        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
-                     ignore=("position_ids", "embed_positions.weights") + (("lm_head.",) if tied else ()))
+        tied = bool(
+            getattr(self.text_config, "tie_word_embeddings", False)
+            or getattr(self.config, "tie_word_embeddings", False)
+        )
+        load_weights(
+            self,
+            weights,
+            self.weight_renames,
+            LlamaForCausalLM.packed_modules,
+            ignore=("position_ids", "embed_positions.weights") + (("lm_head.",) if tied else ()),
+        )

@@ -1,4 +1,5 @@
 """LLaVA-1.5 family: CLIP vision tower + MLP projector + Llama-style backbone (HF `llava-hf` checkpoints)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -6,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM
@@ -40,7 +41,9 @@ class LlavaProjector(nn.Module):
 class LlavaForConditionalGeneration(MultiModalCausalLM):
     """One image -> `length` embeddings that replace its `<image>` placeholder tokens."""
 
-    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    weight_renames = (
+        WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    )
     encoder_cuda_graphs = True
 
     def __init__(self, config) -> None:
@@ -51,35 +54,52 @@ class LlavaForConditionalGeneration(MultiModalCausalLM):
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
         self.select_strategy = config.vision_feature_select_strategy
         if self.select_strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy {self.select_strategy!r} is not supported")
+            raise ValueError(
+                f"vision_feature_select_strategy {self.select_strategy!r} is not supported"
+            )
         self.vision_tower = CLIPVisionTower(config.vision_config)
         self.multi_modal_projector = LlavaProjector(
-            config.vision_config.hidden_size * len(self.feature_layers), config.text_config.hidden_size,
-            config.projector_hidden_act, getattr(config, "multimodal_projector_bias", True))
+            config.vision_config.hidden_size * len(self.feature_layers),
+            config.text_config.hidden_size,
+            config.projector_hidden_act,
+            getattr(config, "multimodal_projector_bias", True),
+        )
         self.language_model = LlamaForCausalLM(config.text_config)
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """Each image's `<image>` run (all runs equally long) and its pixel_values [3, H, W]."""
         runs = equal_runs(ids, hf_config.image_token_index, len(image_keys))
-        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][k]}, off, n, image_keys[k])
-                for k, (off, n) in enumerate(runs)]
+        return [
+            MultiModalItem("image", {"pixel_values": enc["pixel_values"][k]}, off, n, image_keys[k])
+            for k, (off, n) in enumerate(runs)
+        ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode images in one batch. Returns one [length, text_hidden] tensor per item."""
-        pixels = torch.stack([it.data["pixel_values"] for it in items])          # [N, 3, H, W]
+        pixels = torch.stack([it.data["pixel_values"] for it in items])  # [N, 3, H, W]
         states = self.vision_tower(pixels, self.feature_layers)
         if self.select_strategy == "default":
             states = [s[:, 1:] for s in states]
-        feats = self.multi_modal_projector(torch.cat(states, dim=-1))             # [N, S, text_hidden]
+        feats = self.multi_modal_projector(torch.cat(states, dim=-1))  # [N, S, text_hidden]
         out = list(feats)
         for item, emb in zip(items, out):
             if len(emb) != item.length:
-                raise ValueError(f"image gives {len(emb)} embeddings but the prompt has {item.length} placeholders")
+                raise ValueError(
+                    f"image gives {len(emb)} embeddings but the prompt has {item.length} placeholders"
+                )
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = getattr(self.text_config, "tie_word_embeddings", False) or getattr(self.config, "tie_word_embeddings", False)
-        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
-                     ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if tied else ()))
+        tied = getattr(self.text_config, "tie_word_embeddings", False) or getattr(
+            self.config, "tie_word_embeddings", False
+        )
+        load_weights(
+            self,
+            weights,
+            self.weight_renames,
+            LlamaForCausalLM.packed_modules,
+            ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if tied else ()),
+        )

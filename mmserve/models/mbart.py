@@ -5,6 +5,7 @@ Pre-LN blocks of self-attention, cross-attention over the sequence's encoder key
 LayerNorm on the embeddings and one after the last block. The LM head around it is
 `llama.LlamaForCausalLM(config, backbone=MBartDecoder(config))`.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-POSITION_OFFSET = 2   # MBart's learned positions start at row 2
+POSITION_OFFSET = 2  # MBart's learned positions start at row 2
 
 
 class MBartSelfAttention(nn.Module):
@@ -28,7 +29,7 @@ class MBartSelfAttention(nn.Module):
         self.head_dim = d // heads
         self.qkv_proj = QKVParallelLinear(d, self.head_dim, heads, heads, bias=True)
         self.out_proj = RowParallelLinear(d, d, bias=True)
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim ** -0.5)
+        self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -50,13 +51,20 @@ class MBartCrossAttention(nn.Module):
     def project_kv(self, states: torch.Tensor) -> torch.Tensor:
         """[T, d_model] encoder states -> [T, 2, heads, head_dim]."""
         t = len(states)
-        return torch.stack([self.k_proj(states).view(t, self.num_heads, self.head_dim),
-                            self.v_proj(states).view(t, self.num_heads, self.head_dim)], dim=1)
+        return torch.stack(
+            [
+                self.k_proj(states).view(t, self.num_heads, self.head_dim),
+                self.v_proj(states).view(t, self.num_heads, self.head_dim),
+            ],
+            dim=1,
+        )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = len(x)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        return self.out_proj(attend_cross(q, meta.cross, self.slot, self.head_dim ** -0.5).view(n, -1))
+        return self.out_proj(
+            attend_cross(q, meta.cross, self.slot, self.head_dim**-0.5).view(n, -1)
+        )
 
 
 class MBartDecoderLayer(nn.Module):
@@ -83,15 +91,23 @@ class MBartDecoder(nn.Module):
         super().__init__()
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.d_model)
+        self.embed_positions = nn.Embedding(
+            config.max_position_embeddings + POSITION_OFFSET, config.d_model
+        )
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
-        self.layers = nn.ModuleList(MBartDecoderLayer(config, i) for i in range(config.decoder_layers))
+        self.layers = nn.ModuleList(
+            MBartDecoderLayer(config, i) for i in range(config.decoder_layers)
+        )
         self.layer_norm = nn.LayerNorm(config.d_model)
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(inputs_embeds):
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(
+            inputs_embeds
+        ):
             raise ValueError("every sequence of an encoder-decoder model needs its encoder states")
         x = inputs_embeds * self.embed_scale + self.embed_positions(positions + POSITION_OFFSET)
         x = self.layernorm_embedding(x)

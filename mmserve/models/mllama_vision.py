@@ -3,6 +3,7 @@
 Mirrors transformers' `MllamaVisionModel` (parameter names included, so `model.vision_model.X` checkpoint
 tensors load by stripping the prefix), with images as the batch: [N, tiles, C, H, W] -> [N, tiles, patches, out].
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -15,7 +16,9 @@ from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.clip import CLIPMLP
 from mmserve.models.weights import load_weights
 
-PAD_MULTIPLE = 8   # each tile's sequence (class token + patches) is zero-padded to a multiple of this
+PAD_MULTIPLE = (
+    8  # each tile's sequence (class token + patches) is zero-padded to a multiple of this
+)
 
 
 class MllamaPrecomputedAspectRatioEmbedding(nn.Module):
@@ -24,7 +27,9 @@ class MllamaPrecomputedAspectRatioEmbedding(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.max_num_tiles, self.hidden_size = config.max_num_tiles, config.hidden_size
-        self.embedding = nn.Embedding(config.max_aspect_ratio_id + 1, self.max_num_tiles * self.hidden_size)
+        self.embedding = nn.Embedding(
+            config.max_aspect_ratio_id + 1, self.max_num_tiles * self.hidden_size
+        )
         self.gate = nn.Parameter(torch.zeros(1))
 
     def forward(self, x: torch.Tensor, aspect_ratio_ids: torch.Tensor) -> torch.Tensor:
@@ -42,8 +47,9 @@ class MllamaPrecomputedPositionEmbedding(nn.Module):
         self.num_patches = (config.image_size // config.patch_size) ** 2 + 1
         self.gate = nn.Parameter(torch.zeros(1))
         self.embedding = nn.Parameter(torch.zeros(self.num_patches, self.hidden_size))
-        self.tile_embedding = nn.Embedding(config.max_aspect_ratio_id + 1,
-                                           self.max_num_tiles * self.num_patches * self.hidden_size)
+        self.tile_embedding = nn.Embedding(
+            config.max_aspect_ratio_id + 1, self.max_num_tiles * self.num_patches * self.hidden_size
+        )
 
     def forward(self, x: torch.Tensor, aspect_ratio_ids: torch.Tensor) -> torch.Tensor:
         # x [N, tiles, patches, hidden]; aspect_ratio_ids [N]
@@ -67,9 +73,11 @@ class MllamaVisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # x [N, S, hidden]; mask [N, 1, S, S] additive
         n, s, _ = x.shape
-        q, k, v = (p(x).view(n, s, self.num_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        q, k, v = (
+            p(x).view(n, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(n, s, -1))
 
 
@@ -80,7 +88,7 @@ class MllamaVisionEncoderLayer(nn.Module):
         super().__init__()
         self.is_gated = is_gated
         self.self_attn = MllamaVisionAttention(config)
-        self.mlp = CLIPMLP(config)   # fc1, act, fc2: the same block
+        self.mlp = CLIPMLP(config)  # fc1, act, fc2: the same block
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         if is_gated:
@@ -97,10 +105,13 @@ class MllamaVisionEncoderLayer(nn.Module):
 class MllamaVisionEncoder(nn.Module):
     def __init__(self, config, num_layers: int, is_gated: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MllamaVisionEncoderLayer(config, is_gated) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            MllamaVisionEncoderLayer(config, is_gated) for _ in range(num_layers)
+        )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor,
-                keep: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, keep: Iterable[int] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns the last output and {i: state} for i in `keep`, state i being the output of layer i."""
         keep, states = set(keep), {}
         for i, layer in enumerate(self.layers):
@@ -110,8 +121,9 @@ class MllamaVisionEncoder(nn.Module):
         return x, states
 
 
-def aspect_ratio_attention_bias(aspect_ratio_mask: torch.Tensor, num_patches: int, padded_len: int,
-                                dtype: torch.dtype) -> torch.Tensor:
+def aspect_ratio_attention_bias(
+    aspect_ratio_mask: torch.Tensor, num_patches: int, padded_len: int, dtype: torch.dtype
+) -> torch.Tensor:
     """HF's `_prepare_aspect_ratio_attention_mask`: an additive [N, 1, S, S] bias over S = tiles * padded_len
     tokens that is finfo.min where BOTH query and key are invalid (padded tile or padding token), else 0.
 
@@ -120,8 +132,8 @@ def aspect_ratio_attention_bias(aspect_ratio_mask: torch.Tensor, num_patches: in
     so HF's `[-0:]` slicing corner is never reached.
     """
     n, tiles = aspect_ratio_mask.shape
-    token_valid = torch.arange(padded_len, device=aspect_ratio_mask.device) < num_patches        # [L]
-    valid = aspect_ratio_mask.to(torch.bool)[:, :, None] & token_valid                           # [N, tiles, L]
+    token_valid = torch.arange(padded_len, device=aspect_ratio_mask.device) < num_patches  # [L]
+    valid = aspect_ratio_mask.to(torch.bool)[:, :, None] & token_valid  # [N, tiles, L]
     invalid = (~valid).reshape(n, tiles * padded_len).to(dtype)
     return (invalid[:, :, None] * invalid[:, None, :] * torch.finfo(dtype).min).unsqueeze(1)
 
@@ -142,15 +154,24 @@ class MllamaVisionTower(nn.Module):
         self.padded_len = -(-self.num_patches // PAD_MULTIPLE) * PAD_MULTIPLE
         self.intermediate_layers = list(config.intermediate_layers_indices)
         if intermediates_are_layer_inputs and min(self.intermediate_layers) < 1:
-            raise ValueError("intermediate index 0 as a layer input would be the embeddings; not supported")
+            raise ValueError(
+                "intermediate index 0 as a layer input would be the embeddings; not supported"
+            )
         self.intermediate_shift = 1 if intermediates_are_layer_inputs else 0
         expected = config.hidden_size * (1 + len(self.intermediate_layers))
         if getattr(config, "vision_output_dim", expected) != expected:
-            raise ValueError(f"vision_output_dim {config.vision_output_dim} != hidden_size * (1 + "
-                             f"{len(self.intermediate_layers)} intermediate layers) = {expected}")
+            raise ValueError(
+                f"vision_output_dim {config.vision_output_dim} != hidden_size * (1 + "
+                f"{len(self.intermediate_layers)} intermediate layers) = {expected}"
+            )
 
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
-                                         config.patch_size, bias=False)
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels,
+            config.hidden_size,
+            config.patch_size,
+            config.patch_size,
+            bias=False,
+        )
         self.class_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self.gated_positional_embedding = MllamaPrecomputedPositionEmbedding(config)
         self.pre_tile_positional_embedding = MllamaPrecomputedAspectRatioEmbedding(config)
@@ -159,7 +180,9 @@ class MllamaVisionTower(nn.Module):
         self.layernorm_pre = nn.LayerNorm(config.hidden_size)
         self.layernorm_post = nn.LayerNorm(config.hidden_size)
         self.transformer = MllamaVisionEncoder(config, config.num_hidden_layers, is_gated=False)
-        self.global_transformer = MllamaVisionEncoder(config, config.num_global_layers, is_gated=True)
+        self.global_transformer = MllamaVisionEncoder(
+            config, config.num_global_layers, is_gated=True
+        )
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -168,15 +191,21 @@ class MllamaVisionTower(nn.Module):
         n, tiles = pixel_values.shape[:2]
         w = self.patch_embedding.weight
         x = self.patch_embedding(pixel_values.flatten(0, 1).to(w.device, w.dtype))
-        x = x.flatten(2).transpose(1, 2).reshape(n, tiles, -1, self.hidden_size)   # [N, tiles, patches-1, hidden]
+        x = (
+            x.flatten(2).transpose(1, 2).reshape(n, tiles, -1, self.hidden_size)
+        )  # [N, tiles, patches-1, hidden]
         x = self.pre_tile_positional_embedding(x, aspect_ratio_ids)
         cls = self.class_embedding.expand(n, tiles, 1, self.hidden_size)
         x = torch.cat([cls, x], dim=2)
         x = self.gated_positional_embedding(x, aspect_ratio_ids)
         return self.layernorm_pre(x)
 
-    def forward(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
-                aspect_ratio_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        aspect_ratio_ids: torch.Tensor,
+        aspect_ratio_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Encode N independent images.
 
         Args:
@@ -190,12 +219,16 @@ class MllamaVisionTower(nn.Module):
         """
         n, tiles = pixel_values.shape[:2]
         if tiles != self.max_num_tiles:
-            raise ValueError(f"pixel_values has {tiles} tiles per image; the model's max_num_tiles is {self.max_num_tiles}")
+            raise ValueError(
+                f"pixel_values has {tiles} tiles per image; the model's max_num_tiles is {self.max_num_tiles}"
+            )
         aspect_ratio_ids = aspect_ratio_ids.reshape(n).to(self.patch_embedding.weight.device)
         p, lp, h = self.num_patches, self.padded_len, self.hidden_size
         x = self.embed(pixel_values, aspect_ratio_ids)
-        x = F.pad(x, (0, 0, 0, lp - p))                                              # zeros after layernorm_pre
-        mask = aspect_ratio_attention_bias(aspect_ratio_mask.reshape(n, tiles).to(x.device), p, lp, x.dtype)
+        x = F.pad(x, (0, 0, 0, lp - p))  # zeros after layernorm_pre
+        mask = aspect_ratio_attention_bias(
+            aspect_ratio_mask.reshape(n, tiles).to(x.device), p, lp, x.dtype
+        )
 
         wanted = [i - self.intermediate_shift for i in self.intermediate_layers]
         x, states = self.transformer(x.reshape(n, tiles * lp, h), mask, keep=wanted)

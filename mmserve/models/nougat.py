@@ -7,6 +7,7 @@ decoder's (the start token, then any text the client gives as the answer's begin
 picture at the start token (`kv_from` 0: every block depends on it), and what the encoder yields per picture is
 the keys and values of every decoder layer's cross-attention over its states.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import CrossKVLayout, MultiModalCausalLM, check_single_image
 from mmserve.models.donut_swin import DonutSwinTower
@@ -41,8 +42,10 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
         super().__init__()
         enc, dec = config.encoder, config.decoder
         if enc.model_type != "donut-swin" or dec.model_type != "mbart":
-            raise ValueError(f"VisionEncoderDecoderModel with a {enc.model_type!r} encoder and a {dec.model_type!r} "
-                             "decoder is not supported (Nougat's donut-swin + mbart is)")
+            raise ValueError(
+                f"VisionEncoderDecoderModel with a {enc.model_type!r} encoder and a {dec.model_type!r} "
+                "decoder is not supported (Nougat's donut-swin + mbart is)"
+            )
         self.config = config
         self.text_config = dec
         self.encoder = DonutSwinTower(enc)
@@ -61,10 +64,15 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
         return [start] + (tokenizer(text, add_special_tokens=False).input_ids if text else [])
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         check_single_image(image_keys, video_keys, required=True)
-        return [MultiModalItem("image", {"pixel_values": enc["pixel_values"][0]}, 0, 1, image_keys[0], kv_from=0)]
+        return [
+            MultiModalItem(
+                "image", {"pixel_values": enc["pixel_values"][0]}, 0, 1, image_keys[0], kv_from=0
+            )
+        ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per picture: every decoder layer's cross-attention keys/values, [tokens, layers, 2, heads, head_dim]."""
@@ -72,7 +80,10 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
         if self.enc_to_dec_proj is not None:
             states = self.enc_to_dec_proj(states)
         layers = self.language_model.model.layers
-        return [torch.stack([layer.encoder_attn.project_kv(s) for layer in layers], dim=1) for s in states]
+        return [
+            torch.stack([layer.encoder_attn.project_kv(s) for layer in layers], dim=1)
+            for s in states
+        ]
 
     def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.layers
@@ -89,9 +100,16 @@ class NougatForConditionalGeneration(MultiModalCausalLM):
         return h * w
 
     def lora_target_ok(self, module_name: str) -> bool:
-        return ".encoder_attn." not in module_name   # its k/v run on the encoder states, once per picture
+        return (
+            ".encoder_attn." not in module_name
+        )  # its k/v run on the encoder states, once per picture
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = bool(getattr(self.text_config, "tie_word_embeddings", False))
-        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
-                     ignore=(".relative_position_index",) + (("decoder.lm_head.",) if tied else ()))
+        load_weights(
+            self,
+            weights,
+            self.weight_renames,
+            LlamaForCausalLM.packed_modules,
+            ignore=(".relative_position_index",) + (("decoder.lm_head.",) if tied else ()),
+        )

@@ -1,4 +1,5 @@
 """OPT decoder backbone (learned positions, LayerNorm, ReLU MLP, biased attention) over the paged cache."""
+
 from __future__ import annotations
 
 import torch
@@ -8,9 +9,18 @@ from mmserve.attention.metadata import AttentionMetadata
 from mmserve.distributed import get_tp_size
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
-from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from mmserve.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 
-PACKED_MODULES = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v")}
+PACKED_MODULES = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+}
 
 # checkpoint prefix -> our module path: OPTForCausalLM as transformers saves it, then the metaseq-era layout
 WEIGHT_RENAMES = [("model.decoder.", "model."), ("decoder.", "model.")]
@@ -31,10 +41,14 @@ class OPTAttention(nn.Module):
         self.head_dim = config.hidden_size // heads
         if self.head_dim * heads != config.hidden_size:
             raise ValueError(f"hidden_size {config.hidden_size} is not a multiple of {heads} heads")
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, heads, bias=config.enable_bias)
-        self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, heads, bias=config.enable_bias
+        )
+        self.out_proj = RowParallelLinear(
+            config.hidden_size, config.hidden_size, bias=config.enable_bias
+        )
         self.q_size = heads // tp * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         # queries are scaled before the dot product (as in transformers), so the kernel scale is 1
         self.attn = Attention(heads // tp, self.head_dim, heads // tp, 1.0)
 
@@ -71,17 +85,29 @@ class OPTDecoder(nn.Module):
         super().__init__()
         hidden, embed_dim = config.hidden_size, config.word_embed_proj_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden)
+        self.embed_positions = nn.Embedding(
+            config.max_position_embeddings + POSITION_OFFSET, hidden
+        )
         # opt-350m embeds words in a smaller space and projects in and out of the hidden size
-        self.project_in = ReplicatedLinear(embed_dim, hidden, bias=False) if embed_dim != hidden else None
-        self.project_out = ReplicatedLinear(hidden, embed_dim, bias=False) if embed_dim != hidden else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        keep_final = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        self.project_in = (
+            ReplicatedLinear(embed_dim, hidden, bias=False) if embed_dim != hidden else None
+        )
+        self.project_out = (
+            ReplicatedLinear(hidden, embed_dim, bias=False) if embed_dim != hidden else None
+        )
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        keep_final = config.do_layer_norm_before and not getattr(
+            config, "_remove_final_layer_norm", False
+        )
         self.final_layer_norm = _layer_norm(config) if keep_final else None
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         # inputs_embeds [T, word_embed_proj_dim], positions [T] (0-based) -> [T, word_embed_proj_dim]
         x = self.project_in(inputs_embeds) if self.project_in is not None else inputs_embeds
         x = x + self.embed_positions(positions + POSITION_OFFSET)
@@ -110,7 +136,9 @@ class OPTForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(inputs_embeds, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Both stacks are T5-like: RMS LayerNorms, unscaled attention scores, gated-GELU f
 font: `MediaConfig.header_font_path`, else `Arial.TTF` in the checkpoint, else the hub cache's copy of the font
 transformers downloads (`ybelkada/fonts`), else Pillow's built-in font (a warning: the model was trained on Arial).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.functional import pil_to_tensor
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
@@ -43,8 +44,14 @@ _DECODER_RENAMES = [
     (r"^embed_tokens\.", "shared."),
     (r"^layer\.(\d+)\.self_attention\.attention\.", r"decoder.block.\1.layer.0.SelfAttention."),
     (r"^layer\.(\d+)\.self_attention\.layer_norm\.", r"decoder.block.\1.layer.0.layer_norm."),
-    (r"^layer\.(\d+)\.encoder_decoder_attention\.attention\.", r"decoder.block.\1.layer.1.EncDecAttention."),
-    (r"^layer\.(\d+)\.encoder_decoder_attention\.layer_norm\.", r"decoder.block.\1.layer.1.layer_norm."),
+    (
+        r"^layer\.(\d+)\.encoder_decoder_attention\.attention\.",
+        r"decoder.block.\1.layer.1.EncDecAttention.",
+    ),
+    (
+        r"^layer\.(\d+)\.encoder_decoder_attention\.layer_norm\.",
+        r"decoder.block.\1.layer.1.layer_norm.",
+    ),
     (r"^layer\.(\d+)\.mlp\.", r"decoder.block.\1.layer.2."),
     (r"^final_layer_norm\.", "decoder.final_layer_norm."),
     (r"^lm_head\.", "lm_head."),
@@ -54,12 +61,15 @@ _PROJECTIONS = {"query": "q", "key": "k", "value": "v", "output": "o"}
 
 def decoder_name(name: str) -> str:
     """Our module path of a checkpoint tensor of the text decoder (`decoder.*`)."""
-    rest = name[len("decoder."):]
+    rest = name[len("decoder.") :]
     for pattern, repl in _DECODER_RENAMES:
         new, n = re.subn(pattern, repl, rest)
         if n:
-            new = re.sub(r"(SelfAttention|EncDecAttention)\.(query|key|value|output)\.",
-                         lambda m: f"{m.group(1)}.{_PROJECTIONS[m.group(2)]}.", new)
+            new = re.sub(
+                r"(SelfAttention|EncDecAttention)\.(query|key|value|output)\.",
+                lambda m: f"{m.group(1)}.{_PROJECTIONS[m.group(2)]}.",
+                new,
+            )
             return "language_model." + new
     return "language_model." + rest
 
@@ -67,12 +77,20 @@ def decoder_name(name: str) -> str:
 def t5_view(text_config) -> SimpleNamespace:
     """The text config under the names `t5.T5LanguageModel` reads (the decoder's feed-forward is always gated)."""
     return SimpleNamespace(
-        vocab_size=text_config.vocab_size, d_model=text_config.hidden_size, d_kv=text_config.d_kv,
-        d_ff=text_config.d_ff, num_heads=text_config.num_heads, num_layers=text_config.num_layers,
-        num_decoder_layers=None, is_gated_act=True, dense_act_fn=text_config.dense_act_fn,
+        vocab_size=text_config.vocab_size,
+        d_model=text_config.hidden_size,
+        d_kv=text_config.d_kv,
+        d_ff=text_config.d_ff,
+        num_heads=text_config.num_heads,
+        num_layers=text_config.num_layers,
+        num_decoder_layers=None,
+        is_gated_act=True,
+        dense_act_fn=text_config.dense_act_fn,
         relative_attention_num_buckets=text_config.relative_attention_num_buckets,
         relative_attention_max_distance=text_config.relative_attention_max_distance,
-        layer_norm_epsilon=text_config.layer_norm_epsilon, tie_word_embeddings=False)
+        layer_norm_epsilon=text_config.layer_norm_epsilon,
+        tie_word_embeddings=False,
+    )
 
 
 class Pix2StructVisionAttention(nn.Module):
@@ -86,8 +104,13 @@ class Pix2StructVisionAttention(nn.Module):
         self.output = ReplicatedLinear(inner, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (p(x).view(len(x), self.heads, self.d_kv).transpose(0, 1) for p in (self.query, self.key, self.value))
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0)   # T5-style: unscaled scores
+        q, k, v = (
+            p(x).view(len(x), self.heads, self.d_kv).transpose(0, 1)
+            for p in (self.query, self.key, self.value)
+        )
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], scale=1.0
+        )  # T5-style: unscaled scores
         return self.output(o[0].transpose(0, 1).reshape(len(x), -1))
 
 
@@ -119,19 +142,27 @@ class Pix2StructVisionLayer(nn.Module):
 class Pix2StructVisionEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.patch_projection = ReplicatedLinear(config.patch_embed_hidden_size, config.hidden_size, bias=True)
+        self.patch_projection = ReplicatedLinear(
+            config.patch_embed_hidden_size, config.hidden_size, bias=True
+        )
         self.row_embedder = nn.Embedding(config.seq_len, config.hidden_size)
         self.column_embedder = nn.Embedding(config.seq_len, config.hidden_size)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         rows, cols = patches[:, 0].long(), patches[:, 1].long()
-        return self.patch_projection(patches[:, 2:]) + self.row_embedder(rows) + self.column_embedder(cols)
+        return (
+            self.patch_projection(patches[:, 2:])
+            + self.row_embedder(rows)
+            + self.column_embedder(cols)
+        )
 
 
 class Pix2StructVisionEncoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(Pix2StructVisionLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(
+            Pix2StructVisionLayer(config) for _ in range(config.num_hidden_layers)
+        )
 
 
 class Pix2StructVisionTower(nn.Module):
@@ -157,14 +188,18 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
     cross_decode_graphs = True
     placeholder_in_prompt = False
     encoder_decoder = True
-    encoder_reads_text = True   # VQA checkpoints: the question is drawn on the picture (see the module docstring)
+    encoder_reads_text = (
+        True  # VQA checkpoints: the question is drawn on the picture (see the module docstring)
+    )
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.text_config = config.text_config
         self.encoder = Pix2StructVisionTower(config.vision_config)
-        self.language_model = T5LanguageModel(t5_view(config.text_config), with_encoder=False, output_scale=1.0)
+        self.language_model = T5LanguageModel(
+            t5_view(config.text_config), with_encoder=False, output_scale=1.0
+        )
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -179,7 +214,9 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
         return [start] + tokenizer(text, add_special_tokens=False).input_ids
 
     @classmethod
-    def processor_kwargs(cls, model_dir: str, hf_config, header_font_path: str | None) -> dict[str, Any]:
+    def processor_kwargs(
+        cls, model_dir: str, hf_config, header_font_path: str | None
+    ) -> dict[str, Any]:
         """What every processor call needs (`call_processor` takes it): the header's font, VQA checkpoints only."""
         if not getattr(hf_config, "is_vqa", False):
             return {}
@@ -196,28 +233,45 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
         image_processor = processor.image_processor
         images = kwargs.pop("images")
         if not image_processor.is_vqa:
-            return processor(images=images, text=text or None, return_tensors="pt",
-                             max_patches=image_processor.max_patches, **kwargs)
-        drawn = [image_processor.render_header(pil_to_tensor(im.convert("RGB")), text, **font) for im in images]
-        return image_processor(drawn, is_vqa=False, max_patches=image_processor.max_patches, return_tensors="pt",
-                               **kwargs)
+            return processor(
+                images=images,
+                text=text or None,
+                return_tensors="pt",
+                max_patches=image_processor.max_patches,
+                **kwargs,
+            )
+        drawn = [
+            image_processor.render_header(pil_to_tensor(im.convert("RGB")), text, **font)
+            for im in images
+        ]
+        return image_processor(
+            drawn,
+            is_vqa=False,
+            max_patches=image_processor.max_patches,
+            return_tensors="pt",
+            **kwargs,
+        )
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         check_single_image(image_keys, video_keys, required=True)
         patches, mask = enc["flattened_patches"][0], enc["attention_mask"][0]
         key = image_keys[0]
-        if getattr(hf_config, "is_vqa", False):   # the encoder sees the question too
+        if getattr(hf_config, "is_vqa", False):  # the encoder sees the question too
             key += ":" + hashlib.sha256(enc.get("encoder_text", "").encode()).hexdigest()[:32]
-        real = patches[mask.bool()].contiguous()   # the processor pads after the picture's patches
+        real = patches[mask.bool()].contiguous()  # the processor pads after the picture's patches
         return [MultiModalItem("image", {"flattened_patches": real}, 0, 1, key, kv_from=0)]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per picture: every decoder layer's cross keys/values over its patches, [patches, layers, 2, heads, d_kv]."""
         dtype = self.encoder.layernorm.weight.dtype
         # pictures have as many patches as their aspect ratio gives: one at a time
-        return [self.language_model.cross_kv(self.encoder(item.data["flattened_patches"].to(dtype))) for item in items]
+        return [
+            self.language_model.cross_kv(self.encoder(item.data["flattened_patches"].to(dtype)))
+            for item in items
+        ]
 
     def cross_kv_layout(self) -> CrossKVLayout:
         return self.language_model.cross_kv_layout()
@@ -227,7 +281,9 @@ class Pix2StructForConditionalGeneration(MultiModalCausalLM):
         return item.data["flattened_patches"].shape[0]
 
     def lora_target_ok(self, module_name: str) -> bool:
-        return ".EncDecAttention." not in module_name   # its k/v run on the encoder states, once per picture
+        return (
+            ".EncDecAttention." not in module_name
+        )  # its k/v run on the encoder states, once per picture
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         seen: set[str] = set()
@@ -252,13 +308,17 @@ def header_font(model_dir: str, font_path: str | None) -> dict[str, Any]:
         return {"font_path": local}
     try:
         from huggingface_hub import try_to_load_from_cache
+
         cached = try_to_load_from_cache("ybelkada/fonts", "Arial.TTF")
-    except Exception:   # no hub cache to look in
+    except Exception:  # no hub cache to look in
         cached = None
     if isinstance(cached, str) and os.path.isfile(cached):
         return {"font_path": cached}
-    logger.warning("no Arial.TTF (the font Pix2Struct VQA models read their question in) in %s, the hub cache or "
-                   "--header-font: drawing questions in Pillow's built-in font", model_dir)
+    logger.warning(
+        "no Arial.TTF (the font Pix2Struct VQA models read their question in) in %s, the hub cache or "
+        "--header-font: drawing questions in Pillow's built-in font",
+        model_dir,
+    )
     return {"font_bytes": builtin_font_bytes()}
 
 
@@ -269,5 +329,7 @@ def builtin_font_bytes() -> bytes:
     font = ImageFont.load_default(size=12)
     data = getattr(font, "font_bytes", None)
     if not data:
-        raise RuntimeError("this Pillow has no built-in TrueType font; give a font file (--header-font)")
+        raise RuntimeError(
+            "this Pillow has no built-in TrueType font; give a font file (--header-font)"
+        )
     return data

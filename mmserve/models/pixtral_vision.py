@@ -5,6 +5,7 @@ Every image keeps its own patch-aligned size. The patches of all images are pack
 each image attends only its own patches (transformers' block-diagonal mask); that runs as one SDPA batch per
 run of equally long images.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -13,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.core.transfer import to_device
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.models.qwen2_vl_vision import VisionRope
-from mmserve.worker.transfer import to_device
 
-NORM_EPS = 1e-5   # fixed in transformers' tower, not in the config
+NORM_EPS = 1e-5  # fixed in transformers' tower, not in the config
 
 
 class PixtralRotary(nn.Module):
@@ -30,31 +31,40 @@ class PixtralRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_side: int) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        inv = torch.cat((inv[0::2], inv[1::2]))                                     # [D/2]
+        inv = torch.cat((inv[0::2], inv[1::2]))  # [D/2]
         quarter = head_dim // 4
-        self.register_buffer("axis", (torch.arange(head_dim // 2) >= quarter).long(), persistent=False)  # 0 row, 1 col
+        self.register_buffer(
+            "axis", (torch.arange(head_dim // 2) >= quarter).long(), persistent=False
+        )  # 0 row, 1 col
         freqs = torch.arange(max_side, dtype=torch.float)[:, None] * inv[None, :]  # [max_side, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, pos: torch.Tensor, device: torch.device) -> VisionRope:
         """pos [N, 2] (row, column) on the host -> the rotary of N patches on `device`."""
-        if device.type == "cuda":   # the fused rotary kernel looks the tables up per frequency through `axis`
-            return VisionRope(to_device(pos.T.contiguous(), torch.int64, device), self.cos, self.sin, self.axis)
-        idx = pos.to(device)[:, self.axis]                                          # [N, D/2]
+        if (
+            device.type == "cuda"
+        ):  # the fused rotary kernel looks the tables up per frequency through `axis`
+            return VisionRope(
+                to_device(pos.T.contiguous(), torch.int64, device), self.cos, self.sin, self.axis
+            )
+        idx = pos.to(device)[:, self.axis]  # [N, D/2]
         cos, sin = self.cos.gather(0, idx), self.sin.gather(0, idx)
         return VisionRope(None, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int],
-                     scale: float) -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], scale: float
+) -> torch.Tensor:
     """q, k, v [N, H, D] of consecutive segments of `seqlens` tokens, each attending only itself -> [N, H * D]."""
     heads, head_dim = q.shape[1:]
     out, start = [], 0
-    for length, run in itertools.groupby(seqlens):   # consecutive equal segments attend as one batch
+    for length, run in itertools.groupby(seqlens):  # consecutive equal segments attend as one batch
         m = len(list(run))
-        qs, ks, vs = (t[start:start + m * length].view(m, length, heads, head_dim).transpose(1, 2)
-                      for t in (q, k, v))                                           # [m, H, length, D]
+        qs, ks, vs = (
+            t[start : start + m * length].view(m, length, heads, head_dim).transpose(1, 2)
+            for t in (q, k, v)
+        )  # [m, H, length, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out.append(o.transpose(1, 2).reshape(m * length, heads * head_dim))
         start += m * length
@@ -72,9 +82,12 @@ class PixtralAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
         n = len(x)
-        q, k, v = (p(x).view(n, self.num_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(n, self.num_heads, self.head_dim)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q, k = rope.apply(q, k)
-        return self.o_proj(packed_attention(q, k, v, seqlens, self.head_dim ** -0.5))
+        return self.o_proj(packed_attention(q, k, v, seqlens, self.head_dim**-0.5))
 
 
 class PixtralMLP(nn.Module):
@@ -119,18 +132,30 @@ class PixtralVisionTower(nn.Module):
         super().__init__()
         self.config = config
         self.patch_size = config.patch_size
-        self.patch_conv = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, config.patch_size,
-                                    bias=False)
+        self.patch_conv = nn.Conv2d(
+            config.num_channels,
+            config.hidden_size,
+            config.patch_size,
+            config.patch_size,
+            bias=False,
+        )
         self.ln_pre = RMSNorm(config.hidden_size, NORM_EPS)
         self.transformer = nn.Module()
-        self.transformer.layers = nn.ModuleList(PixtralBlock(config) for _ in range(config.num_hidden_layers))
+        self.transformer.layers = nn.ModuleList(
+            PixtralBlock(config) for _ in range(config.num_hidden_layers)
+        )
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config.rope_parameters: rope_type {rope['rope_type']!r} is not supported "
-                             "(Pixtral's tower uses 'axial')")
+            raise ValueError(
+                f"vision_config.rope_parameters: rope_type {rope['rope_type']!r} is not supported "
+                "(Pixtral's tower uses 'axial')"
+            )
         head_dim = config.hidden_size // config.num_attention_heads
-        self.rotary = PixtralRotary(head_dim, rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
-                                    config.image_size // config.patch_size)
+        self.rotary = PixtralRotary(
+            head_dim,
+            rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+            config.image_size // config.patch_size,
+        )
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -138,16 +163,20 @@ class PixtralVisionTower(nn.Module):
         """Patch embeddings [N, hidden] of images [3, h, w] (h, w multiples of the patch size), packed in order."""
         dtype = self.patch_conv.weight.dtype
         out = []
-        for _, group in itertools.groupby(images, key=lambda im: im.shape):   # equal shapes share one conv
+        for _, group in itertools.groupby(
+            images, key=lambda im: im.shape
+        ):  # equal shapes share one conv
             group = list(group)
-            x = self.patch_conv(torch.stack(group).to(dtype))                  # [m, hidden, rows, cols]
+            x = self.patch_conv(torch.stack(group).to(dtype))  # [m, hidden, rows, cols]
             out.append(x.flatten(2).transpose(1, 2).reshape(-1, x.shape[1]))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def forward(self, images: list[torch.Tensor], feature_layers: list[int]) -> list[torch.Tensor]:
         """Hidden states [N, hidden] of all images' patches at HF `hidden_states` indices (0 = after ln_pre,
         i = after block i, -1 = the last block), one tensor per requested index."""
-        grids = [(im.shape[-2] // self.patch_size, im.shape[-1] // self.patch_size) for im in images]
+        grids = [
+            (im.shape[-2] // self.patch_size, im.shape[-1] // self.patch_size) for im in images
+        ]
         x = self.ln_pre(self.embed(images))
         rope = self.rotary(patch_positions(grids), x.device)
         seqlens = [rows * cols for rows, cols in grids]

@@ -5,6 +5,7 @@ W8A16 / W4A16) after its weights are loaded.
 Both cover the language model's decoder layers (attention and MLP projections), as TensorRT-LLM's FP8 and
 weight-only recipes do: embeddings, the LM head, the vision tower and the projector keep the model's dtype.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -30,23 +31,31 @@ def checkpoint_quantization(qc: dict | object | None) -> str | None:
     if method == "compressed-tensors" and _compressed_tensors_fp8(qc):
         return "fp8"
     detail = " with block-wise scales" if qc.get("weight_block_size") else ""
-    raise ValueError(f"checkpoint quantization_config: quant_method {method!r}{detail} is not supported "
-                     f"(supported: FP8 with per-tensor or per-channel weight scales, as ModelOpt, llm-compressor "
-                     f"and TensorRT-LLM export it)")
+    raise ValueError(
+        f"checkpoint quantization_config: quant_method {method!r}{detail} is not supported "
+        f"(supported: FP8 with per-tensor or per-channel weight scales, as ModelOpt, llm-compressor "
+        f"and TensorRT-LLM export it)"
+    )
 
 
 def _compressed_tensors_fp8(qc: dict) -> bool:
     groups = list((qc.get("config_groups") or {}).values())
     return bool(groups) and all(
-        (g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
-        and (g.get("weights") or {}).get("strategy", "tensor") in ("tensor", "channel") for g in groups)
+        (g.get("weights") or {}).get("type") == "float"
+        and (g.get("weights") or {}).get("num_bits") == 8
+        and (g.get("weights") or {}).get("strategy", "tensor") in ("tensor", "channel")
+        for g in groups
+    )
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, LinearBase]]:
     """The linear layers inside the language model's decoder layers (what FP8 quantization covers)."""
     lm = getattr(model, "language_model", model)
-    return [(name, m) for name, m in lm.named_modules()
-            if isinstance(m, LinearBase) and ".layers." in f".{name}."]
+    return [
+        (name, m)
+        for name, m in lm.named_modules()
+        if isinstance(m, LinearBase) and ".layers." in f".{name}."
+    ]
 
 
 def quantize_model(model: nn.Module, method: str) -> int:

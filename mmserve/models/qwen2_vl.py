@@ -4,6 +4,7 @@ Images and videos become variable-length runs of `<|image_pad|>` / `<|video_pad|
 merged 2x2 patch block). M-RoPE gives every prompt token a (t, h, w) position: text advances all three
 together, vision tokens take their grid coordinates; decode token p sits at p + delta on all axes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.rotary import MRotaryEmbedding, rope_inv_freq
 from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.llama import LlamaForCausalLM
@@ -29,14 +30,19 @@ WEIGHT_RENAMES = [
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 # modality -> (HF processor output with its patches, output with one (t, h, w) row per item)
-MM_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+MM_KEYS = {
+    "image": ("pixel_values", "image_grid_thw"),
+    "video": ("pixel_values_videos", "video_grid_thw"),
+}
 GRID_KEYS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 
 
 class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
     """One image or video -> t*h*w / merge² embeddings that replace its pad tokens."""
 
-    weight_renames = WEIGHT_RENAMES   # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    weight_renames = (
+        WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
+    )
 
     uses_mrope = True
 
@@ -50,33 +56,41 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         self.visual = Qwen2VisionTransformer(config.vision_config)
         head_dim = tc.hidden_size // tc.num_attention_heads
         inv_freq, scaling = rope_inv_freq(tc, head_dim)
-        rotary = MRotaryEmbedding(inv_freq, tc.max_position_embeddings, tc.rope_parameters["mrope_section"], scaling)
+        rotary = MRotaryEmbedding(
+            inv_freq, tc.max_position_embeddings, tc.rope_parameters["mrope_section"], scaling
+        )
         self.language_model = LlamaForCausalLM(tc, qkv_bias=True, rotary=rotary)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.language_model.lm_head.weight = self.language_model.model.embed_tokens.weight
 
     @classmethod
-    def build_mm_items(cls, hf_config, enc, ids: list[int], image_keys: list[str],
-                       video_keys: list[str]) -> list[MultiModalItem]:
+    def build_mm_items(
+        cls, hf_config, enc, ids: list[int], image_keys: list[str], video_keys: list[str]
+    ) -> list[MultiModalItem]:
         """Each image's / video's pad-token run and its encoder inputs: its rows of the processor's
         patches [n, C * T * P * P] and its grid_thw [3]."""
-        merge2 = hf_config.vision_config.spatial_merge_size ** 2
+        merge2 = hf_config.vision_config.spatial_merge_size**2
         items = []
-        for modality, keys, token_id in (("image", image_keys, hf_config.image_token_id),
-                                         ("video", video_keys, hf_config.video_token_id)):
+        for modality, keys, token_id in (
+            ("image", image_keys, hf_config.image_token_id),
+            ("video", video_keys, hf_config.video_token_id),
+        ):
             if not keys:
                 continue
             pix_key, grid_key = MM_KEYS[modality]
-            grids = enc[grid_key]                                   # [n, 3]
+            grids = enc[grid_key]  # [n, 3]
             patches = grids.prod(-1).tolist()
             lengths = [p // merge2 for p in patches]
             offsets = placeholder_runs(ids, token_id, lengths)
             starts = [0, *itertools.accumulate(patches)]
             for k, key in enumerate(keys):
-                data = {"pixel_values": enc[pix_key][starts[k]:starts[k + 1]], "grid_thw": grids[k]}
+                data = {
+                    "pixel_values": enc[pix_key][starts[k] : starts[k + 1]],
+                    "grid_thw": grids[k],
+                }
                 items.append(MultiModalItem(modality, data, offsets[k], lengths[k], key))
-        return items   # ProcessedInputs puts them in prompt order
+        return items  # ProcessedInputs puts them in prompt order
 
     @classmethod
     def mrope_positions(cls, hf_config, enc, ids: list[int]) -> tuple[torch.Tensor, int]:
@@ -88,7 +102,11 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         and vLLM take max(t, h, w)); we follow the oracle we are tested against.
         """
         merge = hf_config.vision_config.spatial_merge_size
-        grids = {kind: iter(enc[key].tolist()) for kind, key in GRID_KEYS.items() if enc is not None and key in enc}
+        grids = {
+            kind: iter(enc[key].tolist())
+            for kind, key in GRID_KEYS.items()
+            if enc is not None and key in enc
+        }
         token_kind = {hf_config.image_token_id: IMAGE, hf_config.video_token_id: VIDEO}
         kinds = [token_kind[t] if token_kind.get(t) in grids else TEXT for t in ids]
         parts, cur, k_video = [], 0, 0
@@ -107,7 +125,9 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
             ww = torch.arange(w).view(1, 1, -1).expand(t, h, w)
             pos = torch.stack([tt, hh, ww]).reshape(3, -1) + cur
             if pos.shape[1] != n:
-                raise ValueError(f"a run of {n} vision placeholder tokens does not match its grid {t}x{h}x{w}")
+                raise ValueError(
+                    f"a run of {n} vision placeholder tokens does not match its grid {t}x{h}x{w}"
+                )
             parts.append(pos)
             cur += max(h, w)
         positions = torch.cat(parts, dim=1)
@@ -122,15 +142,22 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         """Encode images / videos in one packed sequence. Returns one [length, text_hidden] tensor per item."""
         grids = [it.data["grid_thw"].tolist() for it in items]
         for item, (t, h, w) in zip(items, grids):
-            if t * h * w // self.merge ** 2 != item.length:
-                raise ValueError(f"{item.modality} gives {t * h * w // self.merge ** 2} embeddings but the prompt "
-                                 f"has {item.length} placeholders")
+            if t * h * w // self.merge**2 != item.length:
+                raise ValueError(
+                    f"{item.modality} gives {t * h * w // self.merge**2} embeddings but the prompt "
+                    f"has {item.length} placeholders"
+                )
         feats = self.visual(torch.cat([it.data["pixel_values"] for it in items]), grids)
         return list(feats.split([it.length for it in items]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, self.weight_renames, LlamaForCausalLM.packed_modules,
-                     ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if self.tied else ()))
+        load_weights(
+            self,
+            weights,
+            self.weight_renames,
+            LlamaForCausalLM.packed_modules,
+            ignore=("rotary_emb.inv_freq", "position_ids") + (("lm_head.",) if self.tied else ()),
+        )
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -4,6 +4,7 @@ Patches of all images in a batch are packed into one sequence; attention stays w
 each image or video (block-diagonal, like flash-attention's cu_seqlens). Qwen2.5-VL: RMSNorm, gated
 MLP, and all but `fullatt_block_indexes` attend within windows of the frame.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -13,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.core.transfer import to_device
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import _rotate_half
-from mmserve.worker.transfer import to_device
 
 
 def vision_rope_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
@@ -32,7 +33,9 @@ def vision_rope_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor
     return torch.cat(out)
 
 
-def window_order(grid_thw: list[list[int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+def window_order(
+    grid_thw: list[list[int]], merge: int, window: int
+) -> tuple[torch.Tensor, list[int]]:
     """Qwen2.5-VL windows: merged-token order that groups each frame's tokens window by window (window x
     window merged tokens, partial at the right/bottom edges), and the windows' lengths in patches."""
     order, seqlens, base = [], [], 0
@@ -40,8 +43,10 @@ def window_order(grid_thw: list[list[int]], merge: int, window: int) -> tuple[to
         h, w = h // merge, w // merge
         ph, pw = -h % window, -w % window
         idx = F.pad(torch.arange(t * h * w).view(t, h, w), (0, pw, 0, ph), value=-1)
-        idx = idx.view(t, (h + ph) // window, window, (w + pw) // window, window).permute(0, 1, 3, 2, 4)
-        idx = idx.reshape(t, -1, window * window)                          # [t, windows, window²]
+        idx = idx.view(t, (h + ph) // window, window, (w + pw) // window, window).permute(
+            0, 1, 3, 2, 4
+        )
+        idx = idx.reshape(t, -1, window * window)  # [t, windows, window²]
         seqlens += [int(c) * merge * merge for c in (idx >= 0).sum(-1).flatten() if c]
         idx = idx.flatten()
         order.append(idx[idx >= 0] + base)
@@ -62,12 +67,17 @@ class VisionRope:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q, k [N, H, D] (in fp32, rounded back to their dtype, as transformers does)."""
-        if self.axis is not None:   # in place, one kernel instead of ~10 elementwise ones over fp32 copies
+        if (
+            self.axis is not None
+        ):  # in place, one kernel instead of ~10 elementwise ones over fp32 copies
             from mmserve.kernels.fused_ops import apply_rotary_
+
             return apply_rotary_(self.positions, q, k, self.cos, self.sin, self.axis)
         cos, sin = self.cos[:, None], self.sin[:, None]
-        return ((q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype),
-                (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype))
+        return (
+            (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype),
+            (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype),
+        )
 
     def permute(self, perm: torch.Tensor) -> "VisionRope":
         """The rotary of the tokens reordered by perm (a device index)."""
@@ -82,19 +92,28 @@ class VisionRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         dim = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+            persistent=False,
+        )
         half = len(self.inv_freq)
-        self.register_buffer("axis", torch.arange(2 * half) // half, persistent=False)   # [head_dim / 2]: 0 h, 1 w
+        self.register_buffer(
+            "axis", torch.arange(2 * half) // half, persistent=False
+        )  # [head_dim / 2]: 0 h, 1 w
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, pos: torch.Tensor, device: torch.device) -> VisionRope:
         """pos [N, 2] (host) -> the rotary for tokens on `device`."""
         if device.type == "cuda":
             cos, sin = self.tables(int(pos.max()) + 1 if len(pos) else 1)
-            return VisionRope(to_device(pos.T.contiguous(), torch.int64, device), cos, sin, self.axis)
+            return VisionRope(
+                to_device(pos.T.contiguous(), torch.int64, device), cos, sin, self.axis
+            )
         pos = pos.to(device)
-        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)   # [N, 2 * dim/2]: h freqs, w freqs
+        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(
+            1
+        )  # [N, 2 * dim/2]: h freqs, w freqs
         emb = torch.cat((freqs, freqs), dim=-1)
         return VisionRope(None, emb.cos(), emb.sin())
 
@@ -119,14 +138,20 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
         # x [N, dim]; seqlens: lengths of the packed attention segments (sum N)
         n = len(x)
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)    # [N, H, D] each
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
         q, k = rope.apply(q, k)
         out, start = [], 0
-        for length, run in itertools.groupby(seqlens):   # consecutive equal segments attend as one batch
+        for length, run in itertools.groupby(
+            seqlens
+        ):  # consecutive equal segments attend as one batch
             m = len(list(run))
-            qs, ks, vs = (t[start:start + m * length].view(m, length, self.num_heads, self.head_dim).transpose(1, 2)
-                          for t in (q, k, v))                                  # [m, H, length, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim ** -0.5)
+            qs, ks, vs = (
+                t[start : start + m * length]
+                .view(m, length, self.num_heads, self.head_dim)
+                .transpose(1, 2)
+                for t in (q, k, v)
+            )  # [m, H, length, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim**-0.5)
             out.append(o.transpose(1, 2).reshape(m * length, -1))
             start += m * length
         return self.proj(out[0] if len(out) == 1 else torch.cat(out))
@@ -182,8 +207,11 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.in_dim = dim * merge * merge
         self.ln_q = RMSNorm(dim, 1e-6) if rms_norm else nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(ReplicatedLinear(self.in_dim, self.in_dim, bias=True), nn.GELU(),
-                                 ReplicatedLinear(self.in_dim, text_hidden, bias=True))
+        self.mlp = nn.Sequential(
+            ReplicatedLinear(self.in_dim, self.in_dim, bias=True),
+            nn.GELU(),
+            ReplicatedLinear(self.in_dim, text_hidden, bias=True),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.in_dim))
@@ -194,15 +222,21 @@ class Qwen2VisionTransformer(nn.Module):
         super().__init__()
         self.config = config
         qwen2_5 = _is_qwen2_5(config)
-        if qwen2_5:   # ViT width and text width: Qwen2.5-VL names them hidden_size / out_hidden_size
+        if qwen2_5:  # ViT width and text width: Qwen2.5-VL names them hidden_size / out_hidden_size
             dim, text_hidden = config.hidden_size, config.out_hidden_size
-        else:         # Qwen2-VL: embed_dim / hidden_size
+        else:  # Qwen2-VL: embed_dim / hidden_size
             dim, text_hidden = config.embed_dim, config.hidden_size
         self.merge = config.spatial_merge_size
-        self.in_channels, self.patch, self.temporal = config.in_channels, config.patch_size, config.temporal_patch_size
+        self.in_channels, self.patch, self.temporal = (
+            config.in_channels,
+            config.patch_size,
+            config.temporal_patch_size,
+        )
         # Qwen2.5-VL: window side in merged tokens, and the blocks that still attend over the whole frame
         self.window = config.window_size // self.merge // self.patch if qwen2_5 else None
-        self.full_blocks = set(config.fullatt_block_indexes) if qwen2_5 else set(range(config.depth))
+        self.full_blocks = (
+            set(config.fullatt_block_indexes) if qwen2_5 else set(range(config.depth))
+        )
         kernel = (self.temporal, self.patch, self.patch)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(config.in_channels, dim, kernel, kernel, bias=False)
@@ -217,17 +251,25 @@ class Qwen2VisionTransformer(nn.Module):
         """pixel_values [N, C * T * P * P] (patches of all items, in order), grid_thw one (t, h, w) per item
         -> [N / merge², text_hidden]."""
         x = pixel_values.to(self.patch_embed.proj.weight.dtype)
-        x = self.patch_embed.proj(x.view(-1, self.in_channels, self.temporal, self.patch, self.patch))
-        x = x.view(len(x), -1)                                                  # [N, dim]
+        x = self.patch_embed.proj(
+            x.view(-1, self.in_channels, self.temporal, self.patch, self.patch)
+        )
+        x = x.view(len(x), -1)  # [N, dim]
         # host-built index tensors go up pinned: a pageable copy would wait for the steps queued on the GPU
         rope = self.rotary(vision_rope_positions(grid_thw, self.merge), x.device)
-        seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]           # one segment per frame
-        if self.window is not None:   # reorder merge blocks window by window (frames stay contiguous)
+        seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]  # one segment per frame
+        if (
+            self.window is not None
+        ):  # reorder merge blocks window by window (frames stay contiguous)
             order, window_seqlens = window_order(grid_thw, self.merge, self.window)
-            unit = self.merge ** 2
-            perm = to_device((order[:, None] * unit + torch.arange(unit)).flatten(), torch.int64, x.device)
+            unit = self.merge**2
+            perm = to_device(
+                (order[:, None] * unit + torch.arange(unit)).flatten(), torch.int64, x.device
+            )
             x, rope = x[perm], rope.permute(perm)
         for i, block in enumerate(self.blocks):
             x = block(x, seqlens if i in self.full_blocks else window_seqlens, rope)
         x = self.merger(x)
-        return x if self.window is None else x[to_device(torch.argsort(order), torch.int64, x.device)]
+        return (
+            x if self.window is None else x[to_device(torch.argsort(order), torch.int64, x.device)]
+        )

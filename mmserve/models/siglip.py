@@ -2,6 +2,7 @@
 
 Its encoder layers have CLIP's exact structure and parameter names, so they are CLIP's modules.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,17 +14,22 @@ from mmserve.models.clip import CLIPEncoder
 class SiglipVisionEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
-                                         config.patch_size, bias=True)
-        self.position_embedding = nn.Embedding((config.image_size // config.patch_size) ** 2, config.hidden_size)
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels, config.hidden_size, config.patch_size, config.patch_size, bias=True
+        )
+        self.position_embedding = nn.Embedding(
+            (config.image_size // config.patch_size) ** 2, config.hidden_size
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values [N, 3, H, W] -> [N, patches, hidden]; H = W = image_size (no position interpolation)
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)
         if patches.shape[1] != self.position_embedding.num_embeddings:
-            raise ValueError(f"SigLIP got {patches.shape[1]} patches per image but has "
-                             f"{self.position_embedding.num_embeddings} positions (wrong image size)")
+            raise ValueError(
+                f"SigLIP got {patches.shape[1]} patches per image but has "
+                f"{self.position_embedding.num_embeddings} positions (wrong image size)"
+            )
         return patches + self.position_embedding.weight
 
 

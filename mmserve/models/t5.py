@@ -8,6 +8,7 @@ self-attention does so over the paged cache in torch on every device (`torch_bac
 cross-attention attends the encoder states without a bias. RMS LayerNorms (no mean, no bias),
 gated-GELU or ReLU feed-forward, a final norm per stack; a tied LM head scales its input by d_model^-0.5.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,9 @@ from mmserve.layers.norm import RMSNorm
 from mmserve.models.base import CrossKVLayout
 
 
-def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> torch.Tensor:
+def relative_position_bucket(
+    relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
     """T5's bucket of each key-minus-query distance: exact for small distances, logarithmic up to max_distance;
     a bidirectional (encoder) bias keeps keys after the query in the upper half of the buckets."""
     buckets = torch.zeros_like(relative)
@@ -38,11 +40,15 @@ def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_bu
     else:
         relative = -relative.clamp(max=0)
     exact = num_buckets // 2
-    large = exact + (torch.log(relative.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-                     * (num_buckets - exact)).long()
+    large = (
+        exact
+        + (
+            torch.log(relative.float().clamp(min=1) / exact)
+            / math.log(max_distance / exact)
+            * (num_buckets - exact)
+        ).long()
+    )
     return buckets + torch.where(relative < exact, relative, large.clamp(max=num_buckets - 1))
-
-
 
 
 class T5Attention(nn.Module):
@@ -58,7 +64,10 @@ class T5Attention(nn.Module):
         self.v = ColumnParallelLinear(config.d_model, inner)
         self.o = RowParallelLinear(inner, config.d_model)
         self.bidirectional = bidirectional
-        self.num_buckets, self.max_distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
+        self.num_buckets, self.max_distance = (
+            config.relative_attention_num_buckets,
+            config.relative_attention_max_distance,
+        )
         if has_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.heads)
 
@@ -68,13 +77,16 @@ class T5Attention(nn.Module):
     def position_bias(self, q_pos: torch.Tensor, k_len: int) -> torch.Tensor:
         """[H, q, k] bias of the query positions q_pos against key positions 0..k_len-1."""
         relative = torch.arange(k_len, device=q_pos.device)[None, :] - q_pos[:, None]
-        bucket = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        bucket = relative_position_bucket(
+            relative, self.bidirectional, self.num_buckets, self.max_distance
+        )
         return self.relative_attention_bias(bucket).permute(2, 0, 1)
 
     def distance_bias(self, n: int, device: torch.device) -> torch.Tensor:
         """[H, n] fp32 bias of a key d = 0..n-1 positions before the query (a decoder's, unidirectional)."""
-        bucket = relative_position_bucket(-torch.arange(n, device=device), False, self.num_buckets,
-                                          self.max_distance)
+        bucket = relative_position_bucket(
+            -torch.arange(n, device=device), False, self.num_buckets, self.max_distance
+        )
         return self.relative_attention_bias(bucket).t().float().contiguous()
 
 
@@ -94,7 +106,9 @@ class T5DenseAct(nn.Module):
         self.act = get_act_fn(config.dense_act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x)))
+        return self.wo(
+            self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))
+        )
 
 
 class T5SelfAttentionLayer(nn.Module):
@@ -124,7 +138,9 @@ class T5FeedForwardLayer(nn.Module):
 class T5EncoderBlock(nn.Module):
     def __init__(self, config, has_bias: bool) -> None:
         super().__init__()
-        self.layer = nn.ModuleList([T5SelfAttentionLayer(config, has_bias, True), T5FeedForwardLayer(config)])
+        self.layer = nn.ModuleList(
+            [T5SelfAttentionLayer(config, has_bias, True), T5FeedForwardLayer(config)]
+        )
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         sa = self.layer[0]
@@ -144,7 +160,11 @@ class T5EncoderStack(nn.Module):
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.block[0].layer[0].SelfAttention.position_bias(torch.arange(len(x), device=x.device), len(x))
+        bias = (
+            self.block[0]
+            .layer[0]
+            .SelfAttention.position_bias(torch.arange(len(x), device=x.device), len(x))
+        )
         for block in self.block:
             x = block(x, bias)
         return self.final_layer_norm(x)
@@ -154,27 +174,44 @@ class T5DecoderBlock(nn.Module):
     def __init__(self, config, slot: int, has_bias: bool) -> None:
         super().__init__()
         self.slot = slot
-        self.layer = nn.ModuleList([T5SelfAttentionLayer(config, has_bias, False), T5CrossAttentionLayer(config),
-                                    T5FeedForwardLayer(config)])
-        self.paged = Attention(config.num_heads, config.d_kv, config.num_heads, 1.0)   # its paged cache slice
+        self.layer = nn.ModuleList(
+            [
+                T5SelfAttentionLayer(config, has_bias, False),
+                T5CrossAttentionLayer(config),
+                T5FeedForwardLayer(config),
+            ]
+        )
+        self.paged = Attention(
+            config.num_heads, config.d_kv, config.num_heads, 1.0
+        )  # its paged cache slice
 
     def project_kv(self, states: torch.Tensor) -> torch.Tensor:
         """[T, d_model] encoder states -> this layer's cross keys/values [T, 2, heads, d_kv]."""
         a = self.layer[1].EncDecAttention
         return torch.stack([a.heads_of(a.k(states)), a.heads_of(a.v(states))], dim=1)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, bias_fn,
-                padded: torch_backend.PaddedBatch | None, distance: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        bias_fn,
+        padded: torch_backend.PaddedBatch | None,
+        distance: torch.Tensor | None,
+    ) -> torch.Tensor:
         sa, p = self.layer[0], self.paged
         a, h = sa.SelfAttention, sa.layer_norm(x)
         q, k, v = a.heads_of(a.q(h)), a.heads_of(a.k(h)), a.heads_of(a.v(h))
         p.backend.write_kv(k, v, p.kv_cache, meta.slot_mapping, p.k_scale, p.v_scale)
         if distance is not None:
-            o = p.backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, distance_bias=distance)
+            o = p.backend.paged_attention(
+                q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, distance_bias=distance
+            )
         elif padded is not None:
             o = torch_backend.padded_attention(q, p.kv_cache, padded, 1.0, p.k_scale, p.v_scale)
         else:
-            o = torch_backend.paged_attention(q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, bias_fn=bias_fn)
+            o = torch_backend.paged_attention(
+                q, p.kv_cache, meta, 1.0, p.k_scale, p.v_scale, bias_fn=bias_fn
+            )
         x = _clamp(x + a.o(o.reshape(len(x), -1)))
         ca = self.layer[1]
         c = ca.EncDecAttention
@@ -186,23 +223,35 @@ class T5DecoderBlock(nn.Module):
 class T5DecoderStack(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        layers = config.num_decoder_layers if config.num_decoder_layers is not None else config.num_layers
+        layers = (
+            config.num_decoder_layers
+            if config.num_decoder_layers is not None
+            else config.num_layers
+        )
         self.block = nn.ModuleList(T5DecoderBlock(config, i, i == 0) for i in range(layers))
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
-        self.distance: torch.Tensor | None = None   # the bias by key distance, grown by powers of two
+        self.distance: torch.Tensor | None = (
+            None  # the bias by key distance, grown by powers of two
+        )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         if meta.cross is None or sum(s.rows.stop - s.rows.start for s in meta.cross.seqs) != len(x):
             raise ValueError("every sequence of an encoder-decoder model needs its encoder states")
         first = self.block[0].layer[0].SelfAttention
         padded = distance = None
-        if meta.decode_only and not getattr(self.block[0].paged.backend, "PREFERS_PADDED_BIAS", False):
+        if meta.decode_only and not getattr(
+            self.block[0].paged.backend, "PREFERS_PADDED_BIAS", False
+        ):
             # the backend's decode kernel adds the bias by key distance (a table graphs can read); a decode graph is
             # captured at max_model_len, so the table never grows after capture
             if self.distance is None or self.distance.shape[1] < meta.max_seq_len:
-                self.distance = first.distance_bias(max(64, 1 << (meta.max_seq_len - 1).bit_length()), x.device)
+                self.distance = first.distance_bias(
+                    max(64, 1 << (meta.max_seq_len - 1).bit_length()), x.device
+                )
             distance = self.distance
-        else:   # the relative-position bias and the causal mask of the step's padded layout, once for all layers
+        else:  # the relative-position bias and the causal mask of the step's padded layout, once for all layers
             padded = torch_backend.padded_batch(meta, first.position_bias, first.heads)
         for block in self.block:
             x = block(x, meta, first.position_bias, padded, distance)
@@ -222,7 +271,9 @@ class T5LanguageModel(nn.Module):
     whose encoder is a vision tower), the decoder over the paged cache, LM head (`output_scale`: what its input is
     multiplied by; default T5's rule)."""
 
-    def __init__(self, config, with_encoder: bool = True, output_scale: float | None = None) -> None:
+    def __init__(
+        self, config, with_encoder: bool = True, output_scale: float | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
@@ -231,9 +282,16 @@ class T5LanguageModel(nn.Module):
         # the LM head is its own tensor when the checkpoint has one (Flan-T5), else a copy of `shared`
         # (`share_head_if_absent`); transformers 5 reads the old `tie_word_embeddings` as `scale_decoder_outputs`
         self.lm_head = ReplicatedLinear(config.d_model, config.vocab_size, bias=False)
-        self.lm_head.weight.tied = True   # may be absent from the checkpoint
-        self.output_scale = output_scale if output_scale is not None else config.d_model ** -0.5 if getattr(
-            config, "scale_decoder_outputs", getattr(config, "tie_word_embeddings", False)) else 1.0
+        self.lm_head.weight.tied = True  # may be absent from the checkpoint
+        self.output_scale = (
+            output_scale
+            if output_scale is not None
+            else config.d_model**-0.5
+            if getattr(
+                config, "scale_decoder_outputs", getattr(config, "tie_word_embeddings", False)
+            )
+            else 1.0
+        )
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -248,7 +306,9 @@ class T5LanguageModel(nn.Module):
         a = self.decoder.block[0].layer[1].EncDecAttention
         return CrossKVLayout(len(self.decoder.block), a.heads, a.d_kv)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.decoder(inputs_embeds, positions, meta)
 
     def share_head_if_absent(self, loaded_names: set[str]) -> None:

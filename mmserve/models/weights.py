@@ -5,6 +5,7 @@ scales in the checkpoint (`k_scale` / `v_scale` / `kv_scale`) go to the layers' 
 FP8-quantized checkpoints (an e4m3 `weight` with its `weight_scale`, optionally a static `input_scale`, as
 ModelOpt / llm-compressor / TensorRT-LLM's FP8 export them) need no flag: the first such tensor of a linear
 layer makes that layer hold FP8 (`LinearBase.make_fp8`), so exactly the layers quantized in the checkpoint are."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mmserve.kernels.fp8_format import FP8
 from mmserve.layers.attention import Attention
-from mmserve.layers.fp8_linear import FP8
 from mmserve.layers.linear import LinearBase, default_weight_loader
 
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
-_FP8_LEAVES = ("weight_scale", "input_scale")   # a layer gains these when it becomes FP8
+_FP8_LEAVES = ("weight_scale", "input_scale")  # a layer gains these when it becomes FP8
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -43,9 +44,13 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 renames: list[tuple[str, str]] = (), packed: dict[str, tuple[str, object]] | None = None,
-                 ignore: tuple[str, ...] = ()) -> None:
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    renames: list[tuple[str, str]] = (),
+    packed: dict[str, tuple[str, object]] | None = None,
+    ignore: tuple[str, ...] = (),
+) -> None:
     """Load checkpoint tensors into model's parameters.
 
     Args:
@@ -66,7 +71,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         name = ckpt_name
         for old, new in renames:
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         shard = None
         for part, (fused, shard_id) in packed.items():
@@ -79,8 +84,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 name, shard = target, shard_id
                 break
         if name.endswith(".weight_scale_inv"):
-            raise ValueError(f"checkpoint tensor {ckpt_name}: block-wise FP8 weights (weight_scale_inv) are not "
-                             "supported; FP8 checkpoints with per-tensor or per-channel weight_scale are")
+            raise ValueError(
+                f"checkpoint tensor {ckpt_name}: block-wise FP8 weights (weight_scale_inv) are not "
+                "supported; FP8 checkpoints with per-tensor or per-channel weight_scale are"
+            )
         if _is_fp8_tensor_of_linear(modules, name, tensor):
             prefix = name.rpartition(".")[0]
             layer = modules[prefix]
@@ -97,19 +104,25 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             unknown.append(ckpt_name)
             continue
         if param.dtype == FP8 and tensor.dtype != FP8:
-            raise ValueError(f"checkpoint tensor {ckpt_name} is {tensor.dtype}, but its layer's other tensors are FP8")
+            raise ValueError(
+                f"checkpoint tensor {ckpt_name} is {tensor.dtype}, but its layer's other tensors are FP8"
+            )
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor.to(param.dtype), shard)
         loaded.add(name)
     if unknown:
-        raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:8]}"
-                         + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
+        raise ValueError(
+            f"checkpoint tensors with no matching parameter: {unknown[:8]}"
+            + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
+        )
     missing = [n for n in params if n not in loaded and not getattr(params[n], "tied", False)]
     if missing:
         raise ValueError(f"parameters not found in the checkpoint: {missing[:8]}")
 
 
-def _is_fp8_tensor_of_linear(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+def _is_fp8_tensor_of_linear(
+    modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+) -> bool:
     """Whether `name` is an FP8 checkpoint tensor (e4m3 weight, weight_scale, input_scale) of a linear layer."""
     prefix, _, leaf = name.rpartition(".")
     if not isinstance(modules.get(prefix), LinearBase):
@@ -135,7 +148,9 @@ def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
         return False
     value = float(tensor.float().max())
     if not value > 0:
-        raise ValueError(f"checkpoint tensor {name}: an FP8 KV cache scale must be > 0, got {value}")
+        raise ValueError(
+            f"checkpoint tensor {name}: an FP8 KV cache scale must be > 0, got {value}"
+        )
     if suffix in (".k_scale", ".kv_scale"):
         attn.k_scale = value
     if suffix in (".v_scale", ".kv_scale"):

@@ -2,6 +2,7 @@
 
 Hashes cover decoded content, so one picture sent as PNG bytes, data URI, path or array gets one key.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -19,6 +19,7 @@ Up to MAX_SIZES keys are kept (the oldest learned goes first), each expansion ru
 ~0.3 KB an entry with its key, ~1 MB at the cap. As tuples of Python ints (40 bytes an id), traffic of pictures of
 random sizes would fill the cap with 91 MB for LLaVA-1.5 and ~2.6 GB for Qwen2-VL's largest pictures.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 Size = tuple[int, int]
-Key = tuple[int, int, int]   # (width, height, images in the prompt)
+Key = tuple[int, int, int]  # (width, height, images in the prompt)
 # processor outputs that the shortcut leaves out: no model class reads them (per-token modality ids)
 UNUSED_KEYS = frozenset({"mm_token_type_ids"})
 
@@ -51,8 +52,11 @@ def pack_run(run: Sequence[int]) -> array:
 
 def unpack_run(packed: array) -> tuple[int, ...]:
     """The run of ids pack_run encoded."""
-    return tuple(itertools.chain.from_iterable(itertools.repeat(packed[i], packed[i + 1])
-                                               for i in range(0, len(packed), 2)))
+    return tuple(
+        itertools.chain.from_iterable(
+            itertools.repeat(packed[i], packed[i + 1]) for i in range(0, len(packed), 2)
+        )
+    )
 
 
 def expansion_runs(ids: list[int], run_ids: frozenset[int]) -> list[tuple[int, ...]]:
@@ -71,16 +75,22 @@ def expansion_runs(ids: list[int], run_ids: frozenset[int]) -> list[tuple[int, .
 class PlaceholderExpansion:
     """Per-size expansions learned from the processor, and the short way to build its outputs."""
 
-    MAX_SIZES = 4096   # learned (image size, images in the prompt) keys kept, each ~0.3 KB (its run packed)
+    MAX_SIZES = (
+        4096  # learned (image size, images in the prompt) keys kept, each ~0.3 KB (its run packed)
+    )
 
-    def __init__(self, tokenizer: Callable[[str], Any], image_token_id: int,
-                 run_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        tokenizer: Callable[[str], Any],
+        image_token_id: int,
+        run_ids: frozenset[int] = frozenset(),
+    ) -> None:
         """run_ids: the ids besides the placeholder that an expansion holds (Pixtral's row and end tokens)."""
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.run_ids = frozenset(run_ids) | {image_token_id}
-        self.verified: bool | None = None   # None: not yet compared with the processor
-        self._expansions: dict[Key, array] = {}   # packed runs (pack_run), oldest learned first
+        self.verified: bool | None = None  # None: not yet compared with the processor
+        self._expansions: dict[Key, array] = {}  # packed runs (pack_run), oldest learned first
         self._lock = threading.Lock()
 
     def expansions_for(self, sizes: list[Size]) -> list[tuple[int, ...]] | None:
@@ -90,13 +100,19 @@ class PlaceholderExpansion:
         packed = [self._expansions.get((*s, len(sizes))) for s in sizes]
         return None if None in packed else [unpack_run(p) for p in packed]
 
-    def encode(self, text: str, expansions: list[tuple[int, ...]],
-               image_outputs: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    def encode(
+        self,
+        text: str,
+        expansions: list[tuple[int, ...]],
+        image_outputs: Callable[[], dict[str, Any]],
+    ) -> dict[str, Any] | None:
         """The processor's outputs built the short way: image_outputs() (the image processor's, run only once the
         ids fit) + expanded ids; None when the prompt's tokens do not hold exactly one placeholder per image."""
         ids = self.tokenizer(text).input_ids
         at = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(at) != len(expansions) or any(t in self.run_ids and t != self.image_token_id for t in ids):
+        if len(at) != len(expansions) or any(
+            t in self.run_ids and t != self.image_token_id for t in ids
+        ):
             return None
         expanded: list[int] = []
         start = 0
@@ -106,23 +122,34 @@ class PlaceholderExpansion:
             start = i + 1
         expanded += ids[start:]
         input_ids = torch.tensor([expanded], dtype=torch.int64)
-        return {**image_outputs(), "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        return {
+            **image_outputs(),
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+        }
 
-    def learn(self, sizes: list[Size], enc: dict[str, Any], text: str,
-              image_outputs: Callable[[], dict[str, Any]]) -> None:
+    def learn(
+        self,
+        sizes: list[Size],
+        enc: dict[str, Any],
+        text: str,
+        image_outputs: Callable[[], dict[str, Any]],
+    ) -> None:
         """Record the expansions of a processor run (enc); the first time, check the short way reproduces enc."""
         if self.verified is False:
             return
         runs = expansion_runs(enc["input_ids"][0].tolist(), self.run_ids)
-        if len(runs) != len(sizes):   # adjacent placeholders merged into one run: nothing to learn
+        if len(runs) != len(sizes):  # adjacent placeholders merged into one run: nothing to learn
             return
         with self._lock:
             for size, run in zip(sizes, runs):
                 key = (*size, len(sizes))
                 packed = pack_run(run)
                 if self._expansions.setdefault(key, packed) != packed:
-                    self._turn_off(f"images of size {size} got two different expansions "
-                                   f"({len(unpack_run(self._expansions[key]))} and {len(run)} ids)")
+                    self._turn_off(
+                        f"images of size {size} got two different expansions "
+                        f"({len(unpack_run(self._expansions[key]))} and {len(run)} ids)"
+                    )
                     return
             while len(self._expansions) > self.MAX_SIZES:
                 self._expansions.pop(next(iter(self._expansions)))
@@ -137,7 +164,9 @@ class PlaceholderExpansion:
     def _turn_off(self, why: str) -> None:
         self.verified = False
         self._expansions.clear()
-        logger.info("placeholder expansion shortcut off (%s); every image prompt runs the HF processor", why)
+        logger.info(
+            "placeholder expansion shortcut off (%s); every image prompt runs the HF processor", why
+        )
 
 
 def _difference(enc: dict[str, Any], short: dict[str, Any] | None) -> str | None:
@@ -150,8 +179,11 @@ def _difference(enc: dict[str, Any], short: dict[str, Any] | None) -> str | None
     for key in keys:
         value, other = enc[key], short[key]
         if isinstance(value, torch.Tensor):
-            same = (isinstance(other, torch.Tensor) and value.shape == other.shape
-                    and torch.equal(value.to(other.device), other))
+            same = (
+                isinstance(other, torch.Tensor)
+                and value.shape == other.shape
+                and torch.equal(value.to(other.device), other)
+            )
         else:
             same = value == other
         if not same:
@@ -163,10 +195,12 @@ def placeholder_runs(ids: list[int], token_id: int, lengths: list[int]) -> list[
     """Offsets of consecutive runs of token_id with the given lengths (in order); ValueError if they don't fit."""
     pos = [i for i, t in enumerate(ids) if t == token_id]
     if len(pos) != sum(lengths):
-        raise ValueError(f"the prompt has {len(pos)} placeholder tokens but the media need {sum(lengths)}")
+        raise ValueError(
+            f"the prompt has {len(pos)} placeholder tokens but the media need {sum(lengths)}"
+        )
     offsets, k = [], 0
     for n in lengths:
-        run = pos[k:k + n]
+        run = pos[k : k + n]
         if run[-1] - run[0] != n - 1:
             raise ValueError("media placeholder tokens are not contiguous")
         offsets.append(run[0])

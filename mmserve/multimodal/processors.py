@@ -3,12 +3,12 @@
 The family's own HF processor does resizing, normalisation and placeholder expansion, so our
 token ids are exactly what `transformers` would feed the model.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,27 +16,12 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem, ProcessedInputs
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
 from mmserve.multimodal.inputs import MediaConfig, check_picture_size, load_images, load_video_bytes
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
 from mmserve.multimodal.prompt_table import prompt_table_items
 from mmserve.multimodal.video import decode_video
-
-
-@dataclass
-class ProcessedInputs:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    mm_items: list[MultiModalItem] = field(default_factory=list)
-    mrope_positions: torch.Tensor | None = None   # [3, P] for M-RoPE families (Qwen2-VL)
-    mrope_delta: int = 0                          # decode position p maps to p + delta on all 3 axes
-    lora: str | None = None                       # the LoRA adapter the request names (checked by the engine)
-    # (block size, chained KV block hashes of the prompt's full blocks), made by Engine.preprocess
-    block_hashes: tuple[int, list[bytes]] | None = None
-
-    def __post_init__(self) -> None:
-        self.mm_items = sorted(self.mm_items, key=lambda m: m.offset)   # prompt order: hashes, scheduling
 
 
 class InputProcessor:
@@ -51,30 +36,52 @@ class InputProcessor:
     `mrope_positions(hf_config, enc, ids)` gives the prompt's 3-axis positions.
     """
 
-    KEYS = {"prompt", "prompt_token_ids", "images", "videos", "video_num_frames", "image_ids", "pixel_values", "lora",
-            "prompt_table", "prompt_table_extra_ids", "decoder_prompt"}
+    KEYS = {
+        "prompt",
+        "prompt_token_ids",
+        "images",
+        "videos",
+        "video_num_frames",
+        "image_ids",
+        "pixel_values",
+        "lora",
+        "prompt_table",
+        "prompt_table_extra_ids",
+        "decoder_prompt",
+    }
     # LRU caches, bounded in entries and in bytes (their tensors, on the preprocessing device: the GPU where the HF
     # image processor runs there): a picture's pixels are 1.3 MB for LLaVA-1.5, up to ~300 MB for Qwen2-VL
-    RECENT_INPUTS = 64                 # processed media prompts kept for exact repeats
+    RECENT_INPUTS = 64  # processed media prompts kept for exact repeats
     RECENT_INPUTS_BYTES = 256 * 2**20
-    RECENT_IMAGES = 16                 # image processor outputs by the pictures' content (a new question on one)
+    RECENT_IMAGES = 16  # image processor outputs by the pictures' content (a new question on one)
     RECENT_IMAGES_BYTES = 128 * 2**20
 
-    def __init__(self, model_dir: str, hf_config, model_cls, media: MediaConfig | None = None,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        hf_config,
+        model_cls,
+        media: MediaConfig | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.hf_config = hf_config
-        self.device = device   # where the HF image processor resizes/normalises (None: CPU)
-        self._streams = threading.local()   # one CUDA stream per preprocessing thread
+        self.device = device  # where the HF image processor resizes/normalises (None: CPU)
+        self._streams = threading.local()  # one CUDA stream per preprocessing thread
         self._recent = BoundedLRU(self.RECENT_INPUTS, self.RECENT_INPUTS_BYTES, _inputs_bytes)
-        self._recent_images = BoundedLRU(self.RECENT_IMAGES, self.RECENT_IMAGES_BYTES,   # guarded by _recent_lock too
-                                         lambda out: _tensor_bytes(out.values()))
+        self._recent_images = BoundedLRU(
+            self.RECENT_IMAGES,
+            self.RECENT_IMAGES_BYTES,  # guarded by _recent_lock too
+            lambda out: _tensor_bytes(out.values()),
+        )
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
         # what every processor call of this family needs (Pix2Struct VQA: the font its question is drawn in)
         extra = getattr(model_cls, "processor_kwargs", None)
-        self._family_kwargs = extra(model_dir, hf_config, self.media.header_font_path) if extra else {}
+        self._family_kwargs = (
+            extra(model_dir, hf_config, self.media.header_font_path) if extra else {}
+        )
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.image_token = getattr(self.processor, "image_token", None) or "<image>"
         self.video_token = getattr(self.processor, "video_token", None)
@@ -84,10 +91,19 @@ class InputProcessor:
         # BLIP-2 style: the processor itself puts the image's query tokens in front of the text
         self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
         image_processor = getattr(self.processor, "image_processor", None)
-        self._expansion = None   # images only: tokenize the prompt as written, repeat the placeholder id
-        if self.placeholder_in_prompt and self.image_token_id is not None and image_processor is not None:
+        self._expansion = (
+            None  # images only: tokenize the prompt as written, repeat the placeholder id
+        )
+        if (
+            self.placeholder_in_prompt
+            and self.image_token_id is not None
+            and image_processor is not None
+        ):
             # Pixtral's processor closes rows with [IMG_BREAK] and the image with [IMG_END]: part of the expansion
-            closing = [getattr(self.processor, name, None) for name in ("image_break_token", "image_end_token")]
+            closing = [
+                getattr(self.processor, name, None)
+                for name in ("image_break_token", "image_end_token")
+            ]
             run_ids = frozenset(self.tokenizer.convert_tokens_to_ids(t) for t in closing if t)
             self._expansion = PlaceholderExpansion(self.tokenizer, self.image_token_id, run_ids)
 
@@ -104,7 +120,9 @@ class InputProcessor:
         if self.image_token_id is None and self.placeholder_in_prompt:
             return None
         text = self.image_token if self.placeholder_in_prompt else "a"
-        items = self.process({"prompt": text, "images": [Image.new("RGB", size, (128, 128, 128))]}).mm_items
+        items = self.process(
+            {"prompt": text, "images": [Image.new("RGB", size, (128, 128, 128))]}
+        ).mm_items
         return items[0] if items else None
 
     def _decoder_ids(self, text: str, decoder_prompt: str) -> list[int]:
@@ -114,8 +132,10 @@ class InputProcessor:
         if not decoder_prompt:
             return ids
         if not getattr(self.model_cls, "encoder_reads_text", False) and text.strip():
-            raise ValueError("decoder_prompt: this model's prompt already is the decoder's; give the answer's start "
-                             "in one of them")
+            raise ValueError(
+                "decoder_prompt: this model's prompt already is the decoder's; give the answer's start "
+                "in one of them"
+            )
         return ids + self.tokenizer(decoder_prompt, add_special_tokens=False).input_ids
 
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
@@ -142,21 +162,32 @@ class InputProcessor:
         if not isinstance(decoder_prompt, str):
             raise TypeError(f"decoder_prompt must be a string, got {type(decoder_prompt).__name__}")
         if decoder_prompt and not getattr(self.model_cls, "encoder_decoder", False):
-            raise ValueError("decoder_prompt: only encoder-decoder models (BLIP-2 with T5, Nougat, Pix2Struct) have "
-                             "a decoder prompt; put the text in the prompt")
+            raise ValueError(
+                "decoder_prompt: only encoder-decoder models (BLIP-2 with T5, Nougat, Pix2Struct) have "
+                "a decoder prompt; put the text in the prompt"
+            )
         if token_ids is not None:
             if images or videos:
-                raise ValueError("media need a text prompt (prompt_token_ids cannot carry placeholders)")
+                raise ValueError(
+                    "media need a text prompt (prompt_token_ids cannot carry placeholders)"
+                )
             if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
                 raise ValueError("prompt_token_ids must be a non-empty list of non-negative ints")
             if prompt.get("prompt_table") is not None:
-                ids, items = prompt_table_items(list(token_ids), prompt["prompt_table"], self.hf_config,
-                                                self.model_cls, self.image_token_id,
-                                                prompt.get("prompt_table_extra_ids"))
+                ids, items = prompt_table_items(
+                    list(token_ids),
+                    prompt["prompt_table"],
+                    self.hf_config,
+                    self.model_cls,
+                    self.image_token_id,
+                    prompt.get("prompt_table_extra_ids"),
+                )
                 return ProcessedInputs(text, ids, items, lora=lora)
             return self._with_mrope(ProcessedInputs(text, list(token_ids), lora=lora), None)
         if prompt.get("prompt_table") is not None:
-            raise ValueError("prompt_table: goes with prompt_token_ids (ids from the vocabulary size on mark its rows)")
+            raise ValueError(
+                "prompt_table: goes with prompt_token_ids (ids from the vocabulary size on mark its rows)"
+            )
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
@@ -165,7 +196,7 @@ class InputProcessor:
                 raise ValueError("images: this model reads one picture per prompt, none was given")
             if self.placeholder_in_prompt:
                 ids = self.tokenizer(text).input_ids
-            else:   # the processor lays out these families' prompts, text-only ones too (Kosmos-2: no </s> at the end)
+            else:  # the processor lays out these families' prompts, text-only ones too (Kosmos-2: no </s> at the end)
                 ids = self.processor(text=text, return_tensors="pt")["input_ids"][0].tolist()
             if not ids:
                 raise ValueError("prompt is empty")
@@ -175,10 +206,14 @@ class InputProcessor:
             raise ValueError(f"image_ids has {len(ids_given)} entries for {len(images)} images")
         kwargs: dict[str, Any] = {}
         image_keys: list[str] = []
-        if pixel_values is not None:  # already preprocessed: placeholders expand as for images of that size
+        if (
+            pixel_values is not None
+        ):  # already preprocessed: placeholders expand as for images of that size
             h, w = pixel_values.shape[-2:]
             kwargs["images"] = [Image.new("RGB", (w, h)) for _ in range(len(pixel_values))]
-            image_keys = [hash_bytes(pv.contiguous().float().numpy().tobytes()) for pv in pixel_values]
+            image_keys = [
+                hash_bytes(pv.contiguous().float().numpy().tobytes()) for pv in pixel_values
+            ]
         elif images:
             kwargs["images"] = load_images(list(images), self.media)
             image_keys = [hash_image(im) for im in kwargs["images"]]
@@ -188,9 +223,16 @@ class InputProcessor:
             kwargs["videos"] = frames
             video_keys = [hash_video(f) for f in frames]
         # the same text with the same pictures (by content) gives the same inputs: skip the HF processor
-        cache_key = (text, tuple(image_keys), tuple(video_keys), tuple(ids_given or ()), pixel_values is not None, lora,
-                     decoder_prompt)
-        with self._recent_lock:   # servers preprocess on several threads
+        cache_key = (
+            text,
+            tuple(image_keys),
+            tuple(video_keys),
+            tuple(ids_given or ()),
+            pixel_values is not None,
+            lora,
+            decoder_prompt,
+        )
+        with self._recent_lock:  # servers preprocess on several threads
             cached = self._recent.get(cache_key)
             if cached is not None:
                 return cached
@@ -200,32 +242,53 @@ class InputProcessor:
         if self.device is not None:
             kwargs["device"] = str(self.device)
         kwargs.update(self._family_kwargs)
-        if getattr(self.model_cls, "encoder_decoder", False):   # the prompt is the decoder's
-            if getattr(self.model_cls, "encoder_reads_text", False):   # BLIP-2 T5, Pix2Struct VQA: the encoder's
-                call = getattr(self.model_cls, "call_processor", None)   # a family's own route through it
-                enc = dict(self._on_stream(lambda: call(self.processor, text, kwargs) if call is not None
-                                           else self.processor(text=text, return_tensors="pt", **kwargs)))
+        if getattr(self.model_cls, "encoder_decoder", False):  # the prompt is the decoder's
+            if getattr(
+                self.model_cls, "encoder_reads_text", False
+            ):  # BLIP-2 T5, Pix2Struct VQA: the encoder's
+                call = getattr(
+                    self.model_cls, "call_processor", None
+                )  # a family's own route through it
+                enc = dict(
+                    self._on_stream(
+                        lambda: (
+                            call(self.processor, text, kwargs)
+                            if call is not None
+                            else self.processor(text=text, return_tensors="pt", **kwargs)
+                        )
+                    )
+                )
                 if "input_ids" in enc:
                     enc["encoder_input_ids"] = enc["input_ids"]
                 enc["encoder_text"] = text
-            else:   # Nougat: the processor sees only the picture
-                enc = dict(self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs))
+            else:  # Nougat: the processor sees only the picture
+                enc = dict(
+                    self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs)
+                )
             enc["input_ids"] = torch.tensor([self._decoder_ids(text, decoder_prompt)])
         else:
-            enc = self._encode(text, kwargs, shortcut=pixel_values is None and not videos,
-                               images_key=(str(self.device), tuple(content_keys)))
+            enc = self._encode(
+                text,
+                kwargs,
+                shortcut=pixel_values is None and not videos,
+                images_key=(str(self.device), tuple(content_keys)),
+            )
         if pixel_values is not None:
-            if "pixel_values" not in enc:   # Pix2Struct: flattened patches drawn with the question
-                raise ValueError("pixel_values: this model does not take preprocessed pixels; send the images")
+            if "pixel_values" not in enc:  # Pix2Struct: flattened patches drawn with the question
+                raise ValueError(
+                    "pixel_values: this model does not take preprocessed pixels; send the images"
+                )
             if pixel_values.shape[1:] != enc["pixel_values"].shape[1:]:
-                raise ValueError(f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
-                                 f"model expects {list(enc['pixel_values'].shape[1:])}")
+                raise ValueError(
+                    f"pixel_values have shape {list(pixel_values.shape[1:])} per image but this "
+                    f"model expects {list(enc['pixel_values'].shape[1:])}"
+                )
             enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
         out = self._with_mrope(ProcessedInputs(text, ids, items, lora=lora), enc)
         with self._recent_lock:
-            self._recent.put(cache_key, out)   # shared read-only by the requests that hit it
+            self._recent.put(cache_key, out)  # shared read-only by the requests that hit it
         return out
 
     def _encode(self, text: str, kwargs: dict[str, Any], shortcut: bool, images_key: tuple):
@@ -234,7 +297,7 @@ class InputProcessor:
         on that path pictures seen recently (images_key: device and content hashes) reuse the image
         processor's outputs: another question about the same picture skips its resize and normalisation."""
         expansion = self._expansion if shortcut else None
-        image_outputs = lambda: self._recent_image_outputs(images_key, kwargs)   # noqa: E731
+        image_outputs = lambda: self._recent_image_outputs(images_key, kwargs)  # noqa: E731
         if expansion is not None:
             sizes = [im.size for im in kwargs["images"]]
             runs = expansion.expansions_for(sizes)
@@ -251,7 +314,7 @@ class InputProcessor:
         with self._recent_lock:
             out = self._recent_images.get(key)
             if out is not None:
-                return out   # shared read-only, as the ProcessedInputs of exact repeats are
+                return out  # shared read-only, as the ProcessedInputs of exact repeats are
         out = self._on_stream(lambda: self._image_outputs(kwargs))
         with self._recent_lock:
             self._recent_images.put(key, out)
@@ -273,39 +336,52 @@ class InputProcessor:
             stream = self._streams.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
             enc = fn()
-            for key, value in list(enc.items()):   # sizes and grids to the host here, not later on the engine's
-                if isinstance(value, torch.Tensor) and value.is_cuda and not value.is_floating_point():
-                    enc[key] = value.cpu()   # waits for this thread's stream only
+            for key, value in list(
+                enc.items()
+            ):  # sizes and grids to the host here, not later on the engine's
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_cuda
+                    and not value.is_floating_point()
+                ):
+                    enc[key] = value.cpu()  # waits for this thread's stream only
         stream.synchronize()
         engine_stream = torch.cuda.default_stream(self.device)
         for value in enc.values():
             if isinstance(value, torch.Tensor) and value.is_cuda:
-                value.record_stream(engine_stream)   # freed only after the engine's reads of it
+                value.record_stream(engine_stream)  # freed only after the engine's reads of it
         return enc
 
     def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
         """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
         if hasattr(self.model_cls, "mrope_positions"):
             out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(
-                self.hf_config, enc, out.prompt_token_ids)
+                self.hf_config, enc, out.prompt_token_ids
+            )
         return out
 
     def _check_placeholders(self, text: str, num_images: int, num_videos: int) -> None:
         if not self.placeholder_in_prompt:
             if num_videos or num_images > 1:
-                raise ValueError(f"this model takes at most one image per prompt, got {num_images} "
-                                 f"image(s) and {num_videos} video(s)")
+                raise ValueError(
+                    f"this model takes at most one image per prompt, got {num_images} "
+                    f"image(s) and {num_videos} video(s)"
+                )
             return
         found = text.count(self.image_token)
         if found != num_images:
-            raise ValueError(f"the prompt has {found} {self.image_token} placeholder(s) "
-                             f"but {num_images} image(s) were given")
+            raise ValueError(
+                f"the prompt has {found} {self.image_token} placeholder(s) "
+                f"but {num_images} image(s) were given"
+            )
         if num_videos and self.video_token is None:
             raise ValueError(f"model type {self.hf_config.model_type!r} does not take video input")
         found = text.count(self.video_token) if self.video_token else 0
         if found != num_videos:
-            raise ValueError(f"the prompt has {found} {self.video_token} placeholder(s) "
-                             f"but {num_videos} video(s) were given")
+            raise ValueError(
+                f"the prompt has {found} {self.video_token} placeholder(s) "
+                f"but {num_videos} video(s) were given"
+            )
 
     def _load_videos(self, videos: list, num_frames: int) -> list[np.ndarray]:
         if not isinstance(num_frames, int) or num_frames < 1:
@@ -313,18 +389,28 @@ class InputProcessor:
         out = []
         for i, v in enumerate(videos):
             field_name = f"videos[{i}]"
-            if isinstance(v, np.ndarray):      # already decoded frames [F, H, W, 3]
+            if isinstance(v, np.ndarray):  # already decoded frames [F, H, W, 3]
                 if v.ndim != 4 or v.shape[-1] != 3 or v.dtype != np.uint8:
-                    raise ValueError(f"{field_name}: decoded frames must be uint8 [F, H, W, 3], got "
-                                     f"{v.dtype} {list(v.shape)}")
+                    raise ValueError(
+                        f"{field_name}: decoded frames must be uint8 [F, H, W, 3], got "
+                        f"{v.dtype} {list(v.shape)}"
+                    )
                 if not 1 <= len(v) <= self.media.max_video_frames:
-                    raise ValueError(f"{field_name}: {len(v)} frames, allowed 1 to "
-                                     f"max_video_frames={self.media.max_video_frames}")
+                    raise ValueError(
+                        f"{field_name}: {len(v)} frames, allowed 1 to "
+                        f"max_video_frames={self.media.max_video_frames}"
+                    )
                 check_picture_size(v.shape[2], v.shape[1], self.media, field_name, "a video frame")
                 out.append(v)
             else:
-                out.append(decode_video(load_video_bytes(v, self.media, field=field_name), num_frames,
-                                        self.media, field=field_name))
+                out.append(
+                    decode_video(
+                        load_video_bytes(v, self.media, field=field_name),
+                        num_frames,
+                        self.media,
+                        field=field_name,
+                    )
+                )
         return out
 
     @staticmethod
@@ -333,8 +419,10 @@ class InputProcessor:
         if pv.dim() == 3:
             pv = pv.unsqueeze(0)
         if pv.dim() != 4 or pv.shape[1] != 3 or not pv.is_floating_point():
-            raise ValueError(f"pixel_values must be a float tensor [num_images, 3, H, W], got "
-                             f"{pv.dtype} {list(pv.shape)}")
+            raise ValueError(
+                f"pixel_values must be a float tensor [num_images, 3, H, W], got "
+                f"{pv.dtype} {list(pv.shape)}"
+            )
         if not torch.isfinite(pv).all():
             raise ValueError("pixel_values contain NaN or infinite values")
         return pv.float()
@@ -353,7 +441,9 @@ class InputProcessor:
                 raise ValueError(f"messages[{i}] needs a 'role'")
             content = m.get("content", "")
             if isinstance(content, str):
-                hf_messages.append({"role": m["role"], "content": [{"type": "text", "text": content}]})
+                hf_messages.append(
+                    {"role": m["role"], "content": [{"type": "text", "text": content}]}
+                )
                 continue
             parts = []
             for part in content:
@@ -370,22 +460,32 @@ class InputProcessor:
             hf_messages.append({"role": m["role"], "content": parts})
         # some processors drop the template their tokenizer carries (Fuyu's): use the tokenizer's then
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        if not getattr(owner, "chat_template", None) and getattr(self.model_cls, "encoder_decoder", False):
+        if not getattr(owner, "chat_template", None) and getattr(
+            self.model_cls, "encoder_decoder", False
+        ):
             # encoder-decoders (Deplot, Nougat, BLIP-2 T5) have no chat format: one user turn is the prompt
             if len(hf_messages) != 1 or hf_messages[0]["role"] != "user":
-                raise ValueError("messages: this model takes one user message (its text and picture), got roles "
-                                 f"{[m['role'] for m in hf_messages]}")
+                raise ValueError(
+                    "messages: this model takes one user message (its text and picture), got roles "
+                    f"{[m['role'] for m in hf_messages]}"
+                )
             text = "\n".join(p["text"] for p in hf_messages[0]["content"] if p["type"] == "text")
             return {"prompt": text, **{k: v for k, v in media.items() if v}}
         if not getattr(owner, "chat_template", None):
-            raise ValueError("this model has no chat template: send a plain prompt (e.g. /v1/completions)")
+            raise ValueError(
+                "this model has no chat template: send a plain prompt (e.g. /v1/completions)"
+            )
         prompt = owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
         return {"prompt": prompt, **{k: v for k, v in media.items() if v}}
 
 
 # chat content part type -> (the HF chat template's part type, prompt dict key)
-_MEDIA_PARTS = {"image_url": ("image", "images"), "image": ("image", "images"),
-                "video_url": ("video", "videos"), "video": ("video", "videos")}
+_MEDIA_PARTS = {
+    "image_url": ("image", "images"),
+    "image": ("image", "images"),
+    "video_url": ("video", "videos"),
+    "video": ("video", "videos"),
+}
 
 
 class BoundedLRU:
@@ -394,7 +494,9 @@ class BoundedLRU:
 
     def __init__(self, max_entries: int, max_bytes: int, size_of: Callable[[Any], int]) -> None:
         self.max_entries, self.max_bytes, self._size_of = max_entries, max_bytes, size_of
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()   # least recently used first
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = (
+            OrderedDict()
+        )  # least recently used first
         self.nbytes = 0
 
     def get(self, key: Hashable) -> Any | None:
@@ -432,7 +534,9 @@ def _tensor_bytes(values) -> int:
 def _inputs_bytes(inputs: ProcessedInputs) -> int:
     """What a ProcessedInputs holds: its encoder inputs, M-RoPE positions and prompt ids (a list of Python ints:
     a pointer and an int object each)."""
-    n = 40 * len(inputs.prompt_token_ids) + sum(_tensor_bytes(m.data.values()) for m in inputs.mm_items)
+    n = 40 * len(inputs.prompt_token_ids) + sum(
+        _tensor_bytes(m.data.values()) for m in inputs.mm_items
+    )
     return n + (inputs.mrope_positions.nbytes if inputs.mrope_positions is not None else 0)
 
 

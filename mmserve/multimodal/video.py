@@ -1,4 +1,5 @@
 """Decode an encoded video into uniformly sampled RGB frames with PyAV, refusing unsafe containers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,13 @@ def _open(data: bytes, config: MediaConfig, field: str) -> Iterator[tuple[Any, A
             if not container.streams.video:
                 raise MediaError(f"{field}: data cannot be decoded as a video (no video stream)")
             stream = container.streams.video[0]
-            check_picture_size(stream.codec_context.width, stream.codec_context.height, config, field,
-                               "a video frame")
+            check_picture_size(
+                stream.codec_context.width,
+                stream.codec_context.height,
+                config,
+                field,
+                "a video frame",
+            )
             yield container, stream
     except MediaError:
         raise
@@ -48,8 +54,9 @@ def _frame_count(data: bytes, config: MediaConfig, field: str) -> int:
         return sum(1 for packet in container.demux(stream) if packet.size)
 
 
-def _decode_frames(data: bytes, indices: np.ndarray, config: MediaConfig,
-                   field: str) -> tuple[dict[int, np.ndarray], int]:
+def _decode_frames(
+    data: bytes, indices: np.ndarray, config: MediaConfig, field: str
+) -> tuple[dict[int, np.ndarray], int]:
     """Decode the whole stream keeping only frames at `indices`; also return how many frames decoded."""
     wanted = set(indices.tolist())
     kept: dict[int, np.ndarray] = {}
@@ -67,13 +74,23 @@ def _decode_frames(data: bytes, indices: np.ndarray, config: MediaConfig,
     return kept, count
 
 
-def decode_video(data: bytes | bytearray | memoryview, num_frames: int, config: MediaConfig = MediaConfig(),
-                 *, field: str = "video") -> np.ndarray:
+def decode_video(
+    data: bytes | bytearray | memoryview,
+    num_frames: int,
+    config: MediaConfig = MediaConfig(),
+    *,
+    field: str = "video",
+) -> np.ndarray:
     """Encoded video -> [num_frames, H, W, 3] uint8 RGB frames sampled uniformly over the whole video."""
-    if isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) \
-            or not 1 <= num_frames <= config.max_video_frames:
-        raise MediaError(f"{field}: num_frames must be an int in [1, max_video_frames={config.max_video_frames}], "
-                         f"got {num_frames!r}")
+    if (
+        isinstance(num_frames, bool)
+        or not isinstance(num_frames, (int, np.integer))
+        or not 1 <= num_frames <= config.max_video_frames
+    ):
+        raise MediaError(
+            f"{field}: num_frames must be an int in [1, max_video_frames={config.max_video_frames}], "
+            f"got {num_frames!r}"
+        )
     if memoryview(data).nbytes > config.max_media_bytes:
         raise MediaError(f"{field}: item is larger than max_media_bytes={config.max_media_bytes}")
     data = data if isinstance(data, bytes) else bytes(data)
@@ -82,11 +99,15 @@ def decode_video(data: bytes | bytearray | memoryview, num_frames: int, config: 
         raise MediaError(f"{field}: video has no frames")
     indices = sample_frame_indices(total, num_frames)
     frames, decoded = _decode_frames(data, indices, config, field)
-    if decoded != total:  # the container's count was wrong: sample again over the frames that really decode
+    if (
+        decoded != total
+    ):  # the container's count was wrong: sample again over the frames that really decode
         if decoded == 0:
             raise MediaError(f"{field}: data cannot be decoded as a video (no frame decodes)")
         indices = sample_frame_indices(decoded, num_frames)
         frames, _ = _decode_frames(data, indices, config, field)
     if any(int(i) not in frames for i in indices):
-        raise MediaError(f"{field}: data cannot be decoded as a video (frame count changed between passes)")
+        raise MediaError(
+            f"{field}: data cannot be decoded as a video (frame count changed between passes)"
+        )
     return np.stack([frames[int(i)] for i in indices])

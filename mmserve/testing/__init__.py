@@ -44,7 +44,7 @@ FAMILIES: dict[str, str] = {
     "pixtral": "mmserve.testing.pixtral:make_pixtral_checkpoint",
 }
 
-DEMO_SUBDIR = "demo-llava-v1"   # bump the suffix when the tiny recipe changes
+DEMO_SUBDIR = "demo-llava-v1"  # bump the suffix when the tiny recipe changes
 
 
 def make_checkpoint(family: str, out_dir: str | Path, **kw: object) -> Path:
@@ -52,7 +52,9 @@ def make_checkpoint(family: str, out_dir: str | Path, **kw: object) -> Path:
     try:
         maker = FAMILIES[family]
     except KeyError:
-        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}") from None
+        raise ValueError(
+            f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
+        ) from None
     module, name = maker.split(":")
     return getattr(importlib.import_module(module), name)(out_dir, **kw)
 

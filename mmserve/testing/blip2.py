@@ -29,8 +29,16 @@ import torch
 
 from mmserve.testing.tokenizer import CORPUS, bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
-    round_up, write_checkpoint)
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    make_tensor,
+    meta_tensors,
+    replace_sizes,
+    round_up,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import Blip2Config, T5Tokenizer
@@ -46,7 +54,9 @@ class Blip2Sizes:
     text_layers: int
     text_heads: int
     text_ffn: int
-    text_vocab: int  # OPT: base BPE vocab, "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it;
+    text_vocab: (
+        int  # OPT: base BPE vocab, "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it;
+    )
     #                  T5: the spiece vocab with <pad>, </s>, <unk>, then text_extra_ids sentinels, then "<image>"
     vocab_multiple: int  # model vocab = len(tokenizer) rounded up to this
     max_position: int
@@ -71,32 +81,67 @@ class Blip2Sizes:
     # the language model: "opt" (OPTForCausalLM) or "t5" (T5ForConditionalGeneration: text_hidden = d_model,
     # text_layers = encoder layers, text_ffn = d_ff, text_heads = num_heads)
     text_model: str = "opt"
-    text_decoder_layers: int | None = None   # T5 num_decoder_layers (None: text_layers)
-    text_head_dim: int | None = None         # T5 d_kv (None: text_hidden // text_heads)
-    relative_buckets: int = 32               # T5 relative_attention_num_buckets
-    relative_max_distance: int = 128         # T5 relative_attention_max_distance
-    relative_bias_std: float = 0.5           # T5 relative_attention_bias tables are N(0, this)
-    lm_head_std: float | None = None         # T5's untied lm_head is N(0, this) (None: text_init_std)
-    text_extra_ids: int = 100                # T5 sentinel tokens <extra_id_N> after the spiece vocab
+    text_decoder_layers: int | None = None  # T5 num_decoder_layers (None: text_layers)
+    text_head_dim: int | None = None  # T5 d_kv (None: text_hidden // text_heads)
+    relative_buckets: int = 32  # T5 relative_attention_num_buckets
+    relative_max_distance: int = 128  # T5 relative_attention_max_distance
+    relative_bias_std: float = 0.5  # T5 relative_attention_bias tables are N(0, this)
+    lm_head_std: float | None = None  # T5's untied lm_head is N(0, this) (None: text_init_std)
+    text_extra_ids: int = 100  # T5 sentinel tokens <extra_id_N> after the spiece vocab
 
 
 PRESETS: dict[str, Blip2Sizes] = {
     "tiny": Blip2Sizes(
-        text_hidden=72, text_layers=3, text_heads=4, text_ffn=136, text_vocab=400, vocab_multiple=8,
-        max_position=512, text_init_std=0.2,
-        qformer_hidden=40, qformer_layers=3, qformer_heads=4, qformer_intermediate=64, cross_attention_frequency=2,
-        num_query_tokens=32, qformer_init_std=0.2,
-        vision_hidden=48, vision_layers=2, vision_heads=3, vision_intermediate=96, image_size=28, patch_size=14,
-        vision_init_std=0.2, dtype="float32",
+        text_hidden=72,
+        text_layers=3,
+        text_heads=4,
+        text_ffn=136,
+        text_vocab=400,
+        vocab_multiple=8,
+        max_position=512,
+        text_init_std=0.2,
+        qformer_hidden=40,
+        qformer_layers=3,
+        qformer_heads=4,
+        qformer_intermediate=64,
+        cross_attention_frequency=2,
+        num_query_tokens=32,
+        qformer_init_std=0.2,
+        vision_hidden=48,
+        vision_layers=2,
+        vision_heads=3,
+        vision_intermediate=96,
+        image_size=28,
+        patch_size=14,
+        vision_init_std=0.2,
+        dtype="float32",
     ),
     # Salesforce/blip2-opt-2.7b: EVA ViT-g (39 layers), 12-layer Q-Former, OPT-2.7b; image token 50265, vocab 50304
     "blip2-opt-2.7b": Blip2Sizes(
-        text_hidden=2560, text_layers=32, text_heads=32, text_ffn=10240, text_vocab=50264, vocab_multiple=64,
-        max_position=2048, text_init_std=0.02,
-        qformer_hidden=768, qformer_layers=12, qformer_heads=12, qformer_intermediate=3072, cross_attention_frequency=2,
-        num_query_tokens=32, qformer_init_std=0.02,
-        vision_hidden=1408, vision_layers=39, vision_heads=16, vision_intermediate=6144, image_size=224, patch_size=14,
-        vision_init_std=0.02, dtype="float16", norm_noise=0.0,
+        text_hidden=2560,
+        text_layers=32,
+        text_heads=32,
+        text_ffn=10240,
+        text_vocab=50264,
+        vocab_multiple=64,
+        max_position=2048,
+        text_init_std=0.02,
+        qformer_hidden=768,
+        qformer_layers=12,
+        qformer_heads=12,
+        qformer_intermediate=3072,
+        cross_attention_frequency=2,
+        num_query_tokens=32,
+        qformer_init_std=0.02,
+        vision_hidden=1408,
+        vision_layers=39,
+        vision_heads=16,
+        vision_intermediate=6144,
+        image_size=224,
+        patch_size=14,
+        vision_init_std=0.02,
+        dtype="float16",
+        norm_noise=0.0,
     ),
     # Flan-T5 (d_model 64, d_kv 16, 2 + 2 layers, gated-gelu, untied lm_head) under the "tiny" ViT and Q-Former.
     # T5 does not scale q.k by 1/sqrt(d_kv): std 0.1 keeps the attention logits O(1) (q and k entries ~0.8, their dot
@@ -105,24 +150,66 @@ PRESETS: dict[str, Blip2Sizes] = {
     # 32 image + ~20 text tokens reach the encoder's logarithmic buckets (distances 8..127), the decoder's first 16
     # steps its exact ones.
     "tiny-t5": Blip2Sizes(
-        text_model="t5", text_hidden=64, text_layers=2, text_decoder_layers=2, text_heads=4, text_head_dim=16,
-        text_ffn=128, text_vocab=400, text_extra_ids=100, vocab_multiple=8, max_position=512, text_init_std=0.1,
+        text_model="t5",
+        text_hidden=64,
+        text_layers=2,
+        text_decoder_layers=2,
+        text_heads=4,
+        text_head_dim=16,
+        text_ffn=128,
+        text_vocab=400,
+        text_extra_ids=100,
+        vocab_multiple=8,
+        max_position=512,
+        text_init_std=0.1,
         lm_head_std=0.4,
-        qformer_hidden=40, qformer_layers=3, qformer_heads=4, qformer_intermediate=64, cross_attention_frequency=2,
-        num_query_tokens=32, qformer_init_std=0.2,
-        vision_hidden=48, vision_layers=2, vision_heads=3, vision_intermediate=96, image_size=28, patch_size=14,
-        vision_init_std=0.2, dtype="float32",
+        qformer_hidden=40,
+        qformer_layers=3,
+        qformer_heads=4,
+        qformer_intermediate=64,
+        cross_attention_frequency=2,
+        num_query_tokens=32,
+        qformer_init_std=0.2,
+        vision_hidden=48,
+        vision_layers=2,
+        vision_heads=3,
+        vision_intermediate=96,
+        image_size=28,
+        patch_size=14,
+        vision_init_std=0.2,
+        dtype="float32",
     ),
     # Salesforce/blip2-flan-t5-xl: EVA ViT-g and Q-Former as blip2-opt-2.7b's, google/flan-t5-xl (d_model 2048,
     # d_kv 64, 32 heads, d_ff 5120, 24 + 24 layers, gated-gelu, untied lm_head); image token 32100, vocab 32128
     "blip2-flan-t5-xl": Blip2Sizes(
-        text_model="t5", text_hidden=2048, text_layers=24, text_decoder_layers=24, text_heads=32, text_head_dim=64,
-        text_ffn=5120, text_vocab=32000, text_extra_ids=100, vocab_multiple=64, max_position=512,
+        text_model="t5",
+        text_hidden=2048,
+        text_layers=24,
+        text_decoder_layers=24,
+        text_heads=32,
+        text_head_dim=64,
+        text_ffn=5120,
+        text_vocab=32000,
+        text_extra_ids=100,
+        vocab_multiple=64,
+        max_position=512,
         text_init_std=0.02,
-        qformer_hidden=768, qformer_layers=12, qformer_heads=12, qformer_intermediate=3072, cross_attention_frequency=2,
-        num_query_tokens=32, qformer_init_std=0.02,
-        vision_hidden=1408, vision_layers=39, vision_heads=16, vision_intermediate=6144, image_size=224, patch_size=14,
-        vision_init_std=0.02, dtype="bfloat16", norm_noise=0.0,
+        qformer_hidden=768,
+        qformer_layers=12,
+        qformer_heads=12,
+        qformer_intermediate=3072,
+        cross_attention_frequency=2,
+        num_query_tokens=32,
+        qformer_init_std=0.02,
+        vision_hidden=1408,
+        vision_layers=39,
+        vision_heads=16,
+        vision_intermediate=6144,
+        image_size=224,
+        patch_size=14,
+        vision_init_std=0.02,
+        dtype="bfloat16",
+        norm_noise=0.0,
     ),
 }
 
@@ -146,23 +233,42 @@ def _text_config(s: Blip2Sizes, vocab: int) -> object:
     ids = token_ids(s)
     if s.text_model == "opt":
         return OPTConfig(
-            vocab_size=vocab, hidden_size=s.text_hidden, num_hidden_layers=s.text_layers, ffn_dim=s.text_ffn,
-            num_attention_heads=s.text_heads, max_position_embeddings=s.max_position, word_embed_proj_dim=s.text_hidden,
-            do_layer_norm_before=s.do_layer_norm_before, activation_function="relu", enable_bias=True,
-            init_std=s.text_init_std, tie_word_embeddings=True,
-            bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+            vocab_size=vocab,
+            hidden_size=s.text_hidden,
+            num_hidden_layers=s.text_layers,
+            ffn_dim=s.text_ffn,
+            num_attention_heads=s.text_heads,
+            max_position_embeddings=s.max_position,
+            word_embed_proj_dim=s.text_hidden,
+            do_layer_norm_before=s.do_layer_norm_before,
+            activation_function="relu",
+            enable_bias=True,
+            init_std=s.text_init_std,
+            tie_word_embeddings=True,
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+            pad_token_id=ids["pad"],
         )
     if s.text_model == "t5":
         # transformers 5 forces T5Config.tie_word_embeddings to True (the embed_tokens tables share `shared`) and
         # keeps what tie_word_embeddings=False meant as scale_decoder_outputs=False: no d_model**-0.5 before the
         # lm_head, which is loaded untied since it differs from `shared`
         return T5Config(
-            vocab_size=vocab, d_model=s.text_hidden, d_kv=s.text_head_dim or s.text_hidden // s.text_heads,
-            d_ff=s.text_ffn, num_layers=s.text_layers, num_decoder_layers=s.text_decoder_layers or s.text_layers,
-            num_heads=s.text_heads, relative_attention_num_buckets=s.relative_buckets,
-            relative_attention_max_distance=s.relative_max_distance, feed_forward_proj="gated-gelu",
-            layer_norm_epsilon=1e-6, tie_word_embeddings=False,
-            pad_token_id=ids["pad"], eos_token_id=ids["eos"], decoder_start_token_id=ids["pad"],
+            vocab_size=vocab,
+            d_model=s.text_hidden,
+            d_kv=s.text_head_dim or s.text_hidden // s.text_heads,
+            d_ff=s.text_ffn,
+            num_layers=s.text_layers,
+            num_decoder_layers=s.text_decoder_layers or s.text_layers,
+            num_heads=s.text_heads,
+            relative_attention_num_buckets=s.relative_buckets,
+            relative_attention_max_distance=s.relative_max_distance,
+            feed_forward_proj="gated-gelu",
+            layer_norm_epsilon=1e-6,
+            tie_word_embeddings=False,
+            pad_token_id=ids["pad"],
+            eos_token_id=ids["eos"],
+            decoder_start_token_id=ids["pad"],
         )
     raise ValueError(f"text_model must be 'opt' or 't5', got {s.text_model!r}")
 
@@ -171,21 +277,37 @@ def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
     from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig
 
     ids = token_ids(s)
-    vocab = round_up(ids["image"] + 1, s.vocab_multiple)   # the tokenizer's length with <image>, rounded up
+    vocab = round_up(
+        ids["image"] + 1, s.vocab_multiple
+    )  # the tokenizer's length with <image>, rounded up
     text = _text_config(s, vocab)
     vision = Blip2VisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size, hidden_act="gelu",
-        layer_norm_eps=1e-6, qkv_bias=True,
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        hidden_act="gelu",
+        layer_norm_eps=1e-6,
+        qkv_bias=True,
     )
     qformer = Blip2QFormerConfig(
-        hidden_size=s.qformer_hidden, num_hidden_layers=s.qformer_layers, num_attention_heads=s.qformer_heads,
-        intermediate_size=s.qformer_intermediate, cross_attention_frequency=s.cross_attention_frequency,
-        encoder_hidden_size=s.vision_hidden, hidden_act="gelu", layer_norm_eps=1e-12,
+        hidden_size=s.qformer_hidden,
+        num_hidden_layers=s.qformer_layers,
+        num_attention_heads=s.qformer_heads,
+        intermediate_size=s.qformer_intermediate,
+        cross_attention_frequency=s.cross_attention_frequency,
+        encoder_hidden_size=s.vision_hidden,
+        hidden_act="gelu",
+        layer_norm_eps=1e-12,
     )
     cfg = Blip2Config(
-        vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
-        num_query_tokens=s.num_query_tokens, image_token_index=ids["image"],
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=s.num_query_tokens,
+        image_token_index=ids["image"],
     )
     return finish_config(cfg, "Blip2ForConditionalGeneration", s.dtype)
 
@@ -197,16 +319,26 @@ def blip2_config(preset: str = "tiny", **overrides: object) -> Blip2Config:
 
 # The Salesforce repos were converted with transformers 4.2x, whose Q-Former layers also held the text
 # branch's feed-forward; transformers 5 neither builds nor saves it (nor the tied lm_head).
-_TEXT_FFN = (("intermediate.dense.weight", "ffn_in"), ("intermediate.dense.bias", "ffn_mid"),
-             ("output.dense.weight", "ffn_out"), ("output.dense.bias", "hid"),
-             ("output.LayerNorm.weight", "hid"), ("output.LayerNorm.bias", "hid"))
+_TEXT_FFN = (
+    ("intermediate.dense.weight", "ffn_in"),
+    ("intermediate.dense.bias", "ffn_mid"),
+    ("output.dense.weight", "ffn_out"),
+    ("output.dense.bias", "hid"),
+    ("output.LayerNorm.weight", "hid"),
+    ("output.LayerNorm.bias", "hid"),
+)
 
 
 # T5's encoder and decoder embed_tokens are tied to `shared`: neither transformers 5 nor the hub files hold them
-_T5_TIED = ("language_model.encoder.embed_tokens.weight", "language_model.decoder.embed_tokens.weight")
+_T5_TIED = (
+    "language_model.encoder.embed_tokens.weight",
+    "language_model.decoder.embed_tokens.weight",
+)
 
 
-def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[tuple[str, tuple[int, ...], str]]:
+def _param_specs(
+    config: Blip2Config, s: Blip2Sizes, layout: str
+) -> list[tuple[str, tuple[int, ...], str]]:
     """(checkpoint name, shape, kind) for every saved tensor, from :func:`~mmserve.testing.writer.meta_tensors`."""
     from transformers import Blip2ForConditionalGeneration
 
@@ -214,9 +346,11 @@ def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[tuple[
     specs = []
     for name, shape, is_norm in meta_tensors(Blip2ForConditionalGeneration, config):
         if name in _T5_TIED if t5 else name == "language_model.lm_head.weight":
-            continue   # OPT's lm_head is tied to the word embeddings: "hub" adds it back below; T5's is untied
-        if is_norm or (t5 and name.startswith("language_model.") and name.endswith("layer_norm.weight")):
-            kind = "norm_" + name.rsplit(".", 1)[1]   # T5LayerNorm: an RMS norm with a scale only
+            continue  # OPT's lm_head is tied to the word embeddings: "hub" adds it back below; T5's is untied
+        if is_norm or (
+            t5 and name.startswith("language_model.") and name.endswith("layer_norm.weight")
+        ):
+            kind = "norm_" + name.rsplit(".", 1)[1]  # T5LayerNorm: an RMS norm with a scale only
         elif name.endswith("self_attn.qkv.bias"):
             kind = "qv_bias"
         else:
@@ -224,8 +358,13 @@ def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[tuple[
         specs.append((name, shape, kind))
     if layout == "hub":
         if not t5:
-            specs.append(("language_model.lm_head.weight",
-                          (config.text_config.vocab_size, config.text_config.hidden_size), "normal"))
+            specs.append(
+                (
+                    "language_model.lm_head.weight",
+                    (config.text_config.vocab_size, config.text_config.hidden_size),
+                    "normal",
+                )
+            )
         h, i = s.qformer_hidden, s.qformer_intermediate
         shapes = {"ffn_in": (i, h), "ffn_mid": (i,), "ffn_out": (h, i), "hid": (h,)}
         for layer in range(s.qformer_layers):
@@ -247,7 +386,9 @@ def _std(name: str, s: Blip2Sizes) -> float:
     return s.text_init_std
 
 
-def _make(name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def _make(
+    name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     # OPT's tied head repeats the embedding matrix, so both layouts hold the same model; T5's head is its own
     tied_head = s.text_model == "opt" and name == "language_model.lm_head.weight"
     source = "language_model.model.decoder.embed_tokens.weight" if tied_head else name
@@ -255,8 +396,8 @@ def _make(name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int
         noise = make_tensor(source, shape, "normal", s.norm_noise, seed, torch.float32)
         return (noise + (1.0 if kind == "norm_weight" else 0.0)).to(dtype)
     t = make_tensor(source, shape, "normal", _std(source, s), seed, dtype)
-    if kind == "qv_bias":   # [q_bias, 0, v_bias]: the ViT has no key bias
-        t[shape[0] // 3: 2 * shape[0] // 3] = 0
+    if kind == "qv_bias":  # [q_bias, 0, v_bias]: the ViT has no key bias
+        t[shape[0] // 3 : 2 * shape[0] // 3] = 0
     return t
 
 
@@ -267,10 +408,12 @@ T5_EXTRA_TEXT: tuple[str, ...] = (
     "Question: which city is this? Answer: Paris.",
     "Question: how many people are in the picture? Answer: two.",
     "a photography of a dog sitting on a bench in the park",
-    string.ascii_letters, string.digits, "!\"#$%&'()*+,-./:;=?@[]_",
+    string.ascii_letters,
+    string.digits,
+    "!\"#$%&'()*+,-./:;=?@[]_",
 )
 T5_SPECIALS = ("<pad>", "</s>", "<unk>")
-_MAX_PIECE = 12   # longest piece, in characters
+_MAX_PIECE = 12  # longest piece, in characters
 
 
 def t5_vocab(text_vocab: int, extra_ids: int) -> list[tuple[str, float]]:
@@ -294,7 +437,9 @@ def t5_vocab(text_vocab: int, extra_ids: int) -> list[tuple[str, float]]:
     n = text_vocab - len(T5_SPECIALS)
     chars = sorted((p for p in counts if len(p) == 1), key=lambda p: (-counts[p], p))
     if n < len(chars):
-        raise ValueError(f"text_vocab must be >= {len(chars) + len(T5_SPECIALS)} for a T5 tokenizer, got {text_vocab}")
+        raise ValueError(
+            f"text_vocab must be >= {len(chars) + len(T5_SPECIALS)} for a T5 tokenizer, got {text_vocab}"
+        )
     longer = sorted((p for p in counts if len(p) > 1), key=lambda p: (-counts[p] * (len(p) - 1), p))
     chosen = [(p, math.log(counts[p] / total)) for p in chars + longer[: n - len(chars)]]
     chosen.sort(key=lambda ps: (-ps[1], ps[0]))
@@ -341,24 +486,42 @@ def make_blip2_checkpoint(
     The processor adds ``<image>`` to the tokenizer itself (a tokenizer already carrying an
     ``image_token`` breaks it), so the model vocab is sized after it is built.
     """
-    from transformers import BlipImageProcessor, Blip2Processor, GenerationConfig
+    from transformers import Blip2Processor, BlipImageProcessor, GenerationConfig
 
     check_layout(layout)
     s = blip2_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     t5 = s.text_model == "t5"
-    tok = build_t5_tokenizer(s.text_vocab, s.text_extra_ids) if t5 else build_bpe_tokenizer([], vocab_size=s.text_vocab)
+    tok = (
+        build_t5_tokenizer(s.text_vocab, s.text_extra_ids)
+        if t5
+        else build_bpe_tokenizer([], vocab_size=s.text_vocab)
+    )
     image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
-    processor = Blip2Processor(image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens)
+    processor = Blip2Processor(
+        image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens
+    )
     check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
     dtype = getattr(torch, s.dtype)
-    out = write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s, layout),
-                           lambda name: name, dtype, seed, max_shard_bytes,
-                           make_fn=lambda sp: _make(*sp, s, seed, dtype))
+    out = write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        _param_specs(config, s, layout),
+        lambda name: name,
+        dtype,
+        seed,
+        max_shard_bytes,
+        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+    )
     if t5:
-        text = config.text_config   # as the real repo's: the decoder starts from <pad>, no bos
-        GenerationConfig(decoder_start_token_id=text.decoder_start_token_id, eos_token_id=text.eos_token_id,
-                         pad_token_id=text.pad_token_id).save_pretrained(out)
+        text = config.text_config  # as the real repo's: the decoder starts from <pad>, no bos
+        GenerationConfig(
+            decoder_start_token_id=text.decoder_start_token_id,
+            eos_token_id=text.eos_token_id,
+            pad_token_id=text.pad_token_id,
+        ).save_pretrained(out)
         if layout == "hub":
             path = out / "config.json"
             cfg = json.loads(path.read_text())

@@ -8,6 +8,7 @@
 Only the language model's decoder projections (`*_proj.weight` under `.layers.`) are quantized, minus any
 name containing one of `exclude`.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,13 +33,20 @@ def _quantize(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.T
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def write_fp8_checkpoint(src: str | Path, dst: str | Path, style: str = "modelopt", input_scale: float = 4.0 / 448,
-                         exclude: tuple[str, ...] = ()) -> Path:
+def write_fp8_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    style: str = "modelopt",
+    input_scale: float = 4.0 / 448,
+    exclude: tuple[str, ...] = (),
+) -> Path:
     """Copy checkpoint `src` to `dst` with its decoder projections in FP8 (`style`: see STYLES)."""
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     src, dst = Path(src), Path(dst)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    shutil.copytree(
+        src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json")
+    )
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(src.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
@@ -57,12 +65,32 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, style: str = "modelop
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = (
-        {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": list(exclude)} if style == "modelopt" else
-        {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(exclude),
-         "config_groups": {"group_0": {"targets": ["Linear"],
-                                       "weights": {"type": "float", "num_bits": 8, "strategy": "channel",
-                                                   "symmetric": True, "dynamic": False},
-                                       "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
-                                                             "symmetric": True, "dynamic": True}}}})
+        {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": list(exclude)}
+        if style == "modelopt"
+        else {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "ignore": list(exclude),
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "channel",
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "token",
+                        "symmetric": True,
+                        "dynamic": True,
+                    },
+                }
+            },
+        }
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

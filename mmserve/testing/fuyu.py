@@ -29,15 +29,24 @@ import torch
 
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
-    write_checkpoint)
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    make_tensor,
+    meta_tensors,
+    replace_sizes,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import FuyuConfig, PreTrainedTokenizerFast
 
 IMAGE_TOKEN, NEWLINE_TOKEN, EOS = "|SPEAKER|", "|NEWLINE|", "|ENDOFTEXT|"
 BOS, PAD = "<s>", "<unk>"
-BYTE_TOKENS = tuple(f"<0x0{i}>" for i in range(5))   # bbox open/close, point open/close, beginning of answer
+BYTE_TOKENS = tuple(
+    f"<0x0{i}>" for i in range(5)
+)  # bbox open/close, point open/close, beginning of answer
 BOA = BYTE_TOKENS[4]
 # the split of tokenizers' ByteLevel pre-tokenizer (GPT-2's), which the small BPE was trained with
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -47,8 +56,18 @@ GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 # processor tests expect; |ENDOFTEXT| 71013 and <0x00>..<0x03> 71118..71121 (consecutive with <0x04>) are
 # assumed, not checked against the hub. The other offsets hold "|RESERVED_<i>|" tokens.
 TOKEN_LAYOUTS: dict[str, dict[int, str]] = {
-    "compact": {0: IMAGE_TOKEN, 1: NEWLINE_TOKEN, 2: EOS, **{3 + i: t for i, t in enumerate(BYTE_TOKENS)}},
-    "fuyu-8b": {0: IMAGE_TOKEN, 2: EOS, 8: NEWLINE_TOKEN, **{107 + i: t for i, t in enumerate(BYTE_TOKENS)}},
+    "compact": {
+        0: IMAGE_TOKEN,
+        1: NEWLINE_TOKEN,
+        2: EOS,
+        **{3 + i: t for i, t in enumerate(BYTE_TOKENS)},
+    },
+    "fuyu-8b": {
+        0: IMAGE_TOKEN,
+        2: EOS,
+        8: NEWLINE_TOKEN,
+        **{107 + i: t for i, t in enumerate(BYTE_TOKENS)},
+    },
 }
 
 # Fuyu has no chat template on the hub and its prompts are plain text ("Generate a coco-style caption.\n"); the
@@ -71,21 +90,23 @@ class FuyuSizes:
 
     text_hidden: int
     text_layers: int
-    text_heads: int                # Persimmon: no GQA, head_dim = text_hidden // text_heads
-    text_intermediate: int         # relu2 MLP: dense_h_to_4h, dense_4h_to_h
-    text_vocab: int                # base BPE vocab; the block of TOKEN_LAYOUTS[token_layout] follows it
-    vocab_size: int                # model vocab (embed_tokens / lm_head rows), >= the tokenizer
-    token_layout: str              # a key of TOKEN_LAYOUTS
+    text_heads: int  # Persimmon: no GQA, head_dim = text_hidden // text_heads
+    text_intermediate: int  # relu2 MLP: dense_h_to_4h, dense_4h_to_h
+    text_vocab: int  # base BPE vocab; the block of TOKEN_LAYOUTS[token_layout] follows it
+    vocab_size: int  # model vocab (embed_tokens / lm_head rows), >= the tokenizer
+    token_layout: str  # a key of TOKEN_LAYOUTS
     max_position: int
     rope_theta: float
-    partial_rotary_factor: float   # rotary on the first head_dim * factor dims of each head (NeoX-style halves)
-    text_init_std: float           # matrices and embeddings of the text model and lm_head
-    vision_init_std: float         # vision_embed_tokens (patch_size**2 * 3 -> text_hidden)
-    bias_std: float                # every linear bias
-    norm_std: float                # LayerNorm shifts; q/k LayerNorm scales are 1 + N(0, norm_std)
+    partial_rotary_factor: (
+        float  # rotary on the first head_dim * factor dims of each head (NeoX-style halves)
+    )
+    text_init_std: float  # matrices and embeddings of the text model and lm_head
+    vision_init_std: float  # vision_embed_tokens (patch_size**2 * 3 -> text_hidden)
+    bias_std: float  # every linear bias
+    norm_std: float  # LayerNorm shifts; q/k LayerNorm scales are 1 + N(0, norm_std)
     patch_size: int
-    image_size: int                # config.image_size (unused by the model)
-    image_height: int              # image processor canvas: larger images are shrunk to fit, all are padded
+    image_size: int  # config.image_size (unused by the model)
+    image_height: int  # image processor canvas: larger images are shrunk to fit, all are padded
     image_width: int
     dtype: str
     hidden_act: str = "relu2"
@@ -100,17 +121,47 @@ class FuyuSizes:
 PRESETS: dict[str, FuyuSizes] = {
     # head_dim 20: 10 rotary dims per head (5 frequencies), 10 pass-through
     "tiny": FuyuSizes(
-        text_hidden=80, text_layers=3, text_heads=4, text_intermediate=192, text_vocab=400, vocab_size=408,
-        token_layout="compact", max_position=1024, rope_theta=25000.0, partial_rotary_factor=0.5,
-        text_init_std=0.15, vision_init_std=0.02, bias_std=0.1, norm_std=0.1,
-        patch_size=30, image_size=90, image_height=60, image_width=90, dtype="float32",
+        text_hidden=80,
+        text_layers=3,
+        text_heads=4,
+        text_intermediate=192,
+        text_vocab=400,
+        vocab_size=408,
+        token_layout="compact",
+        max_position=1024,
+        rope_theta=25000.0,
+        partial_rotary_factor=0.5,
+        text_init_std=0.15,
+        vision_init_std=0.02,
+        bias_std=0.1,
+        norm_std=0.1,
+        patch_size=30,
+        image_size=90,
+        image_height=60,
+        image_width=90,
+        dtype="float32",
     ),
     # adept/fuyu-8b (FuyuConfig's defaults): 9.41B parameters, vocab 262144, |SPEAKER| = 71011
     "fuyu-8b": FuyuSizes(
-        text_hidden=4096, text_layers=36, text_heads=64, text_intermediate=16384, text_vocab=71011,
-        vocab_size=262144, token_layout="fuyu-8b", max_position=16384, rope_theta=25000.0,
-        partial_rotary_factor=0.5, text_init_std=0.02, vision_init_std=0.02, bias_std=0.02, norm_std=0.02,
-        patch_size=30, image_size=300, image_height=1080, image_width=1920, dtype="bfloat16",
+        text_hidden=4096,
+        text_layers=36,
+        text_heads=64,
+        text_intermediate=16384,
+        text_vocab=71011,
+        vocab_size=262144,
+        token_layout="fuyu-8b",
+        max_position=16384,
+        rope_theta=25000.0,
+        partial_rotary_factor=0.5,
+        text_init_std=0.02,
+        vision_init_std=0.02,
+        bias_std=0.02,
+        norm_std=0.02,
+        patch_size=30,
+        image_size=300,
+        image_height=1080,
+        image_width=1920,
+        dtype="bfloat16",
     ),
 }
 
@@ -121,13 +172,19 @@ def fuyu_sizes(preset: str = "tiny", **overrides: object) -> FuyuSizes:
     if s.text_hidden % s.text_heads:
         raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden}")
     if s.token_layout not in TOKEN_LAYOUTS:
-        raise ValueError(f"token_layout must be one of {sorted(TOKEN_LAYOUTS)}, got {s.token_layout!r}")
+        raise ValueError(
+            f"token_layout must be one of {sorted(TOKEN_LAYOUTS)}, got {s.token_layout!r}"
+        )
     if s.image_height % s.patch_size or s.image_width % s.patch_size:
-        raise ValueError(f"image_height {s.image_height} and image_width {s.image_width} must be multiples of "
-                         f"patch_size {s.patch_size}")
+        raise ValueError(
+            f"image_height {s.image_height} and image_width {s.image_width} must be multiples of "
+            f"patch_size {s.patch_size}"
+        )
     if len(special_tokens(s)) + s.text_vocab > s.vocab_size:
-        raise ValueError(f"vocab_size {s.vocab_size} is smaller than the tokenizer "
-                         f"({s.text_vocab + len(special_tokens(s))})")
+        raise ValueError(
+            f"vocab_size {s.vocab_size} is smaller than the tokenizer "
+            f"({s.text_vocab + len(special_tokens(s))})"
+        )
     return s
 
 
@@ -146,8 +203,15 @@ def special_tokens(s: FuyuSizes) -> list[str]:
 
 def token_ids(s: FuyuSizes) -> dict[str, int]:
     """Ids by token of <unk> (= pad), <s> and Fuyu's named tokens."""
-    return {"<unk>": 0, BOS: 1, **{t: s.text_vocab + i for i, t in enumerate(special_tokens(s))
-                                   if not t.startswith("|RESERVED_")}}
+    return {
+        "<unk>": 0,
+        BOS: 1,
+        **{
+            t: s.text_vocab + i
+            for i, t in enumerate(special_tokens(s))
+            if not t.startswith("|RESERVED_")
+        },
+    }
 
 
 def image_grid(s: FuyuSizes, width: int, height: int) -> tuple[int, int]:
@@ -165,16 +229,36 @@ def _config_from_sizes(s: FuyuSizes) -> FuyuConfig:
 
     ids = token_ids(s)
     text = PersimmonConfig(
-        vocab_size=s.vocab_size, hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, hidden_act=s.hidden_act,
-        max_position_embeddings=s.max_position, initializer_range=s.text_init_std, layer_norm_eps=s.layer_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta,
-                         "partial_rotary_factor": s.partial_rotary_factor},
-        qk_layernorm=s.qk_layernorm, tie_word_embeddings=False,
-        bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
+        vocab_size=s.vocab_size,
+        hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers,
+        num_attention_heads=s.text_heads,
+        hidden_act=s.hidden_act,
+        max_position_embeddings=s.max_position,
+        initializer_range=s.text_init_std,
+        layer_norm_eps=s.layer_norm_eps,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": s.rope_theta,
+            "partial_rotary_factor": s.partial_rotary_factor,
+        },
+        qk_layernorm=s.qk_layernorm,
+        tie_word_embeddings=False,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
     )
-    cfg = FuyuConfig(text_config=text, hidden_size=s.text_hidden, image_size=s.image_size, patch_size=s.patch_size, num_channels=3,
-                     initializer_range=s.text_init_std, image_token_id=ids[IMAGE_TOKEN], tie_word_embeddings=False)
+    cfg = FuyuConfig(
+        text_config=text,
+        hidden_size=s.text_hidden,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        num_channels=3,
+        initializer_range=s.text_init_std,
+        image_token_id=ids[IMAGE_TOKEN],
+        tie_word_embeddings=False,
+    )
     return finish_config(cfg, "FuyuForCausalLM", s.dtype)
 
 
@@ -199,7 +283,7 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
         ("model.vision_embed_tokens.", "vision_embed_tokens."),
     ):
         if name.startswith(src):
-            return dst + name[len(src):]
+            return dst + name[len(src) :]
     raise ValueError(f"unexpected fuyu parameter {name!r}")
 
 
@@ -212,15 +296,24 @@ def _param_specs(config: FuyuConfig, s: FuyuSizes) -> list[tuple[str, tuple[int,
     specs = []
     for name, shape, is_norm in meta_tensors(FuyuForCausalLM, config):
         if is_norm:
-            kind = "norm_bias" if name.endswith(".bias") else (
-                "qk_norm_weight" if "q_layernorm" in name or "k_layernorm" in name else "norm_weight")
+            kind = (
+                "norm_bias"
+                if name.endswith(".bias")
+                else (
+                    "qk_norm_weight"
+                    if "q_layernorm" in name or "k_layernorm" in name
+                    else "norm_weight"
+                )
+            )
         else:
             kind = "bias" if name.endswith(".bias") else "matrix"
         specs.append((name, shape, kind))
     return specs
 
 
-def _make(name: str, shape: tuple[int, ...], kind: str, s: FuyuSizes, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def _make(
+    name: str, shape: tuple[int, ...], kind: str, s: FuyuSizes, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     if kind == "norm_weight":
         return torch.ones(shape, dtype=dtype)
     if kind == "qk_norm_weight":
@@ -251,30 +344,59 @@ def build_fuyu_tokenizer(s: FuyuSizes) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     block = special_tokens(s)
-    spec = json.loads(build_bpe_tokenizer([], vocab_size=s.text_vocab, pad=PAD).backend_tokenizer.to_str())
+    spec = json.loads(
+        build_bpe_tokenizer([], vocab_size=s.text_vocab, pad=PAD).backend_tokenizer.to_str()
+    )
     vocab: dict[str, int] = spec["model"]["vocab"]
     assert len(vocab) == s.text_vocab, (len(vocab), s.text_vocab)
     vocab.update({t: s.text_vocab + i for i, t in enumerate(block)})
     spec["model"]["ignore_merges"] = True
     backend = Tokenizer.from_str(json.dumps(spec))
     backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend(" "), *(normalizers.Replace(chr(i), t) for i, t in enumerate(BYTE_TOKENS))])
+        [
+            normalizers.Prepend(" "),
+            *(normalizers.Replace(chr(i), t) for i, t in enumerate(BYTE_TOKENS)),
+        ]
+    )
     whole = "|".join(re.escape(t) for t in (IMAGE_TOKEN, NEWLINE_TOKEN, *BYTE_TOKENS))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(whole), behavior="isolated"),
-        pre_tokenizers.Split(Regex(f"{whole}|{GPT2_SPLIT}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in block if t not in (IMAGE_TOKEN, NEWLINE_TOKEN)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(whole), behavior="isolated"),
+            pre_tokenizers.Split(Regex(f"{whole}|{GPT2_SPLIT}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in block
+            if t not in (IMAGE_TOKEN, NEWLINE_TOKEN)
+        ]
+    )
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token="<unk>",
-        extra_special_tokens=list(BYTE_TOKENS), padding_side="left", clean_up_tokenization_spaces=False,
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token="<unk>",
+        extra_special_tokens=list(BYTE_TOKENS),
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
     )
     ids = token_ids(s)
-    check_token_ids(tok, {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "image": ids[IMAGE_TOKEN],
-                          "newline": ids[NEWLINE_TOKEN], "boa": ids[BOA]},
-                    {"image": IMAGE_TOKEN, "newline": NEWLINE_TOKEN, "boa": BOA}, s.vocab_size)
+    check_token_ids(
+        tok,
+        {
+            "bos": ids[BOS],
+            "eos": ids[EOS],
+            "pad": ids[PAD],
+            "image": ids[IMAGE_TOKEN],
+            "newline": ids[NEWLINE_TOKEN],
+            "boa": ids[BOA],
+        },
+        {"image": IMAGE_TOKEN, "newline": NEWLINE_TOKEN, "boa": BOA},
+        s.vocab_size,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -307,12 +429,28 @@ def make_fuyu_checkpoint(
     image_processor = FuyuImageProcessor(
         size={"height": s.image_height, "width": s.image_width},
         patch_size={"height": s.patch_size, "width": s.patch_size},
-        do_resize=True, do_pad=True, padding_value=1.0, padding_mode="constant", do_rescale=True,
-        rescale_factor=1 / 255, do_normalize=True, image_mean=0.5, image_std=0.5,
+        do_resize=True,
+        do_pad=True,
+        padding_value=1.0,
+        padding_mode="constant",
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=0.5,
+        image_std=0.5,
     )
     processor = FuyuProcessor(image_processor=image_processor, tokenizer=tok)
-    processor.chat_template = CHAT_TEMPLATE   # FuyuProcessor.__init__ drops a chat_template argument
+    processor.chat_template = CHAT_TEMPLATE  # FuyuProcessor.__init__ drops a chat_template argument
     dtype = getattr(torch, s.dtype)
-    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s),
-                            lambda n: checkpoint_key(n, layout), dtype, seed, max_shard_bytes,
-                            make_fn=lambda sp: _make(*sp, s, seed, dtype))
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        _param_specs(config, s),
+        lambda n: checkpoint_key(n, layout),
+        dtype,
+        seed,
+        max_shard_bytes,
+        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+    )

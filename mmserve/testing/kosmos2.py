@@ -35,19 +35,41 @@ import torch
 
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor,
-    meta_tensors, replace_sizes, write_checkpoint)
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    make_tensor,
+    meta_tensors,
+    replace_sizes,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import Kosmos2Config, PreTrainedTokenizerFast
 
 BOS, PAD, EOS, UNK, MASK = "<s>", "<pad>", "</s>", "<unk>", "<mask>"
-BASE_SPECIALS = (BOS, PAD, EOS, UNK)   # ids 0..3, as XLM-R's fairseq layout
+BASE_SPECIALS = (BOS, PAD, EOS, UNK)  # ids 0..3, as XLM-R's fairseq layout
 # Kosmos2Processor.tag_tokens, in the order it adds them (the real ids are 64002..64012)
-TAG_TOKENS = ("</doc>", "<image>", "</image>", "</chunk>", "</line>", "<phrase>", "</phrase>", "<object>",
-              "</object>", "</delimiter_of_multi_objects/>", "<grounding>")
+TAG_TOKENS = (
+    "</doc>",
+    "<image>",
+    "</image>",
+    "</chunk>",
+    "</line>",
+    "<phrase>",
+    "</phrase>",
+    "<object>",
+    "</object>",
+    "</delimiter_of_multi_objects/>",
+    "<grounding>",
+)
 BOI, EOI, GROUNDING = "<image>", "</image>", "<grounding>"
-LATENT_QUERY_NUM = 64   # Kosmos2Processor.num_image_tokens: a class attribute that no saved config can change
+LATENT_QUERY_NUM = (
+    64  # Kosmos2Processor.num_image_tokens: a class attribute that no saved config can change
+)
 
 # Kosmos-2 has no chat template on the hub: its prompts are plain text ("<grounding> An image of"), and the processor
 # puts the image span in itself. So: the text of every message, one message per line; image parts write nothing,
@@ -67,25 +89,27 @@ CHAT_TEMPLATE = (
 class Kosmos2Sizes:
     """Every size a preset fixes; any field can be overridden by keyword."""
 
-    text_hidden: int               # embed_dim
+    text_hidden: int  # embed_dim
     text_layers: int
     text_heads: int
-    text_ffn: int                  # ffn_dim: fc1 -> gelu -> ffn_layernorm -> fc2
-    text_vocab: int                # base vocab: <s> <pad> </s> <unk> + the BPE; <mask>, tags, patch tokens follow
-    num_patch_index_tokens: int    # <patch_index_XXXX> tokens (a square: sqrt of it patches per side for bboxes)
+    text_ffn: int  # ffn_dim: fc1 -> gelu -> ffn_layernorm -> fc2
+    text_vocab: int  # base vocab: <s> <pad> </s> <unk> + the BPE; <mask>, tags, patch tokens follow
+    num_patch_index_tokens: (
+        int  # <patch_index_XXXX> tokens (a square: sqrt of it patches per side for bboxes)
+    )
     max_position: int
-    text_init_std: float           # text matrices, the (tied) word embedding, the projection's x_attn
+    text_init_std: float  # text matrices, the (tied) word embedding, the projection's x_attn
     vision_hidden: int
     vision_layers: int
     vision_heads: int
     vision_intermediate: int
     image_size: int
     patch_size: int
-    vision_init_std: float         # every vision matrix and embedding (patch, class, position)
-    latent_query_std: float        # image_to_text_projection.latent_query (HF inits it N(0, 1))
-    dense_std: float               # image_to_text_projection.dense: its input rows have unit L2 norm
-    bias_std: float                # every linear bias
-    norm_std: float                # LayerNorm shifts; the sub-LayerNorms' scales are 1 + N(0, norm_std)
+    vision_init_std: float  # every vision matrix and embedding (patch, class, position)
+    latent_query_std: float  # image_to_text_projection.latent_query (HF inits it N(0, 1))
+    dense_std: float  # image_to_text_projection.dense: its input rows have unit L2 norm
+    bias_std: float  # every linear bias
+    norm_std: float  # LayerNorm shifts; the sub-LayerNorms' scales are 1 + N(0, norm_std)
     dtype: str
     latent_query_num: int = LATENT_QUERY_NUM
     layer_norm_eps: float = 1e-5
@@ -111,18 +135,49 @@ PRESETS: dict[str, Kosmos2Sizes] = {
     # 64 patch index tokens (8x8 bbox grid; see kosmos2_sizes on post_process_generation); vocab 476. dense_std 1:
     # the projection's inputs have unit L2 norm, so the image features weigh as much as the latent queries
     "tiny": Kosmos2Sizes(
-        text_hidden=64, text_layers=3, text_heads=4, text_ffn=144, text_vocab=400, num_patch_index_tokens=64,
-        max_position=1024, text_init_std=0.15,
-        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=80, image_size=42, patch_size=14,
-        vision_init_std=0.2, latent_query_std=1.0, dense_std=1.0, bias_std=0.1, norm_std=0.1, dtype="float32",
+        text_hidden=64,
+        text_layers=3,
+        text_heads=4,
+        text_ffn=144,
+        text_vocab=400,
+        num_patch_index_tokens=64,
+        max_position=1024,
+        text_init_std=0.15,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=80,
+        image_size=42,
+        patch_size=14,
+        vision_init_std=0.2,
+        latent_query_std=1.0,
+        dense_std=1.0,
+        bias_std=0.1,
+        norm_std=0.1,
+        dtype="float32",
     ),
     # microsoft/kosmos-2-patch14-224 (Kosmos2Config's defaults): vocab 65037 = 64001 base + <mask> + 11 tags + 1024
     # patch tokens, <image> = 64003; 1.66B parameters; CLIP ViT-L/14 at 224 px (257 positions)
     "kosmos-2-patch14-224": Kosmos2Sizes(
-        text_hidden=2048, text_layers=24, text_heads=32, text_ffn=8192, text_vocab=64001,
-        num_patch_index_tokens=1024, max_position=2048, text_init_std=0.02,
-        vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096, image_size=224,
-        patch_size=14, vision_init_std=0.02, latent_query_std=1.0, dense_std=0.02, bias_std=0.02, norm_std=0.02,
+        text_hidden=2048,
+        text_layers=24,
+        text_heads=32,
+        text_ffn=8192,
+        text_vocab=64001,
+        num_patch_index_tokens=1024,
+        max_position=2048,
+        text_init_std=0.02,
+        vision_hidden=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        image_size=224,
+        patch_size=14,
+        vision_init_std=0.02,
+        latent_query_std=1.0,
+        dense_std=0.02,
+        bias_std=0.02,
+        norm_std=0.02,
         dtype="float16",
     ),
 }
@@ -138,14 +193,18 @@ def kosmos2_sizes(preset: str = "tiny", **overrides: object) -> Kosmos2Sizes:
     """
     s = replace_sizes(PRESETS, preset, "kosmos2", overrides)
     if s.text_hidden % s.text_heads or s.vision_hidden % s.vision_heads:
-        raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} and vision_heads "
-                         f"{s.vision_heads} vision_hidden {s.vision_hidden}")
+        raise ValueError(
+            f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} and vision_heads "
+            f"{s.vision_heads} vision_hidden {s.vision_hidden}"
+        )
     if s.text_hidden % 2:
         raise ValueError(f"text_hidden {s.text_hidden} must be even (sinusoidal positions)")
     if math.isqrt(s.num_patch_index_tokens) ** 2 != s.num_patch_index_tokens:
         raise ValueError(f"num_patch_index_tokens {s.num_patch_index_tokens} must be a square")
     if s.image_size % s.patch_size:
-        raise ValueError(f"image_size {s.image_size} must be a multiple of patch_size {s.patch_size}")
+        raise ValueError(
+            f"image_size {s.image_size} must be a multiple of patch_size {s.patch_size}"
+        )
     if s.text_vocab < 4 + 256 + 1:
         raise ValueError(f"text_vocab must be >= 261, got {s.text_vocab}")
     return s
@@ -178,18 +237,38 @@ def _config_from_sizes(s: Kosmos2Sizes) -> Kosmos2Config:
 
     ids = token_ids(s)
     text = Kosmos2TextConfig(
-        vocab_size=s.vocab_size, max_position_embeddings=s.max_position, embed_dim=s.text_hidden,
-        layers=s.text_layers, ffn_dim=s.text_ffn, attention_heads=s.text_heads, activation_function=s.text_act,
-        layer_norm_eps=s.layer_norm_eps, init_std=s.text_init_std, scale_embedding=True, tie_word_embeddings=True,
-        bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
+        vocab_size=s.vocab_size,
+        max_position_embeddings=s.max_position,
+        embed_dim=s.text_hidden,
+        layers=s.text_layers,
+        ffn_dim=s.text_ffn,
+        attention_heads=s.text_heads,
+        activation_function=s.text_act,
+        layer_norm_eps=s.layer_norm_eps,
+        init_std=s.text_init_std,
+        scale_embedding=True,
+        tie_word_embeddings=True,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
     )
     vision = Kosmos2VisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
-        hidden_act=s.vision_act, layer_norm_eps=s.layer_norm_eps, initializer_range=s.vision_init_std,
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        hidden_act=s.vision_act,
+        layer_norm_eps=s.layer_norm_eps,
+        initializer_range=s.vision_init_std,
     )
-    cfg = Kosmos2Config(text_config=text, vision_config=vision, latent_query_num=s.latent_query_num,
-                        tie_word_embeddings=True)
+    cfg = Kosmos2Config(
+        text_config=text,
+        vision_config=vision,
+        latent_query_num=s.latent_query_num,
+        tie_word_embeddings=True,
+    )
     return finish_config(cfg, "Kosmos2ForConditionalGeneration", s.dtype)
 
 
@@ -228,8 +307,15 @@ def _param_specs(config: Kosmos2Config, s: Kosmos2Sizes) -> list[tuple[str, tupl
         if tied and name == "text_model.lm_head.weight":
             continue
         if is_norm:
-            kind = "norm_bias" if name.endswith(".bias") else (
-                "sub_norm_weight" if ".inner_attn_ln." in name or ".ffn_layernorm." in name else "norm_weight")
+            kind = (
+                "norm_bias"
+                if name.endswith(".bias")
+                else (
+                    "sub_norm_weight"
+                    if ".inner_attn_ln." in name or ".ffn_layernorm." in name
+                    else "norm_weight"
+                )
+            )
         else:
             kind = "bias" if name.endswith(".bias") else "matrix"
         specs.append((name, shape, kind))
@@ -244,8 +330,9 @@ def _std(name: str, s: Kosmos2Sizes) -> float:
     return s.vision_init_std if name.startswith("vision_model.") else s.text_init_std
 
 
-def _make(name: str, shape: tuple[int, ...], kind: str, s: Kosmos2Sizes, seed: int,
-          dtype: torch.dtype) -> torch.Tensor:
+def _make(
+    name: str, shape: tuple[int, ...], kind: str, s: Kosmos2Sizes, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     if kind == "norm_weight":
         return torch.ones(shape, dtype=dtype)
     if kind == "sub_norm_weight":
@@ -271,7 +358,9 @@ def build_kosmos2_tokenizer(s: Kosmos2Sizes) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2, the BPE from 3: shift it up by one for <pad>
-    spec = json.loads(build_bpe_tokenizer([], vocab_size=s.text_vocab - 1).backend_tokenizer.to_str())
+    spec = json.loads(
+        build_bpe_tokenizer([], vocab_size=s.text_vocab - 1).backend_tokenizer.to_str()
+    )
     old: dict[str, int] = spec["model"]["vocab"]
     assert len(old) == s.text_vocab - 1 and [old[t] for t in (UNK, BOS, EOS)] == [0, 1, 2], old
     vocab = {t: i for i, t in enumerate(BASE_SPECIALS)}
@@ -282,17 +371,31 @@ def build_kosmos2_tokenizer(s: Kosmos2Sizes) -> PreTrainedTokenizerFast:
     spec["added_tokens"] = []
     spec["post_processor"] = None
     backend = Tokenizer.from_str(json.dumps(spec))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*BASE_SPECIALS, MASK)])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (*BASE_SPECIALS, MASK)]
+    )
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0 {EOS}:0", pair=f"{BOS}:0 $A:0 {EOS}:0 {EOS}:1 $B:1 {EOS}:1",
-        special_tokens=[(BOS, 0), (EOS, 2)])
+        single=f"{BOS}:0 $A:0 {EOS}:0",
+        pair=f"{BOS}:0 $A:0 {EOS}:0 {EOS}:1 $B:1 {EOS}:1",
+        special_tokens=[(BOS, 0), (EOS, 2)],
+    )
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, mask_token=MASK,
-        padding_side="right", clean_up_tokenization_spaces=False,
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        mask_token=MASK,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
     )
     ids = token_ids(s)
-    check_token_ids(tok, {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "mask": ids[MASK]},
-                    {"mask": MASK}, s.vocab_size)
+    check_token_ids(
+        tok,
+        {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "mask": ids[MASK]},
+        {"mask": MASK},
+        s.vocab_size,
+    )
     assert len(tok) == s.text_vocab + 1, len(tok)
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -306,11 +409,19 @@ def build_kosmos2_processor(s: Kosmos2Sizes) -> tuple[object, object]:
 
     tok = build_kosmos2_tokenizer(s)
     image_processor = CLIPImageProcessor(
-        size={"height": s.image_size, "width": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
-        do_resize=True, do_center_crop=False, do_rescale=True, do_normalize=True, do_convert_rgb=True,
-        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        size={"height": s.image_size, "width": s.image_size},
+        crop_size={"height": s.image_size, "width": s.image_size},
+        do_resize=True,
+        do_center_crop=False,
+        do_rescale=True,
+        do_normalize=True,
+        do_convert_rgb=True,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
     )
-    processor = Kosmos2Processor(image_processor, tok, num_patch_index_tokens=s.num_patch_index_tokens)
+    processor = Kosmos2Processor(
+        image_processor, tok, num_patch_index_tokens=s.num_patch_index_tokens
+    )
     processor.chat_template = CHAT_TEMPLATE
     ids = token_ids(s)
     got = {t: tok.convert_tokens_to_ids(t) for t in ids}
@@ -343,6 +454,15 @@ def make_kosmos2_checkpoint(
     config = _config_from_sizes(s)
     processor, image_processor = build_kosmos2_processor(s)
     dtype = getattr(torch, s.dtype)
-    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s),
-                            lambda n: checkpoint_key(n, layout), dtype, seed, max_shard_bytes,
-                            make_fn=lambda sp: _make(*sp, s, seed, dtype))
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        _param_specs(config, s),
+        lambda n: checkpoint_key(n, layout),
+        dtype,
+        seed,
+        max_shard_bytes,
+        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+    )

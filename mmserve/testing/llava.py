@@ -14,11 +14,26 @@ from typing import TYPE_CHECKING
 
 from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, ParamSpec, check_layout, check_token_ids, finish_config, param_specs,
-    replace_sizes, round_up, write_checkpoint)
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    ParamSpec,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    param_specs,
+    replace_sizes,
+    round_up,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
-    from transformers import CLIPVisionConfig, LlavaConfig, PreTrainedConfig, PreTrainedTokenizerFast
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaConfig,
+        PreTrainedConfig,
+        PreTrainedTokenizerFast,
+    )
 
     from mmserve.testing.llava_next import LlavaNextSizes
     from mmserve.testing.llava_onevision import LlavaOnevisionSizes
@@ -84,24 +99,59 @@ class LlavaSizes:
 
 PRESETS: dict[str, LlavaSizes] = {
     "tiny": LlavaSizes(
-        text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136,
-        text_vocab=400, vocab_multiple=8, max_position=512, text_init_std=0.2,
-        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, vision_projection_dim=32,
-        image_size=42, patch_size=14, vision_act="quick_gelu", vision_init_std=0.2,
-        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_act="gelu",
+        text_hidden=80,
+        text_layers=3,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=136,
+        text_vocab=400,
+        vocab_multiple=8,
+        max_position=512,
+        text_init_std=0.2,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        vision_projection_dim=32,
+        image_size=42,
+        patch_size=14,
+        vision_act="quick_gelu",
+        vision_init_std=0.2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_act="gelu",
         dtype="float32",
     ),
     "llava-1.5-7b": LlavaSizes(
-        text_hidden=4096, text_layers=32, text_heads=32, text_kv_heads=32, text_intermediate=11008,
-        text_vocab=32000, vocab_multiple=64, max_position=4096, text_init_std=0.02,
-        vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096, vision_projection_dim=768,
-        image_size=336, patch_size=14, vision_act="quick_gelu", vision_init_std=0.02,
-        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_act="gelu",
+        text_hidden=4096,
+        text_layers=32,
+        text_heads=32,
+        text_kv_heads=32,
+        text_intermediate=11008,
+        text_vocab=32000,
+        vocab_multiple=64,
+        max_position=4096,
+        text_init_std=0.02,
+        vision_hidden=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        vision_projection_dim=768,
+        image_size=336,
+        patch_size=14,
+        vision_act="quick_gelu",
+        vision_init_std=0.02,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_act="gelu",
         dtype="float16",
     ),
 }
 PRESETS["tiny-mha"] = dataclasses.replace(
-    PRESETS["tiny"], text_kv_heads=4, vision_feature_layer=(-2, -1), vision_feature_select_strategy="full"
+    PRESETS["tiny"],
+    text_kv_heads=4,
+    vision_feature_layer=(-2, -1),
+    vision_feature_select_strategy="full",
 )
 
 
@@ -126,12 +176,21 @@ def llama_text_kwargs(s: LlavaSizes | LlavaNextSizes) -> dict[str, object]:
     ``vocab_multiple``; special ids of :func:`llava_token_ids`; shared with LLaVA-NeXT."""
     ids = llava_token_ids(s.text_vocab)
     return dict(
-        vocab_size=round_up(s.text_vocab + 2, s.vocab_multiple), hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate, num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads, head_dim=s.text_hidden // s.text_heads,
-        max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
-        tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        vocab_size=round_up(s.text_vocab + 2, s.vocab_multiple),
+        hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers,
+        num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads,
+        head_dim=s.text_hidden // s.text_heads,
+        max_position_embeddings=s.max_position,
+        rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        initializer_range=s.text_init_std,
+        tie_word_embeddings=False,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
     )
 
 
@@ -140,9 +199,15 @@ def clip_vision_config(s: LlavaSizes | LlavaNextSizes) -> CLIPVisionConfig:
     from transformers import CLIPVisionConfig
 
     return CLIPVisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
-        projection_dim=s.vision_projection_dim, hidden_act=s.vision_act, layer_norm_eps=1e-5,
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        projection_dim=s.vision_projection_dim,
+        hidden_act=s.vision_act,
+        layer_norm_eps=1e-5,
         initializer_range=s.vision_init_std,
     )
 
@@ -152,10 +217,14 @@ def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
 
     layer = s.vision_feature_layer
     cfg = LlavaConfig(
-        vision_config=clip_vision_config(s), text_config=LlamaConfig(**llama_text_kwargs(s)),
-        image_token_index=llava_token_ids(s.text_vocab)["image"], image_seq_length=image_tokens_per_image(s),
-        projector_hidden_act=s.projector_act, vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
-        vision_feature_select_strategy=s.vision_feature_select_strategy, tie_word_embeddings=False,
+        vision_config=clip_vision_config(s),
+        text_config=LlamaConfig(**llama_text_kwargs(s)),
+        image_token_index=llava_token_ids(s.text_vocab)["image"],
+        image_seq_length=image_tokens_per_image(s),
+        projector_hidden_act=s.projector_act,
+        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_select_strategy=s.vision_feature_select_strategy,
+        tie_word_embeddings=False,
     )
     return finish_config(cfg, "LlavaForConditionalGeneration", s.dtype)
 
@@ -179,15 +248,17 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
         ("model.multi_modal_projector.", "multi_modal_projector."),
     ):
         if name.startswith(src):
-            return dst + name[len(src):]
+            return dst + name[len(src) :]
     raise ValueError(f"unexpected llava parameter {name!r}")
 
 
-def llava_param_specs(model_cls: type, config: PreTrainedConfig,
-                      s: LlavaSizes | LlavaNextSizes | LlavaOnevisionSizes) -> list[ParamSpec]:
+def llava_param_specs(
+    model_cls: type, config: PreTrainedConfig, s: LlavaSizes | LlavaNextSizes | LlavaOnevisionSizes
+) -> list[ParamSpec]:
     """:func:`~mmserve.testing.writer.param_specs` of the llava families. Init std: vision_init_std for
     the vision tower, 1/sqrt(text_hidden) for LLaVA-NeXT/OneVision's image_newline (as HF inits it),
     text_init_std otherwise."""
+
     def std_of(name: str) -> float:
         if name == "model.image_newline":
             return 1 / math.sqrt(s.text_hidden)
@@ -196,10 +267,14 @@ def llava_param_specs(model_cls: type, config: PreTrainedConfig,
     return param_specs(model_cls, config, std_of)
 
 
-def build_llava_tokenizer(text_vocab: int, model_vocab: int, chat_template: str) -> PreTrainedTokenizerFast:
+def build_llava_tokenizer(
+    text_vocab: int, model_vocab: int, chat_template: str
+) -> PreTrainedTokenizerFast:
     """The small BPE with ``<image>``, ``<pad>`` after ``text_vocab`` base ids (the ids of :func:`llava_token_ids`)
     and ``chat_template`` (its ``__EOS__`` replaced by the EOS token) set; shared with LLaVA-NeXT."""
-    tok = build_bpe_tokenizer([IMAGE_TOKEN], vocab_size=text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN})
+    tok = build_bpe_tokenizer(
+        [IMAGE_TOKEN], vocab_size=text_vocab, extra_special_tokens={"image_token": IMAGE_TOKEN}
+    )
     check_token_ids(tok, llava_token_ids(text_vocab), {"image": IMAGE_TOKEN}, model_vocab)
     tok.chat_template = chat_template.replace("__EOS__", tok.eos_token)
     return tok
@@ -232,15 +307,33 @@ def make_llava_checkpoint(
     config = _config_from_sizes(s)
     tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
-        do_center_crop=True, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True,
-        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        size={"shortest_edge": s.image_size},
+        crop_size={"height": s.image_size, "width": s.image_size},
+        do_center_crop=True,
+        do_resize=True,
+        do_rescale=True,
+        do_normalize=True,
+        do_convert_rgb=True,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
     )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
-        vision_feature_select_strategy=s.vision_feature_select_strategy, num_additional_image_tokens=1,
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=s.patch_size,
+        vision_feature_select_strategy=s.vision_feature_select_strategy,
+        num_additional_image_tokens=1,
         chat_template=tok.chat_template,
     )
     specs = llava_param_specs(LlavaForConditionalGeneration, config, s)
-    return write_checkpoint(out_dir, config, processor, image_processor, specs, lambda n: checkpoint_key(n, layout),
-                            s.dtype, seed, max_shard_bytes)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        specs,
+        lambda n: checkpoint_key(n, layout),
+        s.dtype,
+        seed,
+        max_shard_bytes,
+    )

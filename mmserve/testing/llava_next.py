@@ -12,9 +12,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.testing.llava import (
-    build_llava_tokenizer, checkpoint_key, clip_vision_config, llama_text_kwargs, llava_param_specs, llava_token_ids)
+    build_llava_tokenizer,
+    checkpoint_key,
+    clip_vision_config,
+    llama_text_kwargs,
+    llava_param_specs,
+    llava_token_ids,
+)
 from mmserve.testing.writer import (
-    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, check_layout, finish_config, replace_sizes, write_checkpoint)
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    finish_config,
+    replace_sizes,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import LlavaNextConfig
@@ -46,11 +59,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def _scaled_pinpoints(tile: int, shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+def _scaled_pinpoints(
+    tile: int, shapes: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int], ...]:
     return tuple((r * tile, c * tile) for r, c in shapes)
 
 
-NEXT_MOSAICS = ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))   # llava-v1.6 pinpoints, in tiles
+NEXT_MOSAICS = ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))  # llava-v1.6 pinpoints, in tiles
 
 
 @dataclass(frozen=True)
@@ -86,22 +101,57 @@ class LlavaNextSizes:
 
 PRESETS: dict[str, LlavaNextSizes] = {
     "tiny": LlavaNextSizes(
-        text_model="mistral", text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136,
-        text_vocab=400, vocab_multiple=8, max_position=1024, text_init_std=0.2, rope_theta=10000.0,
-        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, vision_projection_dim=32,
-        image_size=42, patch_size=7, vision_init_std=0.2, vision_feature_layer=-2,
-        grid_pinpoints=_scaled_pinpoints(42, NEXT_MOSAICS), dtype="float32",
+        text_model="mistral",
+        text_hidden=80,
+        text_layers=3,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=136,
+        text_vocab=400,
+        vocab_multiple=8,
+        max_position=1024,
+        text_init_std=0.2,
+        rope_theta=10000.0,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        vision_projection_dim=32,
+        image_size=42,
+        patch_size=7,
+        vision_init_std=0.2,
+        vision_feature_layer=-2,
+        grid_pinpoints=_scaled_pinpoints(42, NEXT_MOSAICS),
+        dtype="float32",
     ),
     "llava-v1.6-mistral-7b": LlavaNextSizes(
-        text_model="mistral", text_hidden=4096, text_layers=32, text_heads=32, text_kv_heads=8,
-        text_intermediate=14336, text_vocab=32000, vocab_multiple=64, max_position=32768, text_init_std=0.02,
-        rope_theta=1_000_000.0, vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096,
-        vision_projection_dim=768, image_size=336, patch_size=14, vision_init_std=0.02, vision_feature_layer=-2,
-        grid_pinpoints=_scaled_pinpoints(336, NEXT_MOSAICS), dtype="float16",
+        text_model="mistral",
+        text_hidden=4096,
+        text_layers=32,
+        text_heads=32,
+        text_kv_heads=8,
+        text_intermediate=14336,
+        text_vocab=32000,
+        vocab_multiple=64,
+        max_position=32768,
+        text_init_std=0.02,
+        rope_theta=1_000_000.0,
+        vision_hidden=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        vision_projection_dim=768,
+        image_size=336,
+        patch_size=14,
+        vision_init_std=0.02,
+        vision_feature_layer=-2,
+        grid_pinpoints=_scaled_pinpoints(336, NEXT_MOSAICS),
+        dtype="float16",
     ),
 }
-PRESETS["tiny-llama"] = dataclasses.replace(PRESETS["tiny"], text_model="llama", text_kv_heads=4,
-                                            vision_feature_layer=(-2, -1))
+PRESETS["tiny-llama"] = dataclasses.replace(
+    PRESETS["tiny"], text_model="llama", text_kv_heads=4, vision_feature_layer=(-2, -1)
+)
 
 
 def llava_next_sizes(preset: str = "tiny", **overrides: object) -> LlavaNextSizes:
@@ -119,10 +169,14 @@ def _config_from_sizes(s: LlavaNextSizes) -> LlavaNextConfig:
         raise ValueError(f"text_model must be 'mistral' or 'llama', got {s.text_model!r}")
     layer = s.vision_feature_layer
     cfg = LlavaNextConfig(
-        vision_config=clip_vision_config(s), text_config=text, image_token_index=llava_token_ids(s.text_vocab)["image"],
-        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], projector_hidden_act=s.projector_act,
+        vision_config=clip_vision_config(s),
+        text_config=text,
+        image_token_index=llava_token_ids(s.text_vocab)["image"],
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
+        projector_hidden_act=s.projector_act,
         vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
-        vision_feature_select_strategy="default", image_seq_length=(s.image_size // s.patch_size) ** 2,
+        vision_feature_select_strategy="default",
+        image_seq_length=(s.image_size // s.patch_size) ** 2,
         tie_word_embeddings=False,
     )
     return finish_config(cfg, "LlavaNextForConditionalGeneration", s.dtype)
@@ -157,21 +211,41 @@ def make_llava_next_checkpoint(
     llava-hf names) or "transformers" (5.23 ``save_pretrained`` names). The tokenizer is the small BPE,
     padded with filler tokens to ``text_vocab`` base ids (so ``<image>`` = 32000 for the 7B preset).
     """
-    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
+    from transformers import (
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
 
     check_layout(layout)
     s = llava_next_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
     image_processor = LlavaNextImageProcessor(
-        size={"shortest_edge": s.image_size}, crop_size={"height": s.image_size, "width": s.image_size},
-        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        size={"shortest_edge": s.image_size},
+        crop_size={"height": s.image_size, "width": s.image_size},
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
         do_pad=True,
     )
     processor = LlavaNextProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=tok.chat_template,
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=s.patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
     )
     specs = llava_param_specs(LlavaNextForConditionalGeneration, config, s)
-    return write_checkpoint(out_dir, config, processor, image_processor, specs,
-                            lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        specs,
+        lambda n: next_checkpoint_key(n, layout),
+        s.dtype,
+        seed,
+        max_shard_bytes,
+    )

@@ -15,7 +15,14 @@ from mmserve.testing.llava import llava_param_specs
 from mmserve.testing.llava_next import next_checkpoint_key
 from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, replace_sizes, round_up, write_checkpoint)
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    replace_sizes,
+    round_up,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig
@@ -43,7 +50,9 @@ CHAT_TEMPLATE = (
 
 def _pinpoints(tile: int, max_side: int) -> tuple[tuple[int, int], ...]:
     """Every mosaic of 1..max_side tiles down and across, as OneVision lists them."""
-    return tuple((r * tile, c * tile) for r in range(1, max_side + 1) for c in range(1, max_side + 1))
+    return tuple(
+        (r * tile, c * tile) for r in range(1, max_side + 1) for c in range(1, max_side + 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,9 @@ class LlavaOnevisionSizes:
     grid_pinpoints: tuple[tuple[int, int], ...]
     vision_aspect_ratio: str
     dtype: str
-    model_vocab: int | None = None  # model vocab size; None = tokenizer size rounded up to vocab_multiple
+    model_vocab: int | None = (
+        None  # model vocab size; None = tokenizer size rounded up to vocab_multiple
+    )
     tie_word_embeddings: bool = False
     vision_feature_layer: int | tuple[int, ...] = -1
     vision_act: str = "gelu_pytorch_tanh"
@@ -80,20 +91,54 @@ class LlavaOnevisionSizes:
 
 PRESETS: dict[str, LlavaOnevisionSizes] = {
     "tiny": LlavaOnevisionSizes(
-        text_hidden=80, text_layers=3, text_heads=4, text_kv_heads=2, text_intermediate=136, text_vocab=400,
-        vocab_multiple=8, max_position=1024, text_init_std=0.2, rope_theta=10000.0,
-        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, image_size=42, patch_size=7,
-        vision_init_std=0.2, grid_pinpoints=_pinpoints(42, 3), vision_aspect_ratio="anyres_max_2", dtype="float32",
+        text_hidden=80,
+        text_layers=3,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=136,
+        text_vocab=400,
+        vocab_multiple=8,
+        max_position=1024,
+        text_init_std=0.2,
+        rope_theta=10000.0,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        image_size=42,
+        patch_size=7,
+        vision_init_std=0.2,
+        grid_pinpoints=_pinpoints(42, 3),
+        vision_aspect_ratio="anyres_max_2",
+        dtype="float32",
     ),
     "llava-onevision-qwen2-7b-ov": LlavaOnevisionSizes(
-        text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
-        text_vocab=151646, vocab_multiple=64, max_position=32768, text_init_std=0.02, rope_theta=1_000_000.0,
-        vision_hidden=1152, vision_layers=26, vision_heads=16, vision_intermediate=4304, image_size=384,
-        patch_size=14, vision_init_std=0.02, grid_pinpoints=_pinpoints(384, 6), vision_aspect_ratio="anyres_max_9",
-        dtype="float16", model_vocab=152128,
+        text_hidden=3584,
+        text_layers=28,
+        text_heads=28,
+        text_kv_heads=4,
+        text_intermediate=18944,
+        text_vocab=151646,
+        vocab_multiple=64,
+        max_position=32768,
+        text_init_std=0.02,
+        rope_theta=1_000_000.0,
+        vision_hidden=1152,
+        vision_layers=26,
+        vision_heads=16,
+        vision_intermediate=4304,
+        image_size=384,
+        patch_size=14,
+        vision_init_std=0.02,
+        grid_pinpoints=_pinpoints(384, 6),
+        vision_aspect_ratio="anyres_max_9",
+        dtype="float16",
+        model_vocab=152128,
     ),
 }
-PRESETS["tiny-tied"] = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True, vision_feature_layer=(-2, -1))
+PRESETS["tiny-tied"] = dataclasses.replace(
+    PRESETS["tiny"], tie_word_embeddings=True, vision_feature_layer=(-2, -1)
+)
 
 
 def llava_onevision_sizes(preset: str = "tiny", **overrides: object) -> LlavaOnevisionSizes:
@@ -110,26 +155,49 @@ def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
     ids = token_ids(s)
     vocab = s.model_vocab or round_up(s.text_vocab + 4, s.vocab_multiple)
     if vocab < s.text_vocab + 4:
-        raise ValueError(f"model_vocab {vocab} is smaller than the tokenizer ({s.text_vocab + 4} tokens)")
+        raise ValueError(
+            f"model_vocab {vocab} is smaller than the tokenizer ({s.text_vocab + 4} tokens)"
+        )
     text = Qwen2Config(
-        vocab_size=vocab, hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate, num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads, max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
-        tie_word_embeddings=s.tie_word_embeddings, use_sliding_window=False,
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        vocab_size=vocab,
+        hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers,
+        num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads,
+        max_position_embeddings=s.max_position,
+        rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        initializer_range=s.text_init_std,
+        tie_word_embeddings=s.tie_word_embeddings,
+        use_sliding_window=False,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
     )
     vision = SiglipVisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size,
-        hidden_act=s.vision_act, layer_norm_eps=1e-6, vision_use_head=False,
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        hidden_act=s.vision_act,
+        layer_norm_eps=1e-6,
+        vision_use_head=False,
     )
     layer = s.vision_feature_layer
     cfg = LlavaOnevisionConfig(
-        vision_config=vision, text_config=text, image_token_index=ids["image"], video_token_index=ids["video"],
-        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], vision_aspect_ratio=s.vision_aspect_ratio,
-        projector_hidden_act=s.projector_act, vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
-        vision_feature_select_strategy="full", tie_word_embeddings=s.tie_word_embeddings,
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["image"],
+        video_token_index=ids["video"],
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
+        vision_aspect_ratio=s.vision_aspect_ratio,
+        projector_hidden_act=s.projector_act,
+        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_select_strategy="full",
+        tie_word_embeddings=s.tie_word_embeddings,
     )
     return finish_config(cfg, "LlavaOnevisionForConditionalGeneration", s.dtype)
 
@@ -165,22 +233,49 @@ def make_llava_onevision_checkpoint(
     check_layout(layout)
     s = llava_onevision_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    tok = build_bpe_tokenizer([IMAGE_TOKEN, VIDEO_TOKEN, IM_START], vocab_size=s.text_vocab, bos="<|endoftext|>",
-                              eos=IM_END, extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN})
-    check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN, "im_start": IM_START},
-                    config.text_config.vocab_size)
+    tok = build_bpe_tokenizer(
+        [IMAGE_TOKEN, VIDEO_TOKEN, IM_START],
+        vocab_size=s.text_vocab,
+        bos="<|endoftext|>",
+        eos=IM_END,
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN},
+    )
+    check_token_ids(
+        tok,
+        token_ids(s),
+        {"image": IMAGE_TOKEN, "video": VIDEO_TOKEN, "im_start": IM_START},
+        config.text_config.vocab_size,
+    )
     tok.chat_template = CHAT_TEMPLATE
     size = {"height": s.image_size, "width": s.image_size}
     image_processor = LlavaOnevisionImageProcessor(
-        size=size, image_grid_pinpoints=[list(p) for p in s.grid_pinpoints], image_mean=SIGLIP_MEAN,
-        image_std=SIGLIP_STD, do_pad=True,
+        size=size,
+        image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
+        image_mean=SIGLIP_MEAN,
+        image_std=SIGLIP_STD,
+        do_pad=True,
     )
-    video_processor = LlavaOnevisionVideoProcessor(size=size, image_mean=SIGLIP_MEAN, image_std=SIGLIP_STD)
+    video_processor = LlavaOnevisionVideoProcessor(
+        size=size, image_mean=SIGLIP_MEAN, image_std=SIGLIP_STD
+    )
     processor = LlavaOnevisionProcessor(
-        image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-        num_image_tokens=(s.image_size // s.patch_size) ** 2, vision_feature_select_strategy="full",
-        vision_aspect_ratio=s.vision_aspect_ratio, chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        num_image_tokens=(s.image_size // s.patch_size) ** 2,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio=s.vision_aspect_ratio,
+        chat_template=CHAT_TEMPLATE,
     )
     specs = llava_param_specs(LlavaOnevisionForConditionalGeneration, config, s)
-    return write_checkpoint(out_dir, config, processor, image_processor, specs,
-                            lambda n: next_checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        specs,
+        lambda n: next_checkpoint_key(n, layout),
+        s.dtype,
+        seed,
+        max_shard_bytes,
+    )

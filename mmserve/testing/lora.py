@@ -1,5 +1,6 @@
 """Random PEFT LoRA adapters for a checkpoint written offline, and the transformers model with one merged in
 (the oracle of LoRA serving: W + scaling * B @ A is what the adapter means)."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,27 @@ def _decoder_linears(model_dir: str | Path, targets: tuple[str, ...]) -> dict[st
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
-    return {name: (m.in_features, m.out_features) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and "language_model" in name and ".layers." in name
-            and name.rsplit(".", 1)[-1] in targets}
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and "language_model" in name
+        and ".layers." in name
+        and name.rsplit(".", 1)[-1] in targets
+    }
 
 
-def make_lora_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 4, alpha: float = 8.0,
-                      targets: tuple[str, ...] = DECODER_TARGETS, seed: int = 0, std: float = 0.05,
-                      use_rslora: bool = False) -> Path:
+def make_lora_adapter(
+    out_dir: str | Path,
+    model_dir: str | Path,
+    *,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = DECODER_TARGETS,
+    seed: int = 0,
+    std: float = 0.05,
+    use_rslora: bool = False,
+) -> Path:
     """Write a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for the checkpoint at model_dir:
     random A and B (B too, unlike PEFT's zero init, so the adapter changes the answers) on its decoder layers."""
     from safetensors.torch import save_file
@@ -39,10 +53,23 @@ def make_lora_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int =
         tensors[f"{_PREFIX}{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
         tensors[f"{_PREFIX}{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * std
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
-        "lora_alpha": alpha, "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
-        "use_rslora": use_rslora, "fan_in_fan_out": False}, indent=2))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(model_dir),
+                "r": rank,
+                "lora_alpha": alpha,
+                "target_modules": list(targets),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "use_rslora": use_rslora,
+                "fan_in_fan_out": False,
+            },
+            indent=2,
+        )
+    )
     return out
 
 
@@ -52,7 +79,7 @@ def merge_lora_into(model: torch.nn.Module, adapter_dir: str | Path) -> None:
 
     config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     rank = config["r"]
-    scaling = config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
+    scaling = config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
     tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -65,10 +92,20 @@ def merge_lora_into(model: torch.nn.Module, adapter_dir: str | Path) -> None:
 
 
 # TensorRT-LLM's module ids of the Llama-style decoder linears (its docs/source/advanced/lora.md, hf_lora_convert.py)
-TRTLLM_MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+TRTLLM_MODULE_IDS = {
+    "q_proj": 1,
+    "k_proj": 2,
+    "v_proj": 3,
+    "o_proj": 4,
+    "gate_proj": 5,
+    "down_proj": 6,
+    "up_proj": 7,
+}
 
 
-def trtllm_lora_tensors(adapter_dir: str | Path, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+def trtllm_lora_tensors(
+    adapter_dir: str | Path, dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A PEFT adapter as the `lora_weights` [rows, width] and `lora_config` [rows, 3] (module id, layer, rank) that
     TensorRT-LLM's converter writes: a row is A [r, in] then scaling * B [out, r], flattened, padded to the widest."""
     import re
@@ -77,7 +114,7 @@ def trtllm_lora_tensors(adapter_dir: str | Path, dtype: torch.dtype = torch.floa
 
     config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     rank = config["r"]
-    scaling = config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
+    scaling = config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
     tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
     rows, ids = [], []
     for key in sorted(tensors):

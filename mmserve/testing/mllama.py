@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING
 
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, ParamSpec, check_layout, check_token_ids, finish_config, param_specs,
-    replace_sizes, round_up, write_checkpoint)
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    ParamSpec,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    param_specs,
+    replace_sizes,
+    round_up,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import MllamaConfig, PreTrainedTokenizerFast
@@ -28,8 +38,14 @@ IMAGE_TOKEN = "<|image|>"
 # Llama 3's named special tokens by offset from the base vocab; every other offset below the text vocab size
 # holds a "<|reserved_special_token_<i>|>", numbered in id order as in the real tokenizer.
 NAMED_SPECIALS = {
-    0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>", 6: "<|start_header_id|>",
-    7: "<|end_header_id|>", 8: "<|eom_id|>", 9: "<|eot_id|>", 10: "<|python_tag|>",
+    0: "<|begin_of_text|>",
+    1: "<|end_of_text|>",
+    4: "<|finetune_right_pad_id|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    8: "<|eom_id|>",
+    9: "<|eot_id|>",
+    10: "<|python_tag|>",
 }
 BOS, EOS, PAD = "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>"
 # generation stops on any of these (as Llama-3.2-11B-Vision-Instruct's config); the tokenizer's EOS is <|eot_id|>
@@ -56,8 +72,15 @@ CHAT_TEMPLATE = (
 
 # tanh gates, drawn N(0, gate_std). HF zero-initialises the first five (a fresh model would ignore the image and
 # the tile embeddings) and draws the global encoder's N(0, initializer_range) (nearly closed at a small std).
-GATES = ("cross_attn_attn_gate", "cross_attn_mlp_gate", "gated_positional_embedding.gate",
-         "pre_tile_positional_embedding.gate", "post_tile_positional_embedding.gate", "gate_attn", "gate_ffn")
+GATES = (
+    "cross_attn_attn_gate",
+    "cross_attn_mlp_gate",
+    "gated_positional_embedding.gate",
+    "pre_tile_positional_embedding.gate",
+    "post_tile_positional_embedding.gate",
+    "gate_attn",
+    "gate_ffn",
+)
 
 
 @dataclass(frozen=True)
@@ -66,30 +89,36 @@ class MllamaSizes:
 
     text_hidden: int
     text_layers: int
-    cross_attention_layers: tuple[int, ...]   # text layers that cross-attend to the image (no self-attention)
+    cross_attention_layers: tuple[
+        int, ...
+    ]  # text layers that cross-attend to the image (no self-attention)
     text_heads: int
     text_kv_heads: int
     text_intermediate: int
-    text_vocab: int                # base BPE vocab; Llama 3's special-token block follows it
-    vocab_multiple: int            # model vocab = base + named specials, rounded up to this (reserved tokens fill)
+    text_vocab: int  # base BPE vocab; Llama 3's special-token block follows it
+    vocab_multiple: (
+        int  # model vocab = base + named specials, rounded up to this (reserved tokens fill)
+    )
     max_position: int
     text_init_std: float
     rope_theta: float
-    rope_factor: float             # Llama 3 rope scaling ("llama3" rope type)
+    rope_factor: float  # Llama 3 rope scaling ("llama3" rope type)
     rope_low_freq_factor: float
     rope_high_freq_factor: float
     rope_original_max_position: int
     vision_hidden: int
     vision_heads: int
-    vision_layers: int             # local encoder
-    vision_global_layers: int      # gated global encoder
+    vision_layers: int  # local encoder
+    vision_global_layers: int  # gated global encoder
     vision_intermediate: int
-    image_size: int                # tile side in pixels
+    image_size: int  # tile side in pixels
     patch_size: int
     max_num_tiles: int
-    intermediate_layers_indices: tuple[int, ...]   # local layers whose outputs join the vision features
+    intermediate_layers_indices: tuple[
+        int, ...
+    ]  # local layers whose outputs join the vision features
     vision_init_std: float
-    gate_std: float                # std of the tanh gates (see GATES)
+    gate_std: float  # std of the tanh gates (see GATES)
     dtype: str
     rms_norm_eps: float = 1e-5
     vision_norm_eps: float = 1e-5
@@ -104,23 +133,63 @@ PRESETS: dict[str, MllamaSizes] = {
     # 28 px tiles: 2x2 patches + CLS = 5 positions, which the vision model pads to 8. A small
     # rope_original_max_position puts head dims in all three bands of the llama3 rope scaling.
     "tiny": MllamaSizes(
-        text_hidden=80, text_layers=5, cross_attention_layers=(1, 3), text_heads=4, text_kv_heads=2,
-        text_intermediate=136, text_vocab=400, vocab_multiple=8, max_position=1024, text_init_std=0.2,
-        rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+        text_hidden=80,
+        text_layers=5,
+        cross_attention_layers=(1, 3),
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=136,
+        text_vocab=400,
+        vocab_multiple=8,
+        max_position=1024,
+        text_init_std=0.2,
+        rope_theta=500000.0,
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
         rope_original_max_position=64,
-        vision_hidden=32, vision_heads=2, vision_layers=3, vision_global_layers=2, vision_intermediate=64,
-        image_size=28, patch_size=14, max_num_tiles=4, intermediate_layers_indices=(0, 2), vision_init_std=0.2,
-        gate_std=1.0, dtype="float32",
+        vision_hidden=32,
+        vision_heads=2,
+        vision_layers=3,
+        vision_global_layers=2,
+        vision_intermediate=64,
+        image_size=28,
+        patch_size=14,
+        max_num_tiles=4,
+        intermediate_layers_indices=(0, 2),
+        vision_init_std=0.2,
+        gate_std=1.0,
+        dtype="float32",
     ),
     # meta-llama/Llama-3.2-11B-Vision(-Instruct): vocab 128256, <|image|> = 128256, 1601 positions per tile
     "llama-3.2-11b-vision": MllamaSizes(
-        text_hidden=4096, text_layers=40, cross_attention_layers=(3, 8, 13, 18, 23, 28, 33, 38), text_heads=32,
-        text_kv_heads=8, text_intermediate=14336, text_vocab=128000, vocab_multiple=256, max_position=131072,
-        text_init_std=0.02, rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0, rope_original_max_position=8192,
-        vision_hidden=1280, vision_heads=16, vision_layers=32, vision_global_layers=8, vision_intermediate=5120,
-        image_size=560, patch_size=14, max_num_tiles=4, intermediate_layers_indices=(3, 7, 15, 23, 30),
-        vision_init_std=0.02, gate_std=1.0, dtype="bfloat16",
+        text_hidden=4096,
+        text_layers=40,
+        cross_attention_layers=(3, 8, 13, 18, 23, 28, 33, 38),
+        text_heads=32,
+        text_kv_heads=8,
+        text_intermediate=14336,
+        text_vocab=128000,
+        vocab_multiple=256,
+        max_position=131072,
+        text_init_std=0.02,
+        rope_theta=500000.0,
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position=8192,
+        vision_hidden=1280,
+        vision_heads=16,
+        vision_layers=32,
+        vision_global_layers=8,
+        vision_intermediate=5120,
+        image_size=560,
+        patch_size=14,
+        max_num_tiles=4,
+        intermediate_layers_indices=(3, 7, 15, 23, 30),
+        vision_init_std=0.02,
+        gate_std=1.0,
+        dtype="bfloat16",
     ),
 }
 
@@ -129,14 +198,20 @@ def mllama_sizes(preset: str = "tiny", **overrides: object) -> MllamaSizes:
     """The preset's sizes with ``overrides`` (field names of :class:`MllamaSizes`) applied."""
     s = replace_sizes(PRESETS, preset, "mllama", overrides)
     if s.text_hidden % s.text_heads or s.text_heads % s.text_kv_heads:
-        raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} "
-                         f"and be a multiple of text_kv_heads {s.text_kv_heads}")
+        raise ValueError(
+            f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} "
+            f"and be a multiple of text_kv_heads {s.text_kv_heads}"
+        )
     if not all(0 <= i < s.text_layers for i in s.cross_attention_layers):
-        raise ValueError(f"cross_attention_layers {list(s.cross_attention_layers)} must be < text_layers "
-                         f"{s.text_layers}")
+        raise ValueError(
+            f"cross_attention_layers {list(s.cross_attention_layers)} must be < text_layers "
+            f"{s.text_layers}"
+        )
     if not all(0 <= i < s.vision_layers for i in s.intermediate_layers_indices):
-        raise ValueError(f"intermediate_layers_indices {list(s.intermediate_layers_indices)} must be < "
-                         f"vision_layers {s.vision_layers}")
+        raise ValueError(
+            f"intermediate_layers_indices {list(s.intermediate_layers_indices)} must be < "
+            f"vision_layers {s.vision_layers}"
+        )
     return s
 
 
@@ -159,13 +234,22 @@ def special_tokens(s: MllamaSizes) -> list[str]:
 
 def token_ids(s: MllamaSizes) -> dict[str, int]:
     """Ids of the named special tokens and <|image|> (= the model vocab size)."""
-    return {t: s.text_vocab + i for i, t in enumerate(special_tokens(s)) if not t.startswith("<|reserved")}
+    return {
+        t: s.text_vocab + i
+        for i, t in enumerate(special_tokens(s))
+        if not t.startswith("<|reserved")
+    }
 
 
 def supported_aspect_ratios(max_num_tiles: int) -> list[list[int]]:
     """Every tile layout [rows, cols] of at most ``max_num_tiles`` tiles, in the order of HF's default (and of
     MllamaImageProcessor, whose aspect_ratio_ids index this list from 1)."""
-    return [[w, h] for w in range(1, max_num_tiles + 1) for h in range(1, max_num_tiles + 1) if w * h <= max_num_tiles]
+    return [
+        [w, h]
+        for w in range(1, max_num_tiles + 1)
+        for h in range(1, max_num_tiles + 1)
+        if w * h <= max_num_tiles
+    ]
 
 
 def _config_from_sizes(s: MllamaSizes) -> MllamaConfig:
@@ -173,22 +257,44 @@ def _config_from_sizes(s: MllamaSizes) -> MllamaConfig:
 
     ids = token_ids(s)
     text = MllamaTextConfig(
-        vocab_size=model_vocab(s), hidden_size=s.text_hidden, num_hidden_layers=s.text_layers,
-        cross_attention_layers=list(s.cross_attention_layers), num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads, intermediate_size=s.text_intermediate, hidden_act="silu",
-        max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps, initializer_range=s.text_init_std,
-        rope_parameters={"rope_type": "llama3", "rope_theta": s.rope_theta, "factor": s.rope_factor,
-                         "low_freq_factor": s.rope_low_freq_factor, "high_freq_factor": s.rope_high_freq_factor,
-                         "original_max_position_embeddings": s.rope_original_max_position},
-        tie_word_embeddings=False, bos_token_id=ids[BOS], eos_token_id=[ids[t] for t in STOP_TOKENS],
+        vocab_size=model_vocab(s),
+        hidden_size=s.text_hidden,
+        num_hidden_layers=s.text_layers,
+        cross_attention_layers=list(s.cross_attention_layers),
+        num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads,
+        intermediate_size=s.text_intermediate,
+        hidden_act="silu",
+        max_position_embeddings=s.max_position,
+        rms_norm_eps=s.rms_norm_eps,
+        initializer_range=s.text_init_std,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": s.rope_theta,
+            "factor": s.rope_factor,
+            "low_freq_factor": s.rope_low_freq_factor,
+            "high_freq_factor": s.rope_high_freq_factor,
+            "original_max_position_embeddings": s.rope_original_max_position,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=ids[BOS],
+        eos_token_id=[ids[t] for t in STOP_TOKENS],
         pad_token_id=ids[PAD],
     )
     vision = MllamaVisionConfig(
-        hidden_size=s.vision_hidden, attention_heads=s.vision_heads, num_hidden_layers=s.vision_layers,
-        num_global_layers=s.vision_global_layers, intermediate_size=s.vision_intermediate, hidden_act="gelu",
-        vision_output_dim=s.vision_output_dim, image_size=s.image_size, patch_size=s.patch_size,
-        max_num_tiles=s.max_num_tiles, intermediate_layers_indices=list(s.intermediate_layers_indices),
-        supported_aspect_ratios=supported_aspect_ratios(s.max_num_tiles), norm_eps=s.vision_norm_eps,
+        hidden_size=s.vision_hidden,
+        attention_heads=s.vision_heads,
+        num_hidden_layers=s.vision_layers,
+        num_global_layers=s.vision_global_layers,
+        intermediate_size=s.vision_intermediate,
+        hidden_act="gelu",
+        vision_output_dim=s.vision_output_dim,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        max_num_tiles=s.max_num_tiles,
+        intermediate_layers_indices=list(s.intermediate_layers_indices),
+        supported_aspect_ratios=supported_aspect_ratios(s.max_num_tiles),
+        norm_eps=s.vision_norm_eps,
         initializer_range=s.vision_init_std,
     )
     cfg = MllamaConfig(vision_config=vision, text_config=text, image_token_index=ids[IMAGE_TOKEN])
@@ -217,7 +323,7 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
         ("model.multi_modal_projector.", "multi_modal_projector."),
     ):
         if name.startswith(src):
-            return dst + name[len(src):]
+            return dst + name[len(src) :]
     raise ValueError(f"unexpected mllama parameter {name!r}")
 
 
@@ -245,15 +351,24 @@ def build_mllama_tokenizer(s: MllamaSizes) -> PreTrainedTokenizerFast:
     """
     from tokenizers import processors
 
-    tok = build_bpe_tokenizer(special_tokens(s), vocab_size=s.text_vocab, pad=PAD,
-                              extra_special_tokens={"image_token": IMAGE_TOKEN})
+    tok = build_bpe_tokenizer(
+        special_tokens(s),
+        vocab_size=s.text_vocab,
+        pad=PAD,
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+    )
     tok.bos_token, tok.eos_token = BOS, EOS
     bos_id = tok.convert_tokens_to_ids(BOS)
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+    )
     ids = token_ids(s)
-    check_token_ids(tok, {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "image": ids[IMAGE_TOKEN]},
-                    {"image": IMAGE_TOKEN}, model_vocab(s) + 8)
+    check_token_ids(
+        tok,
+        {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "image": ids[IMAGE_TOKEN]},
+        {"image": IMAGE_TOKEN},
+        model_vocab(s) + 8,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -284,16 +399,32 @@ def make_mllama_checkpoint(
     config = _config_from_sizes(s)
     tok = build_mllama_tokenizer(s)
     image_processor = MllamaImageProcessor(
-        size={"height": s.image_size, "width": s.image_size}, max_image_tiles=s.max_num_tiles,
-        do_convert_rgb=True, do_resize=True, do_rescale=True, do_normalize=True, do_pad=True,
-        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        size={"height": s.image_size, "width": s.image_size},
+        max_image_tiles=s.max_num_tiles,
+        do_convert_rgb=True,
+        do_resize=True,
+        do_rescale=True,
+        do_normalize=True,
+        do_pad=True,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
     )
-    processor = MllamaProcessor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE)
-    return write_checkpoint(out_dir, config, processor, image_processor, _param_specs(config, s),
-                            lambda n: checkpoint_key(n, layout), s.dtype, seed, max_shard_bytes)
+    processor = MllamaProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE
+    )
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        _param_specs(config, s),
+        lambda n: checkpoint_key(n, layout),
+        s.dtype,
+        seed,
+        max_shard_bytes,
+    )
 
 
 def patches_per_tile(s: MllamaSizes) -> int:
     """Vision positions per tile: the patches plus CLS (the vision model pads them to a multiple of 8 inside)."""
     return (s.image_size // s.patch_size) ** 2 + 1
-

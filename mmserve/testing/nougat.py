@@ -33,14 +33,21 @@ import torch
 
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
-    write_sharded_weights)
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    make_tensor,
+    meta_tensors,
+    replace_sizes,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import NougatTokenizer, VisionEncoderDecoderConfig
 
 BOS, PAD, EOS, UNK = "<s>", "<pad>", "</s>", "<unk>"
-SPECIALS = (BOS, PAD, EOS, UNK)   # ids 0..3, as the real (fairseq-style) layout
+SPECIALS = (BOS, PAD, EOS, UNK)  # ids 0..3, as the real (fairseq-style) layout
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 # Persistent buffers that save_pretrained writes (as int64) next to the weights: one per Swin block
@@ -51,24 +58,26 @@ INDEX_SUFFIX = ".attention.self.relative_position_index"
 class NougatSizes:
     """Every size a preset fixes; any field can be overridden by keyword."""
 
-    image_height: int              # DonutSwinConfig.image_size = [height, width]; the processor's size
+    image_height: int  # DonutSwinConfig.image_size = [height, width]; the processor's size
     image_width: int
     patch_size: int
     window_size: int
-    embed_dim: int                 # stage i has width embed_dim * 2**i; the last one's is the encoder's hidden_size
+    embed_dim: (
+        int  # stage i has width embed_dim * 2**i; the last one's is the encoder's hidden_size
+    )
     depths: tuple[int, ...]
     vision_heads: tuple[int, ...]
-    vision_init_std: float         # Swin matrices and the patch embedding
-    rel_pos_std: float             # the relative position bias tables (HF inits them to zeros)
-    text_hidden: int               # MBart d_model: must equal the Swin output width
-    text_layers: int               # decoder_layers
-    text_heads: int                # decoder_attention_heads (self- and cross-attention)
-    text_ffn: int                  # decoder_ffn_dim: fc1 -> gelu -> fc2
-    vocab_size: int                # the tokenizer's length: <s> <pad> </s> <unk> + the BPE
-    max_position: int              # max_position_embeddings; the learned table has 2 more rows (offset 2)
-    text_init_std: float           # decoder matrices, word and position embeddings, lm_head (not tied)
-    bias_std: float                # every linear bias
-    norm_std: float                # every LayerNorm shift
+    vision_init_std: float  # Swin matrices and the patch embedding
+    rel_pos_std: float  # the relative position bias tables (HF inits them to zeros)
+    text_hidden: int  # MBart d_model: must equal the Swin output width
+    text_layers: int  # decoder_layers
+    text_heads: int  # decoder_attention_heads (self- and cross-attention)
+    text_ffn: int  # decoder_ffn_dim: fc1 -> gelu -> fc2
+    vocab_size: int  # the tokenizer's length: <s> <pad> </s> <unk> + the BPE
+    max_position: int  # max_position_embeddings; the learned table has 2 more rows (offset 2)
+    text_init_std: float  # decoder matrices, word and position embeddings, lm_head (not tied)
+    bias_std: float  # every linear bias
+    norm_std: float  # every LayerNorm shift
     dtype: str
     # MBartConfig's encoder_* fields: MBartForCausalLM never reads them, but the config's aliases do:
     # num_hidden_layers -> encoder_layers (12 in facebook/nougat-base, whose decoder has 10 layers), num_attention_heads
@@ -105,10 +114,25 @@ PRESETS: dict[str, NougatSizes] = {
     # vision_init_std 0.05 keeps the Swin output (no final norm; std ~0.7) from swamping the decoder's cross-attention,
     # so greedy decoding depends on the tokens so far and on the page
     "tiny": NougatSizes(
-        image_height=72, image_width=48, patch_size=4, window_size=3, embed_dim=32, depths=(2, 2),
-        vision_heads=(2, 4), vision_init_std=0.05, rel_pos_std=0.5,
-        text_hidden=64, text_layers=3, text_heads=4, text_ffn=144, vocab_size=400, max_position=256,
-        text_init_std=0.2, bias_std=0.1, norm_std=0.1, dtype="float32",
+        image_height=72,
+        image_width=48,
+        patch_size=4,
+        window_size=3,
+        embed_dim=32,
+        depths=(2, 2),
+        vision_heads=(2, 4),
+        vision_init_std=0.05,
+        rel_pos_std=0.5,
+        text_hidden=64,
+        text_layers=3,
+        text_heads=4,
+        text_ffn=144,
+        vocab_size=400,
+        max_position=256,
+        text_init_std=0.2,
+        bias_std=0.1,
+        norm_std=0.1,
+        dtype="float32",
     ),
     # facebook/nougat-base (transformers' convert_nougat_to_hf.py: DonutSwinConfig(image_size=[896, 672], patch_size=4,
     # depths=[2, 2, 14, 2], num_heads=[4, 8, 16, 32], window_size=7, embed_dim=128) and MBartConfig's defaults but for
@@ -116,10 +140,25 @@ PRESETS: dict[str, NougatSizes] = {
     # 28x21 = 588 encoder tokens of width 1024. The hub's weights are fp32 (the conversion's default); the original
     # nougat code runs in bf16, so random bf16 here.
     "nougat-base": NougatSizes(
-        image_height=896, image_width=672, patch_size=4, window_size=7, embed_dim=128, depths=(2, 2, 14, 2),
-        vision_heads=(4, 8, 16, 32), vision_init_std=0.02, rel_pos_std=0.02,
-        text_hidden=1024, text_layers=10, text_heads=16, text_ffn=4096, vocab_size=50000, max_position=4096,
-        text_init_std=0.02, bias_std=0.02, norm_std=0.02, dtype="bfloat16",
+        image_height=896,
+        image_width=672,
+        patch_size=4,
+        window_size=7,
+        embed_dim=128,
+        depths=(2, 2, 14, 2),
+        vision_heads=(4, 8, 16, 32),
+        vision_init_std=0.02,
+        rel_pos_std=0.02,
+        text_hidden=1024,
+        text_layers=10,
+        text_heads=16,
+        text_ffn=4096,
+        vocab_size=50000,
+        max_position=4096,
+        text_init_std=0.02,
+        bias_std=0.02,
+        norm_std=0.02,
+        dtype="bfloat16",
     ),
 }
 
@@ -134,21 +173,31 @@ def nougat_sizes(preset: str = "tiny", **overrides: object) -> NougatSizes:
     """
     s = replace_sizes(PRESETS, preset, "nougat", overrides)
     if len(s.depths) != len(s.vision_heads):
-        raise ValueError(f"depths {list(s.depths)} and vision_heads {list(s.vision_heads)} must have one entry per "
-                         "stage")
+        raise ValueError(
+            f"depths {list(s.depths)} and vision_heads {list(s.vision_heads)} must have one entry per "
+            "stage"
+        )
     scale = s.patch_size * 2 ** (len(s.depths) - 1)
     if s.image_height % scale or s.image_width % scale:
-        raise ValueError(f"image_height {s.image_height} and image_width {s.image_width} must be multiples of "
-                         f"patch_size * 2**(stages - 1) = {scale}")
+        raise ValueError(
+            f"image_height {s.image_height} and image_width {s.image_width} must be multiples of "
+            f"patch_size * 2**(stages - 1) = {scale}"
+        )
     for i, (rows, cols) in enumerate(s.stage_grids):
         if rows % s.window_size or cols % s.window_size or min(rows, cols) <= s.window_size:
-            raise ValueError(f"stage {i} grid {rows}x{cols} must be a multiple of window_size {s.window_size} and "
-                             "larger than one window")
+            raise ValueError(
+                f"stage {i} grid {rows}x{cols} must be a multiple of window_size {s.window_size} and "
+                "larger than one window"
+            )
         if (s.embed_dim << i) % s.vision_heads[i]:
-            raise ValueError(f"vision_heads[{i}] {s.vision_heads[i]} must divide the stage width {s.embed_dim << i}")
+            raise ValueError(
+                f"vision_heads[{i}] {s.vision_heads[i]} must divide the stage width {s.embed_dim << i}"
+            )
     if s.encoder_hidden != s.text_hidden:
-        raise ValueError(f"text_hidden {s.text_hidden} must equal the Swin output width embed_dim * 2**(stages - 1) = "
-                         f"{s.encoder_hidden}")
+        raise ValueError(
+            f"text_hidden {s.text_hidden} must equal the Swin output width embed_dim * 2**(stages - 1) = "
+            f"{s.encoder_hidden}"
+        )
     if s.text_hidden % s.text_heads:
         raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden}")
     if s.vocab_size < len(SPECIALS) + 256 + 1:
@@ -166,22 +215,49 @@ def _config_from_sizes(s: NougatSizes) -> VisionEncoderDecoderConfig:
 
     ids = token_ids(s)
     encoder = DonutSwinConfig(
-        image_size=[s.image_height, s.image_width], patch_size=s.patch_size, embed_dim=s.embed_dim,
-        depths=list(s.depths), num_heads=list(s.vision_heads), window_size=s.window_size, mlp_ratio=s.mlp_ratio,
-        hidden_act=s.hidden_act, layer_norm_eps=s.layer_norm_eps, initializer_range=s.vision_init_std,
+        image_size=[s.image_height, s.image_width],
+        patch_size=s.patch_size,
+        embed_dim=s.embed_dim,
+        depths=list(s.depths),
+        num_heads=list(s.vision_heads),
+        window_size=s.window_size,
+        mlp_ratio=s.mlp_ratio,
+        hidden_act=s.hidden_act,
+        layer_norm_eps=s.layer_norm_eps,
+        initializer_range=s.vision_init_std,
     )
     decoder = MBartConfig(
-        is_decoder=True, is_encoder_decoder=False, add_cross_attention=True, vocab_size=s.vocab_size,
-        max_position_embeddings=s.max_position, d_model=s.text_hidden, decoder_layers=s.text_layers,
-        decoder_attention_heads=s.text_heads, decoder_ffn_dim=s.text_ffn, encoder_layers=s.encoder_layers,
-        encoder_attention_heads=s.text_heads, encoder_ffn_dim=s.text_ffn, activation_function=s.hidden_act,
-        scale_embedding=True, add_final_layer_norm=True, tie_word_embeddings=False, init_std=s.text_init_std,
-        bos_token_id=ids[BOS], pad_token_id=ids[PAD], eos_token_id=ids[EOS], forced_eos_token_id=ids[EOS],
+        is_decoder=True,
+        is_encoder_decoder=False,
+        add_cross_attention=True,
+        vocab_size=s.vocab_size,
+        max_position_embeddings=s.max_position,
+        d_model=s.text_hidden,
+        decoder_layers=s.text_layers,
+        decoder_attention_heads=s.text_heads,
+        decoder_ffn_dim=s.text_ffn,
+        encoder_layers=s.encoder_layers,
+        encoder_attention_heads=s.text_heads,
+        encoder_ffn_dim=s.text_ffn,
+        activation_function=s.hidden_act,
+        scale_embedding=True,
+        add_final_layer_norm=True,
+        tie_word_embeddings=False,
+        init_std=s.text_init_std,
+        bos_token_id=ids[BOS],
+        pad_token_id=ids[PAD],
+        eos_token_id=ids[EOS],
+        forced_eos_token_id=ids[EOS],
         decoder_start_token_id=ids[BOS],
     )
     cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(
-        encoder, decoder, decoder_start_token_id=ids[BOS], pad_token_id=ids[PAD], eos_token_id=ids[EOS],
-        tie_word_embeddings=False)
+        encoder,
+        decoder,
+        decoder_start_token_id=ids[BOS],
+        pad_token_id=ids[PAD],
+        eos_token_id=ids[EOS],
+        tie_word_embeddings=False,
+    )
     return finish_config(cfg, "VisionEncoderDecoderModel", s.dtype)
 
 
@@ -217,7 +293,9 @@ def relative_position_index(window: int) -> torch.Tensor:
     return dy * (2 * window - 1) + dx
 
 
-def _param_specs(config: VisionEncoderDecoderConfig, s: NougatSizes) -> list[tuple[str, tuple[int, ...], str]]:
+def _param_specs(
+    config: VisionEncoderDecoderConfig, s: NougatSizes
+) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every saved tensor, from a meta-device model: kind "matrix" (weights, embeddings, the
     untied lm_head), "bias" (linear and conv biases), "rel_pos_table" (the Swin relative position bias tables),
     "rel_pos_index" (their int64 index buffers), "norm_weight" (ones) or "norm_bias" (LayerNorm shifts, noise)."""
@@ -237,8 +315,9 @@ def _param_specs(config: VisionEncoderDecoderConfig, s: NougatSizes) -> list[tup
     return specs
 
 
-def _make(name: str, shape: tuple[int, ...], kind: str, s: NougatSizes, seed: int,
-          dtype: torch.dtype) -> torch.Tensor:
+def _make(
+    name: str, shape: tuple[int, ...], kind: str, s: NougatSizes, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     if kind == "rel_pos_index":
         index = relative_position_index(s.window_size)
         assert tuple(index.shape) == shape, (name, shape)
@@ -260,13 +339,28 @@ def _tensor_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
     return torch.int64 if kind == "rel_pos_index" else dtype
 
 
-def _write_weights(out: Path, specs: list[tuple[str, tuple[int, ...], str]], layout: str, s: NougatSizes, seed: int,
-                   max_shard_bytes: int, progress: bool) -> None:
+def _write_weights(
+    out: Path,
+    specs: list[tuple[str, tuple[int, ...], str]],
+    layout: str,
+    s: NougatSizes,
+    seed: int,
+    max_shard_bytes: int,
+    progress: bool,
+) -> None:
     """The weights in the model dtype, but the int64 relative-position index buffers ``save_pretrained`` writes."""
     dtype = getattr(torch, s.dtype)
-    write_sharded_weights(out, specs, lambda name: checkpoint_key(name, layout), dtype, seed, max_shard_bytes,
-                          make_fn=lambda sp: _make(*sp, s, seed, dtype), progress=progress,
-                          dtype_fn=lambda sp: _tensor_dtype(sp[2], dtype))
+    write_sharded_weights(
+        out,
+        specs,
+        lambda name: checkpoint_key(name, layout),
+        dtype,
+        seed,
+        max_shard_bytes,
+        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        progress=progress,
+        dtype_fn=lambda sp: _tensor_dtype(sp[2], dtype),
+    )
 
 
 def build_nougat_tokenizer(s: NougatSizes) -> NougatTokenizer:
@@ -282,17 +376,31 @@ def build_nougat_tokenizer(s: NougatSizes) -> NougatTokenizer:
     from transformers import NougatTokenizer
 
     # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2, the BPE from 3: shift it up by one for <pad>
-    spec = json.loads(build_bpe_tokenizer([], vocab_size=s.vocab_size - 1).backend_tokenizer.to_str())
+    spec = json.loads(
+        build_bpe_tokenizer([], vocab_size=s.vocab_size - 1).backend_tokenizer.to_str()
+    )
     old: dict[str, int] = spec["model"]["vocab"]
     assert len(old) == s.vocab_size - 1 and [old[t] for t in (UNK, BOS, EOS)] == [0, 1, 2], old
     vocab = token_ids(s)
     vocab.update({t: i + 1 for t, i in sorted(old.items(), key=lambda kv: kv[1]) if t not in vocab})
     assert sorted(vocab.values()) == list(range(s.vocab_size))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]]
-    tok = NougatTokenizer(vocab=vocab, merges=merges, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                          model_max_length=s.max_position, clean_up_tokenization_spaces=False)
+    merges = [
+        tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]
+    ]
+    tok = NougatTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=s.max_position,
+        clean_up_tokenization_spaces=False,
+    )
     ids = token_ids(s)
-    check_token_ids(tok, {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}, {}, s.vocab_size)
+    check_token_ids(
+        tok, {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}, {}, s.vocab_size
+    )
     assert len(tok) == s.vocab_size, (len(tok), s.vocab_size)
     return tok
 
@@ -304,11 +412,22 @@ def build_nougat_processor(s: NougatSizes) -> tuple[Any, Any]:
     from transformers import NougatImageProcessor, NougatProcessor
 
     image_processor = NougatImageProcessor(
-        size={"height": s.image_height, "width": s.image_width}, do_crop_margin=True, do_resize=True,
-        do_thumbnail=True, do_align_long_axis=False, do_pad=True, do_rescale=True, rescale_factor=1 / 255,
-        do_normalize=True, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, resample=2,
+        size={"height": s.image_height, "width": s.image_width},
+        do_crop_margin=True,
+        do_resize=True,
+        do_thumbnail=True,
+        do_align_long_axis=False,
+        do_pad=True,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=IMAGENET_MEAN,
+        image_std=IMAGENET_STD,
+        resample=2,
     )
-    processor = NougatProcessor(image_processor=image_processor, tokenizer=build_nougat_tokenizer(s))
+    processor = NougatProcessor(
+        image_processor=image_processor, tokenizer=build_nougat_tokenizer(s)
+    )
     return processor, image_processor
 
 
@@ -346,9 +465,14 @@ def make_nougat_checkpoint(
     for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
         stale.unlink()  # a rebuild with other sizes must not leave old shards behind
     processor.save_pretrained(out)
-    image_processor.save_pretrained(out)   # the standalone preprocessor_config.json the hub repo has
+    image_processor.save_pretrained(out)  # the standalone preprocessor_config.json the hub repo has
     config.save_pretrained(out)
-    GenerationConfig(bos_token_id=ids[BOS], decoder_start_token_id=ids[BOS], eos_token_id=ids[EOS],
-                     forced_eos_token_id=ids[EOS], pad_token_id=ids[PAD]).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=ids[BOS],
+        decoder_start_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        forced_eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+    ).save_pretrained(out)
     _write_weights(out, _param_specs(config, s), layout, s, seed, max_shard_bytes, progress)
     return out

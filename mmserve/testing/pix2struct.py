@@ -44,14 +44,21 @@ import torch
 from mmserve.models.pix2struct import builtin_font_bytes
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES, check_layout, check_token_ids, finish_config, make_tensor, meta_tensors, replace_sizes,
-    write_sharded_weights)
+    DEFAULT_MAX_SHARD_BYTES,
+    check_layout,
+    check_token_ids,
+    finish_config,
+    make_tensor,
+    meta_tensors,
+    replace_sizes,
+    write_sharded_weights,
+)
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, Pix2StructConfig, PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
-SPECIALS = (PAD, EOS, UNK)   # ids 0..2, as the real T5-style layout
+SPECIALS = (PAD, EOS, UNK)  # ids 0..2, as the real T5-style layout
 DEPLOT_PROMPT = "Generate underlying data table of the figure below:"
 
 
@@ -59,27 +66,29 @@ DEPLOT_PROMPT = "Generate underlying data table of the figure below:"
 class Pix2StructSizes:
     """Every size a preset fixes; any field can be overridden by keyword."""
 
-    patch_height: int              # the image processor's patch_size
+    patch_height: int  # the image processor's patch_size
     patch_width: int
-    max_patches: int               # the image processor's (the encoder's input length)
-    seq_len: int                   # rows of the row and column embedding tables (ids are 1-based: > max_patches)
-    hidden: int                    # both towers' width: the cross-attention's k/v read the encoder output as is
+    max_patches: int  # the image processor's (the encoder's input length)
+    seq_len: int  # rows of the row and column embedding tables (ids are 1-based: > max_patches)
+    hidden: int  # both towers' width: the cross-attention's k/v read the encoder output as is
     vision_layers: int
     vision_heads: int
-    vision_d_kv: int               # vision attention width is vision_heads * vision_d_kv
-    vision_ffn: int                # gated: wi_0, wi_1 -> wo
+    vision_d_kv: int  # vision attention width is vision_heads * vision_d_kv
+    vision_ffn: int  # gated: wi_0, wi_1 -> wo
     text_layers: int
-    text_heads: int                # text_heads * text_d_kv must be hidden (its projections are hidden x hidden)
+    text_heads: int  # text_heads * text_d_kv must be hidden (its projections are hidden x hidden)
     text_d_kv: int
     text_ffn: int
-    vocab_size: int                # the tokenizer's length: <pad> </s> <unk> + the BPE
-    vision_init_std: float         # encoder matrices (patch projection, attention, MLP)
-    text_init_std: float           # decoder matrices
-    lm_head_std: float             # the untied lm_head (the logits' spread: rms-normed states times it * sqrt(hidden))
-    embed_std: float               # word embeddings, row and column embeddings
-    rel_bias_std: float            # the decoder's relative_attention_bias table
-    bias_std: float                # the patch projection's bias (the only bias)
-    norm_std: float                # RMSNorm scales are 1 + N(0, norm_std)
+    vocab_size: int  # the tokenizer's length: <pad> </s> <unk> + the BPE
+    vision_init_std: float  # encoder matrices (patch projection, attention, MLP)
+    text_init_std: float  # decoder matrices
+    lm_head_std: (
+        float  # the untied lm_head (the logits' spread: rms-normed states times it * sqrt(hidden))
+    )
+    embed_std: float  # word embeddings, row and column embeddings
+    rel_bias_std: float  # the decoder's relative_attention_bias table
+    bias_std: float  # the patch projection's bias (the only bias)
+    norm_std: float  # RMSNorm scales are 1 + N(0, norm_std)
     dtype: str
     relative_buckets: int = 32
     relative_max_distance: int = 128
@@ -97,22 +106,56 @@ PRESETS: dict[str, Pix2StructSizes] = {
     # attention logits O(1); the embeddings at std 1 let a picture's patches and a token's identity both show in the
     # residual stream, so greedy decoding depends on the picture and on the tokens so far
     "tiny": Pix2StructSizes(
-        patch_height=4, patch_width=4, max_patches=64, seq_len=4096, hidden=64,
-        vision_layers=2, vision_heads=4, vision_d_kv=16, vision_ffn=128,
-        text_layers=2, text_heads=4, text_d_kv=16, text_ffn=128, vocab_size=400,
-        vision_init_std=0.1, text_init_std=0.1, lm_head_std=0.25, embed_std=1.0, rel_bias_std=0.5, bias_std=0.1,
-        norm_std=0.1, dtype="float32",
+        patch_height=4,
+        patch_width=4,
+        max_patches=64,
+        seq_len=4096,
+        hidden=64,
+        vision_layers=2,
+        vision_heads=4,
+        vision_d_kv=16,
+        vision_ffn=128,
+        text_layers=2,
+        text_heads=4,
+        text_d_kv=16,
+        text_ffn=128,
+        vocab_size=400,
+        vision_init_std=0.1,
+        text_init_std=0.1,
+        lm_head_std=0.25,
+        embed_std=1.0,
+        rel_bias_std=0.5,
+        bias_std=0.1,
+        norm_std=0.1,
+        dtype="float32",
     ),
     # google/deplot (transformers' convert_pix2struct_original_pytorch_to_hf.py, base size, is_vqa): the default
     # Pix2StructVisionConfig and Pix2StructTextConfig (width 768, 12 + 12 layers, 12 heads of 64, d_ff 2048,
     # patch_embed_hidden_size 768 = 16 * 16 * 3, seq_len 4096, vocab 50244, 32 buckets up to distance 128, gelu_new)
     # and the processor's 16x16 patches, max_patches 2048. The hub's weights are fp32; random bf16 here.
     "deplot": Pix2StructSizes(
-        patch_height=16, patch_width=16, max_patches=2048, seq_len=4096, hidden=768,
-        vision_layers=12, vision_heads=12, vision_d_kv=64, vision_ffn=2048,
-        text_layers=12, text_heads=12, text_d_kv=64, text_ffn=2048, vocab_size=50244,
-        vision_init_std=0.02, text_init_std=0.02, lm_head_std=0.05, embed_std=0.5, rel_bias_std=0.1, bias_std=0.02,
-        norm_std=0.02, dtype="bfloat16",
+        patch_height=16,
+        patch_width=16,
+        max_patches=2048,
+        seq_len=4096,
+        hidden=768,
+        vision_layers=12,
+        vision_heads=12,
+        vision_d_kv=64,
+        vision_ffn=2048,
+        text_layers=12,
+        text_heads=12,
+        text_d_kv=64,
+        text_ffn=2048,
+        vocab_size=50244,
+        vision_init_std=0.02,
+        text_init_std=0.02,
+        lm_head_std=0.05,
+        embed_std=0.5,
+        rel_bias_std=0.1,
+        bias_std=0.02,
+        norm_std=0.02,
+        dtype="bfloat16",
     ),
 }
 
@@ -125,9 +168,13 @@ def pix2struct_sizes(preset: str = "tiny", **overrides: object) -> Pix2StructSiz
     """
     s = replace_sizes(PRESETS, preset, "pix2struct", overrides)
     if s.text_heads * s.text_d_kv != s.hidden:
-        raise ValueError(f"text_heads * text_d_kv ({s.text_heads} * {s.text_d_kv}) must equal hidden {s.hidden}")
+        raise ValueError(
+            f"text_heads * text_d_kv ({s.text_heads} * {s.text_d_kv}) must equal hidden {s.hidden}"
+        )
     if s.seq_len <= s.max_patches:
-        raise ValueError(f"seq_len {s.seq_len} must exceed max_patches {s.max_patches} (row/column ids are 1-based)")
+        raise ValueError(
+            f"seq_len {s.seq_len} must exceed max_patches {s.max_patches} (row/column ids are 1-based)"
+        )
     if s.vocab_size < len(SPECIALS) + 256 + 1:
         raise ValueError(f"vocab_size must be >= {len(SPECIALS) + 257}, got {s.vocab_size}")
     return s
@@ -145,17 +192,38 @@ def _config_from_sizes(s: Pix2StructSizes) -> Pix2StructConfig:
     # is_encoder_decoder: Pix2StructConfig sets it on a text_config it gets as a dict (from config.json), but
     # transformers 5.17 leaves a config object's alone, which would then differ from the saved-and-loaded one
     text = Pix2StructTextConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden, d_kv=s.text_d_kv, d_ff=s.text_ffn, num_layers=s.text_layers,
-        num_heads=s.text_heads, relative_attention_num_buckets=s.relative_buckets,
-        relative_attention_max_distance=s.relative_max_distance, layer_norm_epsilon=s.layer_norm_eps,
-        dense_act_fn=s.hidden_act, decoder_start_token_id=ids[PAD], pad_token_id=ids[PAD], eos_token_id=ids[EOS],
-        tie_word_embeddings=False, is_encoder_decoder=True)
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden,
+        d_kv=s.text_d_kv,
+        d_ff=s.text_ffn,
+        num_layers=s.text_layers,
+        num_heads=s.text_heads,
+        relative_attention_num_buckets=s.relative_buckets,
+        relative_attention_max_distance=s.relative_max_distance,
+        layer_norm_epsilon=s.layer_norm_eps,
+        dense_act_fn=s.hidden_act,
+        decoder_start_token_id=ids[PAD],
+        pad_token_id=ids[PAD],
+        eos_token_id=ids[EOS],
+        tie_word_embeddings=False,
+        is_encoder_decoder=True,
+    )
     vision = Pix2StructVisionConfig(
-        hidden_size=s.hidden, patch_embed_hidden_size=s.patch_dim, d_ff=s.vision_ffn, d_kv=s.vision_d_kv,
-        num_hidden_layers=s.vision_layers, num_attention_heads=s.vision_heads, dense_act_fn=s.hidden_act,
-        layer_norm_eps=s.layer_norm_eps, seq_len=s.seq_len, relative_attention_num_buckets=s.relative_buckets,
-        relative_attention_max_distance=s.relative_max_distance)
-    cfg = Pix2StructConfig(text_config=text, vision_config=vision, is_vqa=True, tie_word_embeddings=False)
+        hidden_size=s.hidden,
+        patch_embed_hidden_size=s.patch_dim,
+        d_ff=s.vision_ffn,
+        d_kv=s.vision_d_kv,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        dense_act_fn=s.hidden_act,
+        layer_norm_eps=s.layer_norm_eps,
+        seq_len=s.seq_len,
+        relative_attention_num_buckets=s.relative_buckets,
+        relative_attention_max_distance=s.relative_max_distance,
+    )
+    cfg = Pix2StructConfig(
+        text_config=text, vision_config=vision, is_vqa=True, tie_word_embeddings=False
+    )
     return finish_config(cfg, "Pix2StructForConditionalGeneration", s.dtype)
 
 
@@ -187,7 +255,9 @@ def _param_specs(config: Pix2StructConfig) -> list[tuple[str, tuple[int, ...], s
     for name, shape, _ in meta_tensors(Pix2StructForConditionalGeneration, config):
         if len(shape) == 1 and name.endswith("norm.weight"):
             kind = "norm"
-        elif name.endswith(("embed_tokens.weight", "row_embedder.weight", "column_embedder.weight")):
+        elif name.endswith(
+            ("embed_tokens.weight", "row_embedder.weight", "column_embedder.weight")
+        ):
             kind = "embedding"
         elif name.endswith("relative_attention_bias.weight"):
             kind = "rel_bias"
@@ -197,15 +267,17 @@ def _param_specs(config: Pix2StructConfig) -> list[tuple[str, tuple[int, ...], s
     return specs
 
 
-def _make(name: str, shape: tuple[int, ...], kind: str, s: Pix2StructSizes, seed: int,
-          dtype: torch.dtype) -> torch.Tensor:
+def _make(
+    name: str, shape: tuple[int, ...], kind: str, s: Pix2StructSizes, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     if kind == "norm":
         noise = make_tensor(name, shape, "normal", s.norm_std, seed, torch.float32)
         return (1.0 + noise).to(dtype)
     if name == "decoder.lm_head.weight":
         return make_tensor(name, shape, "normal", s.lm_head_std, seed, dtype)
     std = {"embedding": s.embed_std, "rel_bias": s.rel_bias_std, "bias": s.bias_std}.get(
-        kind, s.vision_init_std if name.startswith("encoder.") else s.text_init_std)
+        kind, s.vision_init_std if name.startswith("encoder.") else s.text_init_std
+    )
     return make_tensor(name, shape, "normal", std, seed, dtype)
 
 
@@ -219,20 +291,31 @@ def build_pix2struct_tokenizer(s: Pix2StructSizes) -> PreTrainedTokenizerFast:
     # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2 and the BPE from 3: the same three slots, renamed
     spec = json.loads(build_bpe_tokenizer([], vocab_size=s.vocab_size).backend_tokenizer.to_str())
     old: dict[str, int] = spec["model"]["vocab"]
-    assert len(old) == s.vocab_size and [old[t] for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2], len(old)
+    assert len(old) == s.vocab_size and [old[t] for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2], (
+        len(old)
+    )
     vocab = token_ids(s)
     vocab.update({t: i for t, i in old.items() if i >= len(SPECIALS)})
     assert sorted(vocab.values()) == list(range(s.vocab_size))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]]
+    merges = [
+        tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]
+    ]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     ids = token_ids(s)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {EOS}:0", pair=f"$A:0 {EOS}:0 $B:1 {EOS}:1", special_tokens=[(EOS, ids[EOS])])
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                  padding_side="right", clean_up_tokenization_spaces=False)
+        single=f"$A:0 {EOS}:0", pair=f"$A:0 {EOS}:0 $B:1 {EOS}:1", special_tokens=[(EOS, ids[EOS])]
+    )
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
     check_token_ids(out, {"unk": ids[UNK], "eos": ids[EOS], "pad": ids[PAD]}, {}, s.vocab_size)
     assert len(out) == s.vocab_size and out.bos_token_id is None, (len(out), s.vocab_size)
     return out
@@ -244,13 +327,21 @@ def build_pix2struct_processor(s: Pix2StructSizes) -> tuple[Any, Any]:
     from transformers import Pix2StructImageProcessor, Pix2StructProcessor
 
     image_processor = Pix2StructImageProcessor(
-        is_vqa=True, max_patches=s.max_patches, patch_size={"height": s.patch_height, "width": s.patch_width},
-        do_normalize=True, do_convert_rgb=True)
-    processor = Pix2StructProcessor(image_processor=image_processor, tokenizer=build_pix2struct_tokenizer(s))
+        is_vqa=True,
+        max_patches=s.max_patches,
+        patch_size={"height": s.patch_height, "width": s.patch_width},
+        do_normalize=True,
+        do_convert_rgb=True,
+    )
+    processor = Pix2StructProcessor(
+        image_processor=image_processor, tokenizer=build_pix2struct_tokenizer(s)
+    )
     return processor, image_processor
 
 
-def vqa_inputs(processor: Any, images: Any, text: str, *, font_bytes: bytes | None = None) -> BatchFeature:
+def vqa_inputs(
+    processor: Any, images: Any, text: str, *, font_bytes: bytes | None = None
+) -> BatchFeature:
     """What mmserve gives a VQA checkpoint for ``images`` (a picture or a list) and ``text``: ``flattened_patches``
     [images, max_patches, 2 + patch values] and ``attention_mask`` [images, max_patches], the header drawn offline in
     ``font_bytes`` (default: Pillow's built-in font) at the saved image processor's ``max_patches``
@@ -259,7 +350,9 @@ def vqa_inputs(processor: Any, images: Any, text: str, *, font_bytes: bytes | No
 
     images = images if isinstance(images, list) else [images]
     font = font_bytes if font_bytes is not None else builtin_font_bytes()
-    return Pix2StructForConditionalGeneration.call_processor(processor, text, {"images": images, "font_bytes": font})
+    return Pix2StructForConditionalGeneration.call_processor(
+        processor, text, {"images": images, "font_bytes": font}
+    )
 
 
 def make_pix2struct_checkpoint(
@@ -294,10 +387,20 @@ def make_pix2struct_checkpoint(
     for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
         stale.unlink()  # a rebuild with other sizes must not leave old shards behind
     processor.save_pretrained(out)
-    image_processor.save_pretrained(out)   # the standalone preprocessor_config.json the hub repo has
+    image_processor.save_pretrained(out)  # the standalone preprocessor_config.json the hub repo has
     config.save_pretrained(out)
-    GenerationConfig(decoder_start_token_id=ids[PAD], eos_token_id=ids[EOS], pad_token_id=ids[PAD]).save_pretrained(out)
+    GenerationConfig(
+        decoder_start_token_id=ids[PAD], eos_token_id=ids[EOS], pad_token_id=ids[PAD]
+    ).save_pretrained(out)
     dtype = getattr(torch, s.dtype)
-    write_sharded_weights(out, _param_specs(config), lambda name: checkpoint_key(name, layout), dtype, seed,
-                          max_shard_bytes, make_fn=lambda sp: _make(*sp, s, seed, dtype), progress=progress)
+    write_sharded_weights(
+        out,
+        _param_specs(config),
+        lambda name: checkpoint_key(name, layout),
+        dtype,
+        seed,
+        max_shard_bytes,
+        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        progress=progress,
+    )
     return out

@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING
 from mmserve.testing.llava import checkpoint_key, llava_param_specs
 from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
 from mmserve.testing.writer import (
-    CLIP_MEAN, CLIP_STD, DEFAULT_MAX_SHARD_BYTES, check_token_ids, finish_config, replace_sizes, round_up,
-    write_checkpoint)
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    check_token_ids,
+    finish_config,
+    replace_sizes,
+    round_up,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from transformers import LlavaConfig, PreTrainedTokenizerFast
@@ -84,20 +91,54 @@ class PixtralSizes:
 
 PRESETS: dict[str, PixtralSizes] = {
     "tiny": PixtralSizes(
-        text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2, text_head_dim=16, text_intermediate=128,
-        text_vocab=400, model_vocab=0, max_position=1024, text_init_std=0.2, rope_theta=10000.0,
-        vision_hidden=32, vision_layers=2, vision_heads=2, vision_intermediate=64, image_size=64, patch_size=16,
-        vision_init_std=0.2, vision_feature_layer=-1, dtype="float32",
+        text_hidden=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,
+        text_head_dim=16,
+        text_intermediate=128,
+        text_vocab=400,
+        model_vocab=0,
+        max_position=1024,
+        text_init_std=0.2,
+        rope_theta=10000.0,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        image_size=64,
+        patch_size=16,
+        vision_init_std=0.2,
+        vision_feature_layer=-1,
+        dtype="float32",
     ),
     "pixtral-12b": PixtralSizes(
-        text_hidden=5120, text_layers=40, text_heads=32, text_kv_heads=8, text_head_dim=128, text_intermediate=14336,
-        text_vocab=400, model_vocab=131072, max_position=1024000, text_init_std=0.02, rope_theta=1_000_000_000.0,
-        vision_hidden=1024, vision_layers=24, vision_heads=16, vision_intermediate=4096, image_size=1024,
-        patch_size=16, vision_init_std=0.02, vision_feature_layer=-1, dtype="bfloat16",
+        text_hidden=5120,
+        text_layers=40,
+        text_heads=32,
+        text_kv_heads=8,
+        text_head_dim=128,
+        text_intermediate=14336,
+        text_vocab=400,
+        model_vocab=131072,
+        max_position=1024000,
+        text_init_std=0.02,
+        rope_theta=1_000_000_000.0,
+        vision_hidden=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        image_size=1024,
+        patch_size=16,
+        vision_init_std=0.02,
+        vision_feature_layer=-1,
+        dtype="bfloat16",
     ),
 }
 # two feature layers, a head_dim other than hidden / heads (as pixtral-12b's text model has)
-PRESETS["tiny-two-layers"] = dataclasses.replace(PRESETS["tiny"], vision_feature_layer=(-2, -1), text_head_dim=24)
+PRESETS["tiny-two-layers"] = dataclasses.replace(
+    PRESETS["tiny"], vision_feature_layer=(-2, -1), text_head_dim=24
+)
 
 
 def pixtral_sizes(preset: str = "tiny", **overrides: object) -> PixtralSizes:
@@ -119,24 +160,44 @@ def _config_from_sizes(s: PixtralSizes) -> LlavaConfig:
 
     ids = pixtral_token_ids(s.text_vocab)
     text = MistralConfig(
-        vocab_size=_model_vocab(s), hidden_size=s.text_hidden, intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers, num_attention_heads=s.text_heads, num_key_value_heads=s.text_kv_heads,
-        head_dim=s.text_head_dim, max_position_embeddings=s.max_position, rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, initializer_range=s.text_init_std,
-        sliding_window=None, tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+        vocab_size=_model_vocab(s),
+        hidden_size=s.text_hidden,
+        intermediate_size=s.text_intermediate,
+        num_hidden_layers=s.text_layers,
+        num_attention_heads=s.text_heads,
+        num_key_value_heads=s.text_kv_heads,
+        head_dim=s.text_head_dim,
+        max_position_embeddings=s.max_position,
+        rms_norm_eps=s.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        initializer_range=s.text_init_std,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
     )
     vision = PixtralVisionConfig(
-        hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate, num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads, image_size=s.image_size, patch_size=s.patch_size, hidden_act=s.vision_act,
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        hidden_act=s.vision_act,
         rope_parameters={"rope_type": "axial", "rope_theta": s.vision_rope_theta},
         initializer_range=s.vision_init_std,
     )
     layer = s.vision_feature_layer
     cfg = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=ids["image"], projector_hidden_act=s.projector_act,
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["image"],
+        projector_hidden_act=s.projector_act,
         vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
-        vision_feature_select_strategy="full", multimodal_projector_bias=True, tie_word_embeddings=False,
+        vision_feature_select_strategy="full",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
     )
     return finish_config(cfg, "LlavaForConditionalGeneration", s.dtype)
 
@@ -176,15 +237,31 @@ def make_pixtral_checkpoint(
     config = _config_from_sizes(s)
     tok = build_pixtral_tokenizer(s.text_vocab, config.text_config.vocab_size)
     image_processor = PixtralImageProcessor(
-        size={"longest_edge": s.image_size}, patch_size={"height": s.patch_size, "width": s.patch_size},
-        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        size={"longest_edge": s.image_size},
+        patch_size={"height": s.patch_size, "width": s.patch_size},
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
     )
     processor = PixtralProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=s.patch_size, spatial_merge_size=1,
-        chat_template=tok.chat_template, image_token=IMAGE_TOKEN, image_break_token=BREAK_TOKEN,
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=s.patch_size,
+        spatial_merge_size=1,
+        chat_template=tok.chat_template,
+        image_token=IMAGE_TOKEN,
+        image_break_token=BREAK_TOKEN,
         image_end_token=END_TOKEN,
     )
     specs = llava_param_specs(LlavaForConditionalGeneration, config, s)
     # the published layout: what transformers 5 `save_pretrained` writes for a tower without a `vision_model.`
-    return write_checkpoint(out_dir, config, processor, image_processor, specs,
-                            lambda n: checkpoint_key(n, "transformers"), s.dtype, seed, max_shard_bytes)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        image_processor,
+        specs,
+        lambda n: checkpoint_key(n, "transformers"),
+        s.dtype,
+        seed,
+        max_shard_bytes,
+    )

@@ -48,8 +48,9 @@ def natural_key(name: str) -> list[object]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: int,
-                dtype: torch.dtype) -> torch.Tensor:
+def make_tensor(
+    name: str, shape: tuple[int, ...], kind: str, std: float, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The tensor of one spec: ones, zeros, or N(0, std) seeded by ``seed`` and the tensor's name."""
     if kind == "ones":
         return torch.ones(shape, dtype=dtype)
@@ -59,13 +60,21 @@ def make_tensor(name: str, shape: tuple[int, ...], kind: str, std: float, seed: 
     # tensors of real-shape presets are drawn on the GPU when there is one (a 7B checkpoint in seconds
     # instead of a minute); their values then differ from a CPU machine's, which benchmarks do not mind.
     device = "cuda" if math.prod(shape) >= 1 << 22 and torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * std).to(dtype).cpu()
+    g = torch.Generator(device).manual_seed(
+        (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+    )
+    return (
+        (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * std).to(dtype).cpu()
+    )
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], torch.dtype]],
-                      dtype: torch.dtype, make: Callable[[int], torch.Tensor],
-                      on_written: Callable[[int], object] | None = None) -> None:
+def write_safetensors(
+    path: Path,
+    entries: list[tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], torch.dtype]],
+    dtype: torch.dtype,
+    make: Callable[[int], torch.Tensor],
+    on_written: Callable[[int], object] | None = None,
+) -> None:
     """Stream tensors into one safetensors file: header from shapes first, then one tensor in RAM at a time.
 
     An entry is (key, shape) in ``dtype``, or (key, shape, its own dtype) (e.g. an int64 index buffer among float
@@ -76,7 +85,11 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]] | tu
     for key, shape, *own in entries:
         dt = own[0] if own else dtype
         nbytes = torch.empty((), dtype=dt).element_size() * int(torch.Size(shape).numel())
-        header[key] = {"dtype": ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": ST_DTYPES[dt],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -112,8 +125,15 @@ def progress_bar(total_bytes: int, enabled: bool, desc: str) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=stream,
-                dynamic_ncols=True)
+    return tqdm(
+        total=total_bytes,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=stream,
+        dynamic_ncols=True,
+    )
 
 
 def write_sharded_weights(
@@ -138,32 +158,49 @@ def write_sharded_weights(
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if make_fn is None:
+
         def make_fn(sp: tuple[Any, ...]) -> torch.Tensor:
             return make_tensor(*sp, seed, dtype)
+
     specs = sorted(specs, key=lambda sp: natural_key(key_fn(sp[0])))
     dtypes = [dtype_fn(sp) if dtype_fn is not None else dtype for sp in specs]
-    nbytes = [torch.empty((), dtype=dt).element_size() * math.prod(sp[1]) for sp, dt in zip(specs, dtypes)]
+    nbytes = [
+        torch.empty((), dtype=dt).element_size() * math.prod(sp[1]) for sp, dt in zip(specs, dtypes)
+    ]
     shards = plan_shards(nbytes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     bar = progress_bar(sum(nbytes), progress, f"writing {Path(out_dir).name or out_dir}")
     try:
         for k, idx in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
             entries = [(key_fn(specs[i][0]), specs[i][1], dtypes[i]) for i in idx]
             if bar is not None:
                 bar.set_postfix_str(fname, refresh=False)
-            write_safetensors(out_dir / fname, entries, dtype, lambda j, idx=idx: make_fn(specs[idx[j]]),
-                              None if bar is None else bar.update)
+            write_safetensors(
+                out_dir / fname,
+                entries,
+                dtype,
+                lambda j, idx=idx: make_fn(specs[idx[j]]),
+                None if bar is None else bar.update,
+            )
             weight_map.update({key: fname for key, _, _ in entries})
     finally:
         if bar is not None:
             bar.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(nbytes)}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        )
 
 
-def meta_tensors(model_cls: type, config: PreTrainedConfig) -> list[tuple[str, tuple[int, ...], bool]]:
+def meta_tensors(
+    model_cls: type, config: PreTrainedConfig
+) -> list[tuple[str, tuple[int, ...], bool]]:
     """(name, shape, is a norm's parameter) of every tensor in the state dict of ``model_cls(config)``,
     built on the meta device (no memory used)."""
     with torch.device("meta"):
@@ -175,8 +212,12 @@ def meta_tensors(model_cls: type, config: PreTrainedConfig) -> list[tuple[str, t
     return [(name, tuple(t.shape), name in norm_params) for name, t in model.state_dict().items()]
 
 
-def param_specs(model_cls: type, config: PreTrainedConfig, std_of: Callable[[str], float],
-                random_bias: Callable[[str], bool] = lambda name: False) -> list[ParamSpec]:
+def param_specs(
+    model_cls: type,
+    config: PreTrainedConfig,
+    std_of: Callable[[str], float],
+    random_bias: Callable[[str], bool] = lambda name: False,
+) -> list[ParamSpec]:
     """(name, shape, kind, std) of every saved tensor, from :func:`meta_tensors`.
 
     Norm scales are ones and norm shifts zeros; other biases are zeros unless ``random_bias(name)``;
@@ -195,7 +236,9 @@ def param_specs(model_cls: type, config: PreTrainedConfig, std_of: Callable[[str
     return specs
 
 
-def replace_sizes(presets: dict[str, SizesT], preset: str, family: str, overrides: dict[str, object]) -> SizesT:
+def replace_sizes(
+    presets: dict[str, SizesT], preset: str, family: str, overrides: dict[str, object]
+) -> SizesT:
     """presets[preset] with dataclass-field overrides (lists become tuples); clear errors for unknown names."""
     if preset not in presets:
         raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
@@ -204,8 +247,10 @@ def replace_sizes(presets: dict[str, SizesT], preset: str, family: str, override
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise TypeError(f"unknown {family} overrides {unknown}; allowed: {sorted(fields)}")
-    overrides = {k: tuple(map(tuple, v)) if k == "grid_pinpoints" else
-                 tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    overrides = {
+        k: tuple(map(tuple, v)) if k == "grid_pinpoints" else tuple(v) if isinstance(v, list) else v
+        for k, v in overrides.items()
+    }
     return dataclasses.replace(base, **overrides)
 
 
@@ -215,15 +260,23 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
 
 
-def check_token_ids(tok: PreTrainedTokenizerBase, expected: dict[str, int], tokens: dict[str, str],
-                    model_vocab: int) -> None:
+def check_token_ids(
+    tok: PreTrainedTokenizerBase, expected: dict[str, int], tokens: dict[str, str], model_vocab: int
+) -> None:
     """Assert the tokenizer's ids equal ``expected`` and fit the model vocab.
 
     Keys "unk", "bos", "eos", "pad" are read from the tokenizer's special tokens; any other key
     is the id of ``tokens[key]``.
     """
-    specials = {"unk": tok.unk_token_id, "bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id}
-    got = {k: specials[k] if k in specials else tok.convert_tokens_to_ids(tokens[k]) for k in expected}
+    specials = {
+        "unk": tok.unk_token_id,
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "pad": tok.pad_token_id,
+    }
+    got = {
+        k: specials[k] if k in specials else tok.convert_tokens_to_ids(tokens[k]) for k in expected
+    }
     assert got == expected and len(tok) <= model_vocab, (got, expected, len(tok))
 
 
@@ -235,11 +288,19 @@ def finish_config(config: ConfigT, architecture: str, dtype: str) -> ConfigT:
     return config
 
 
-def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: Any, image_processor: Any,
-                     specs: Sequence[tuple[Any, ...]], key_fn: Callable[[str], str], dtype: torch.dtype | str,
-                     seed: int, max_shard_bytes: int,
-                     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
-                     progress: bool = True) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    config: PreTrainedConfig,
+    processor: Any,
+    image_processor: Any,
+    specs: Sequence[tuple[Any, ...]],
+    key_fn: Callable[[str], str],
+    dtype: torch.dtype | str,
+    seed: int,
+    max_shard_bytes: int,
+    make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
+    progress: bool = True,
+) -> Path:
     """Write a whole checkpoint into ``out_dir`` (created if missing) and return its path.
 
     Saved: the processor, the standalone image processor, the config, a GenerationConfig with the
@@ -258,7 +319,10 @@ def write_checkpoint(out_dir: str | Path, config: PreTrainedConfig, processor: A
     image_processor.save_pretrained(out)
     config.save_pretrained(out)
     text = config.get_text_config()
-    GenerationConfig(bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=text.eos_token_id,  # T5: no bos
-                     pad_token_id=text.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=getattr(text, "bos_token_id", None),
+        eos_token_id=text.eos_token_id,  # T5: no bos
+        pad_token_id=text.pad_token_id,
+    ).save_pretrained(out)
     write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn, progress)
     return out

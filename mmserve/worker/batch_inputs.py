@@ -1,12 +1,13 @@
 """Host-side layout of one step's flat inputs: KV cache slots of each request's chunk, the leading decodes of a
 mixed batch, rotary positions (plain or M-RoPE) concatenated over the batch, and the step's AttentionMetadata."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from mmserve.attention.metadata import AttentionMetadata
-from mmserve.worker.transfer import host_tensor, to_device
+from mmserve.core.transfer import host_tensor, to_device
 
 
 def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -15,7 +16,9 @@ def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> lis
     out: list[int] = []
     for i in range(start // block_size, (end - 1) // block_size + 1):
         base = block_ids[i] * block_size
-        out += range(base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size))
+        out += range(
+            base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size)
+        )
     return out
 
 
@@ -32,22 +35,31 @@ def cat_positions(parts: list, mrope: bool) -> torch.Tensor:
     [3, T] for M-RoPE, int64 on the host."""
     if not mrope:
         return host_tensor([p for r in parts for p in r], torch.int64)
-    out = np.empty((3, sum(len(r) if isinstance(r, range) else r.shape[1] for r in parts)), dtype=np.int64)
+    out = np.empty(
+        (3, sum(len(r) if isinstance(r, range) else r.shape[1] for r in parts)), dtype=np.int64
+    )
     i = 0
     for r in parts:
         n = len(r) if isinstance(r, range) else r.shape[1]
         if isinstance(r, torch.Tensor):
-            out[:, i:i + n] = r.numpy()
-        elif n == 1:   # a decode: one column
+            out[:, i : i + n] = r.numpy()
+        elif n == 1:  # a decode: one column
             out[:, i] = r.start
         else:
-            out[:, i:i + n] = np.arange(r.start, r.stop)
+            out[:, i : i + n] = np.arange(r.start, r.stop)
         i += n
     return torch.from_numpy(out)
 
 
-def attention_metadata(computed: list, slots: list[int], qsl: list[int], seq_lens: list[int], block_size: int,
-                       device: torch.device, slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+def attention_metadata(
+    computed: list,
+    slots: list[int],
+    qsl: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    device: torch.device,
+    slot_mapping: torch.Tensor | None = None,
+) -> AttentionMetadata:
     """The step's AttentionMetadata: query offsets, context lengths and block tables (padded with block 0) on the
     device (copied without a host sync), their host copies, and the leading decodes' count; `slot_mapping`, when
     given, is a persistent buffer the caller fills (the piecewise graphs' own)."""
@@ -57,7 +69,13 @@ def attention_metadata(computed: list, slots: list[int], qsl: list[int], seq_len
         query_start_loc=to_device(qsl, torch.int32, device),
         seq_lens=to_device(seq_lens, torch.int32, device),
         block_tables=to_device(tables, torch.int32, device),
-        slot_mapping=to_device(slots, torch.int64, device) if slot_mapping is None else slot_mapping,
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        max_query_len=max(s.num_tokens for s in computed), max_seq_len=max(seq_lens),
-        block_size=block_size, num_decodes=num_leading_decodes(qsl))
+        slot_mapping=to_device(slots, torch.int64, device)
+        if slot_mapping is None
+        else slot_mapping,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(s.num_tokens for s in computed),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        num_decodes=num_leading_decodes(qsl),
+    )

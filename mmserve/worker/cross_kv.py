@@ -7,29 +7,39 @@ every step after. One cache per cross-attention layer, each of the KV cache's fo
 (attention/kv_layout.py), so a step's generated tokens attend their sequences' encoder outputs in one paged
 decode-attention launch per layer instead of one SDPA call per sequence per layer.
 """
+
 from __future__ import annotations
 
 import torch
 
-from mmserve.engine.kv_cache import cdiv
+from mmserve.core.transfer import cdiv, to_device
 from mmserve.models.base import CrossKVLayout
 from mmserve.worker.batch_inputs import slot_ids
-from mmserve.worker.transfer import to_device
 
 
 class CrossKVPool:
-    def __init__(self, layout: CrossKVLayout, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: CrossKVLayout,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         """dtype: the model's (the encoder's outputs are written as they are, whatever its linears are stored in)."""
         self.layout, self.num_blocks, self.block_size = layout, num_blocks, block_size
         self.bytes_per_token = layout.bytes_per_token(dtype)
         shape = (layout.layers, 2, num_blocks, layout.kv_heads, block_size, layout.head_dim)
         # one tensor, head-major inside each block; indexed [layer, k/v, block, slot, head, dim]
         self.storage = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4)
-        self.caches = list(self.storage.unbind(0))   # layer l: [2, num_blocks, block_size, kv heads, head_dim]
+        self.caches = list(
+            self.storage.unbind(0)
+        )  # layer l: [2, num_blocks, block_size, kv heads, head_dim]
 
     @staticmethod
-    def blocks_for(layout: CrossKVLayout, dtype: torch.dtype, budget_bytes: int, block_size: int) -> int:
+    def blocks_for(
+        layout: CrossKVLayout, dtype: torch.dtype, budget_bytes: int, block_size: int
+    ) -> int:
         return int(budget_bytes // (layout.bytes_per_token(dtype) * block_size))
 
     def num_blocks_of(self, num_tokens: int) -> int:
@@ -39,7 +49,12 @@ class CrossKVPool:
         """Store one request's encoder keys/values, states [T, layers, 2, kv heads, head_dim], in its blocks."""
         t = len(states)
         if t > len(block_ids) * self.block_size:
-            raise ValueError(f"{t} encoder tokens do not fit {len(block_ids)} blocks of {self.block_size}")
-        slots = to_device(slot_ids(block_ids, 0, t, self.block_size), torch.int64, self.storage.device)
-        self.storage[:, :, slots // self.block_size, slots % self.block_size] = \
-            states.permute(1, 2, 0, 3, 4).to(self.storage.dtype)
+            raise ValueError(
+                f"{t} encoder tokens do not fit {len(block_ids)} blocks of {self.block_size}"
+            )
+        slots = to_device(
+            slot_ids(block_ids, 0, t, self.block_size), torch.int64, self.storage.device
+        )
+        self.storage[:, :, slots // self.block_size, slots % self.block_size] = states.permute(
+            1, 2, 0, 3, 4
+        ).to(self.storage.dtype)

@@ -6,8 +6,9 @@ logits of the real rows. Needs an attention backend without host syncs (the Trit
 families that allow it (`cross_decode_graphs`) get each row's blocks of the cross-attention pool (the ones its
 generated token attends, at most `cross_blocks`) and their length the same way; padding rows attend nothing.
 
-Captured with mmserve/graph_capture.py, as every graph of mmserve.
+Captured with kernels/graph_capture.py, as every graph of mmserve.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
-from mmserve.graph_capture import graph_capture
+from mmserve.kernels.graph_capture import graph_capture
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -25,9 +26,20 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, max_model_len: int, buckets: list[int] | None = None, mrope: bool = False,
-                 cross=None, cross_blocks: int = 0, cross_backend=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_model_len: int,
+        buckets: list[int] | None = None,
+        mrope: bool = False,
+        cross=None,
+        cross_blocks: int = 0,
+        cross_backend=None,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -40,18 +52,26 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.cross, self.cross_blocks, self.cross_backend = cross, cross_blocks, cross_backend   # CrossKVPool
+        self.cross, self.cross_blocks, self.cross_backend = (
+            cross,
+            cross_blocks,
+            cross_backend,
+        )  # CrossKVPool
         self.cross_seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cross_tables = torch.zeros(n, max(cross_blocks, 1), dtype=torch.int32, device=device)
         # pinned host staging in two sets used in turn: with async scheduling the host fills one set
         # while the previous step's copies out of the other may still be queued; an event per set says
         # when its copies ran
-        self._staging = [_Staging(n, self.positions.shape, max_blocks_per_seq, self.cross_tables.shape[1])
-                         for _ in range(2)]
+        self._staging = [
+            _Staging(n, self.positions.shape, max_blocks_per_seq, self.cross_tables.shape[1])
+            for _ in range(2)
+        ]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.hidden: dict[int, torch.Tensor] = {}   # the LM's final hidden states (lm_head's input), per bucket
+        self.hidden: dict[
+            int, torch.Tensor
+        ] = {}  # the LM's final hidden states (lm_head's input), per bucket
         self.pool = None
 
     @property
@@ -60,19 +80,34 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[self.max_model_len] * b,
-            max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc_cpu=list(range(b + 1)),
+            seq_lens_cpu=[self.max_model_len] * b,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
         if self.cross is not None:
             longest = self.cross_blocks * self.block_size
             decodes = AttentionMetadata(
-                query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.cross_seq_lens[:b],
-                block_tables=self.cross_tables[:b], slot_mapping=self.slot_mapping[:0],
-                query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[longest] * b, max_query_len=1,
-                max_seq_len=longest, block_size=self.block_size, num_decodes=b)
+                query_start_loc=self.query_start_loc[: b + 1],
+                seq_lens=self.cross_seq_lens[:b],
+                block_tables=self.cross_tables[:b],
+                slot_mapping=self.slot_mapping[:0],
+                query_start_loc_cpu=list(range(b + 1)),
+                seq_lens_cpu=[longest] * b,
+                max_query_len=1,
+                max_seq_len=longest,
+                block_size=self.block_size,
+                num_decodes=b,
+            )
             seqs = [CrossAttentionSeq(slice(i, i + 1), 0, 0, [], None, 0) for i in range(b)]
-            meta.cross = CrossAttentionBatch(seqs, self.cross.caches, b, decodes, self.cross_backend)
+            meta.cross = CrossAttentionBatch(
+                seqs, self.cross.caches, b, decodes, self.cross_backend
+            )
         return meta
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +119,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture one graph per bucket, largest first so smaller ones reuse its memory pool."""
         for b in reversed(self.buckets):
-            self._forward(b)                    # warm up (Triton autotune/compile) outside the graph
+            self._forward(b)  # warm up (Triton autotune/compile) outside the graph
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self.pool):
@@ -94,9 +129,16 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
-    def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-            cross: tuple[list[list[int]], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        input_ids: list[int],
+        positions: torch.Tensor,
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cross: tuple[list[list[int]], list[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that fits; returns (logits [n, V], final hidden states [n, H]) of the
         n = len(input_ids) rows (views, valid until the next replay).
 
@@ -149,8 +191,12 @@ class DecodeGraphs:
 class _Staging:
     """Pinned host buffers of one step's graph inputs."""
 
-    def __init__(self, n: int, pos_shape: torch.Size, max_blocks_per_seq: int, cross_blocks: int) -> None:
-        self.ints = torch.zeros(4, n, dtype=torch.int64).pin_memory()   # ids, slots, context lengths, cross lengths
+    def __init__(
+        self, n: int, pos_shape: torch.Size, max_blocks_per_seq: int, cross_blocks: int
+    ) -> None:
+        self.ints = torch.zeros(
+            4, n, dtype=torch.int64
+        ).pin_memory()  # ids, slots, context lengths, cross lengths
         self.pos = torch.zeros(pos_shape, dtype=torch.int64).pin_memory()
         self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32).pin_memory()
         self.cross_tables = torch.zeros(n, cross_blocks, dtype=torch.int32).pin_memory()

@@ -1,4 +1,5 @@
 """EncoderCache: vision-encoder outputs kept by content hash (LRU, bounded in embedding rows)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

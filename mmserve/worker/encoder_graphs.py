@@ -9,6 +9,7 @@ bucket, ~30 ms for later ones), other pairs on first use. The batch is padded to
 previous contents of the static input buffers (their outputs are never read). `vision_kernels` is the kernel
 setting every vision-encoder run uses, in a graph or not.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -22,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mmserve.engine.request import MultiModalItem
-from mmserve.graph_capture import graph_capture
+from mmserve.core.multimodal import MultiModalItem
+from mmserve.kernels.graph_capture import graph_capture
 
 logger = logging.getLogger(__name__)
 # close together: padding images cost full encoder work (graphs are captured only for buckets in use)
@@ -33,8 +34,8 @@ BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32)
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]     # name -> [bucket, *item shape]
-    output: torch.Tensor                # [bucket, length, hidden]
+    inputs: dict[str, torch.Tensor]  # name -> [bucket, *item shape]
+    output: torch.Tensor  # [bucket, length, hidden]
 
 
 class EncoderGraphs:
@@ -47,12 +48,13 @@ class EncoderGraphs:
     @staticmethod
     def shape_key(item: MultiModalItem) -> tuple:
         return (item.modality, item.length) + tuple(
-            (k, tuple(v.shape), v.dtype) for k, v in sorted(item.data.items()))
+            (k, tuple(v.shape), v.dtype) for k, v in sorted(item.data.items())
+        )
 
     @torch.inference_mode()
     def warm_up(self, template: MultiModalItem, max_items: int) -> None:
         """Capture the graphs of `template`'s shapes for every bucket up to the one holding max_items."""
-        for bucket in BUCKETS[:bisect.bisect_left(BUCKETS, max_items) + 1]:
+        for bucket in BUCKETS[: bisect.bisect_left(BUCKETS, max_items) + 1]:
             self._captured(template, bucket)
 
     @torch.inference_mode()
@@ -60,14 +62,14 @@ class EncoderGraphs:
         """Embeddings of `items` (same shape key, inputs already on the device in the right dtype)."""
         out: list[torch.Tensor] = []
         for start in range(0, len(items), BUCKETS[-1]):
-            chunk = items[start:start + BUCKETS[-1]]
+            chunk = items[start : start + BUCKETS[-1]]
             bucket = BUCKETS[bisect.bisect_left(BUCKETS, len(chunk))]
             cap = self._captured(chunk[0], bucket)
             for name, buf in cap.inputs.items():
                 for i, it in enumerate(chunk):
                     buf[i].copy_(it.data[name], non_blocking=True)
             cap.graph.replay()
-            out += list(cap.output[: len(chunk)].clone())   # the next replay overwrites cap.output
+            out += list(cap.output[: len(chunk)].clone())  # the next replay overwrites cap.output
         return out
 
     def _captured(self, template: MultiModalItem, bucket: int) -> _Captured:
@@ -76,11 +78,23 @@ class EncoderGraphs:
         if cap is not None:
             return cap
         t0 = time.perf_counter()
-        inputs = {k: torch.zeros((bucket,) + tuple(v.shape), dtype=v.dtype, device=self.device)
-                  for k, v in template.data.items()}
-        items = [MultiModalItem(template.modality, {k: buf[i] for k, buf in inputs.items()}, 0, template.length,
-                                f"graph-{i}") for i in range(bucket)]
-        self.model.get_mm_embeddings(items)   # warm up (kernel selection, lazy init) outside the graph
+        inputs = {
+            k: torch.zeros((bucket,) + tuple(v.shape), dtype=v.dtype, device=self.device)
+            for k, v in template.data.items()
+        }
+        items = [
+            MultiModalItem(
+                template.modality,
+                {k: buf[i] for k, buf in inputs.items()},
+                0,
+                template.length,
+                f"graph-{i}",
+            )
+            for i in range(bucket)
+        ]
+        self.model.get_mm_embeddings(
+            items
+        )  # warm up (kernel selection, lazy init) outside the graph
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         # captured while serving: preprocessing threads may be using the GPU on their own streams meanwhile,
@@ -88,8 +102,12 @@ class EncoderGraphs:
         with graph_capture(graph, self.pool, capture_error_mode="thread_local"):
             output = torch.stack(self.model.get_mm_embeddings(items))
         cap = self.graphs[key] = _Captured(graph, inputs, output)
-        logger.info("captured the vision encoder's graph for %d items of %s in %.0f ms", bucket,
-                    self.shape_key(template), (time.perf_counter() - t0) * 1000)
+        logger.info(
+            "captured the vision encoder's graph for %d items of %s in %.0f ms",
+            bucket,
+            self.shape_key(template),
+            (time.perf_counter() - t0) * 1000,
+        )
         return cap
 
 

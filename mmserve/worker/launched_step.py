@@ -1,28 +1,14 @@
-"""A launched step's results: RunnerOutput (what a step gives each request that sampled) and LaunchedStep
-(the step's queued device work, read back to the host only when asked)."""
+"""LaunchedStep: a launched step's queued device work, read back to the host only when asked, as the RunnerOutput
+(core/step.py) that the engine takes from the runner."""
+
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.worker.prompt_logprobs import PromptLogprobs
+from mmserve.core.step import RunnerOutput
 from mmserve.worker.sampler import SamplerOutput
-
-
-@dataclass
-class RunnerOutput:
-    """Per request that sampled this step: the new token and, when asked, its logprobs."""
-
-    token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float] = field(default_factory=dict)
-    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    ranks: dict[str, int | None] = field(default_factory=dict)   # rank of the sampled id (1 = most likely)
-    # prompt positions [start, start + n) of requests that asked for context logits: (start, [n, V] fp32 cpu)
-    context_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    generation_logits: dict[str, torch.Tensor] = field(default_factory=dict)   # [V] fp32 cpu
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)   # requests with prompt_logprobs
 
 
 class LaunchedStep:
@@ -38,7 +24,7 @@ class LaunchedStep:
         self.tokens = sampled.token_ids if sampled is not None else None
         self._host: list[torch.Tensor | None] | None = None
         self._event = None
-        self.wait_s = 0.0   # how long result() blocked on the device
+        self.wait_s = 0.0  # how long result() blocked on the device
         if sampled is None:
             return
         fields = [sampled.token_ids]

@@ -1,6 +1,7 @@
 """The activation memory profile that sizes the KV cache: one step's peak beyond weights and KV cache, measured
 on the GPU with a text prefill of the step budget (and the vision encoder's, for models whose encoder runs eagerly),
 and the pool size that leaves (`kv_pool_blocks`)."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,8 @@ import torch
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
 from mmserve.config import CacheConfig
-from mmserve.engine.kv_cache import cdiv
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
+from mmserve.core.transfer import cdiv
 from mmserve.worker.cross_kv import CrossKVPool
 
 if TYPE_CHECKING:
@@ -23,8 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None,
-                          cross_template: tuple[MultiModalItem, int] | None = None) -> int:
+def peak_activation_bytes(
+    runner: ModelRunner,
+    num_tokens: int,
+    template: MultiModalItem | None = None,
+    cross_template: tuple[MultiModalItem, int] | None = None,
+) -> int:
     """The memory a step needs beyond weights and KV cache, measured: the larger of one text-only prefill
     of num_tokens (through a scratch KV cache) and, for a vision model whose encoder runs eagerly (no
     encoder graphs, whose pool is taken before this), encoding as many copies of `template` as a step of
@@ -36,7 +41,9 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
     if runner.device.type != "cuda":
         return 0
     if getattr(runner.model, "encoder_decoder", False) and template is None:
-        logger.warning("no activation profile: an encoder-decoder's decoder needs a picture's encoder output")
+        logger.warning(
+            "no activation profile: an encoder-decoder's decoder needs a picture's encoder output"
+        )
         return 0
     encoder_peak = 0
     if template is not None and runner.encoder_graphs is None:
@@ -45,7 +52,11 @@ def peak_activation_bytes(runner: ModelRunner, num_tokens: int, template: MultiM
         torch.cuda.reset_peak_memory_stats(runner.device)
         base = torch.cuda.memory_allocated(runner.device)
         # cross-attention families encode a request's images when its first chunk runs, not per placeholder
-        copies = runner.cross_encode_batch if runner.uses_cross_attention else cdiv(num_tokens, template.length) + 1
+        copies = (
+            runner.cross_encode_batch
+            if runner.uses_cross_attention
+            else cdiv(num_tokens, template.length) + 1
+        )
         with runner._vision_kernels():
             encoded = runner.model.get_mm_embeddings([item] * copies)
         torch.cuda.synchronize(runner.device)
@@ -85,8 +96,12 @@ def scratch_kv_cache(runner: ModelRunner, num_tokens: int) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def profile_prefill(runner: ModelRunner, num_tokens: int, template: MultiModalItem | None = None,
-                    cross_template: tuple[MultiModalItem, int] | None = None) -> int:
+def profile_prefill(
+    runner: ModelRunner,
+    num_tokens: int,
+    template: MultiModalItem | None = None,
+    cross_template: tuple[MultiModalItem, int] | None = None,
+) -> int:
     """The profile's forward pass, on any device, through the runner's current KV cache (`scratch_kv_cache`):
     one prompt of num_tokens, attending `template`'s encoder output (cross-attention families; zeros shaped as
     `cross_template` says on a tensor-parallel worker), and its last 64 rows' logits. Returns the bytes of one
@@ -98,8 +113,12 @@ def profile_prefill(runner: ModelRunner, num_tokens: int, template: MultiModalIt
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
-        query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens], max_query_len=num_tokens,
-        max_seq_len=num_tokens, block_size=runner.block_size)
+        query_start_loc_cpu=[0, num_tokens],
+        seq_lens_cpu=[num_tokens],
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        block_size=runner.block_size,
+    )
     positions = torch.arange(num_tokens, device=dev)
     if runner.uses_mrope:
         positions = positions.expand(3, -1)
@@ -114,14 +133,31 @@ def profile_prefill(runner: ModelRunner, num_tokens: int, template: MultiModalIt
         else:
             item, encoder_tokens = cross_template
             states = embeds.new_zeros(encoder_tokens, embeds.shape[-1])
-        pool = CrossKVPool(runner.model.cross_kv_layout(), runner.dtype, cdiv(len(states), runner.block_size),
-                           runner.block_size, dev)   # a scratch pool of its blocks
+        pool = CrossKVPool(
+            runner.model.cross_kv_layout(),
+            runner.dtype,
+            cdiv(len(states), runner.block_size),
+            runner.block_size,
+            dev,
+        )  # a scratch pool of its blocks
         pool_blocks = list(range(pool.num_blocks))
         pool.write(runner.model.cross_kv(states), pool_blocks)
         meta.cross = CrossAttentionBatch(
-            [CrossAttentionSeq(slice(0, num_tokens), 0, num_tokens, [item],
-                               torch.tensor(pool_blocks, device=dev), len(states))],
-            pool.caches, 0, None, runner.attn_layers[0].backend)
+            [
+                CrossAttentionSeq(
+                    slice(0, num_tokens),
+                    0,
+                    num_tokens,
+                    [item],
+                    torch.tensor(pool_blocks, device=dev),
+                    len(states),
+                )
+            ],
+            pool.caches,
+            0,
+            None,
+            runner.attn_layers[0].backend,
+        )
         del states
     hidden = runner.model(embeds, positions, meta)
     runner.model.compute_logits(hidden[-64:])
@@ -137,15 +173,19 @@ def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_pe
     if cache_config.num_blocks is not None:
         if runner.uses_cross_attention:
             f = cache_config.cross_kv_cache_fraction
-            runner.cross_kv_budget = int(cache_config.num_blocks * runner.kv_bytes_per_block() * f / (1 - f))
+            runner.cross_kv_budget = int(
+                cache_config.num_blocks * runner.kv_bytes_per_block() * f / (1 - f)
+            )
         return cache_config.num_blocks
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
         free, _ = torch.cuda.mem_get_info(runner.device)
         budget = max(0, free - activation_peak) * cache_config.kv_cache_memory_fraction
-        source = (f"kv_cache_memory_fraction {cache_config.kv_cache_memory_fraction} of the "
-                  f"{free / 2**30:.2f} GiB free after the weights, less the activation peak of "
-                  f"{activation_peak / 2**30:.2f} GiB")
+        source = (
+            f"kv_cache_memory_fraction {cache_config.kv_cache_memory_fraction} of the "
+            f"{free / 2**30:.2f} GiB free after the weights, less the activation peak of "
+            f"{activation_peak / 2**30:.2f} GiB"
+        )
     else:
         budget = cache_config.kv_cache_size_gb * 2**30
         source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
@@ -155,6 +195,8 @@ def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_pe
         source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"
     blocks = int(budget // runner.kv_bytes_per_block())
     if blocks < 2:
-        raise ValueError(f"the KV cache would get {blocks} blocks of {runner.kv_bytes_per_block()} bytes "
-                         f"({source}): free GPU memory, raise the fraction or the size, or set num_blocks")
+        raise ValueError(
+            f"the KV cache would get {blocks} blocks of {runner.kv_bytes_per_block()} bytes "
+            f"({source}): free GPU memory, raise the fraction or the size, or set num_blocks"
+        )
     return blocks

@@ -1,5 +1,6 @@
 """What a step's requests bring besides tokens: the rows of each LoRA adapter, and the cross-attention inputs of
 families whose text attends encoder outputs (Mllama, encoder-decoders), both built by the runner per step."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,10 +9,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mmserve.attention.metadata import AttentionMetadata, CrossAttentionBatch, CrossAttentionSeq
-from mmserve.engine.kv_cache import cdiv
-from mmserve.engine.request import MultiModalItem
+from mmserve.core.multimodal import MultiModalItem
+from mmserve.core.transfer import cdiv, to_device
 from mmserve.worker.cross_kv import CrossKVPool
-from mmserve.worker.transfer import to_device
 
 
 def lora_rows(computed: list, qsl: list[int]) -> dict[str, list[int]]:
@@ -34,7 +34,9 @@ class CrossStepHost:
     (`cross_batch`): on the driver, and, sent by pipe (`for_workers`), on each tensor-parallel worker (worker/
     tp_mirror.py) with the pool writes (the encoder outputs written travel beside this, by broadcast)."""
 
-    writes: list[list[int]] = field(default_factory=list)   # pool blocks of each encoder output written
+    writes: list[list[int]] = field(
+        default_factory=list
+    )  # pool blocks of each encoder output written
     # per sequence: (rows start, rows stop, start, prompt_len, items, pool blocks | None, pool order | None,
     # encoder tokens)
     seqs: list[tuple] = field(default_factory=list)
@@ -44,15 +46,29 @@ class CrossStepHost:
     def for_workers(self, model) -> CrossStepHost:
         """This layout as a worker gets it: items without their pixels (`model.cross_item_layout`), orders as
         lists (a tensor would cross the pipe through shared memory)."""
-        seqs = [(*s[:4], [model.cross_item_layout(it) for it in s[4]], s[5], None if s[6] is None else s[6].tolist(),
-                 s[7]) for s in self.seqs]
+        seqs = [
+            (
+                *s[:4],
+                [model.cross_item_layout(it) for it in s[4]],
+                s[5],
+                None if s[6] is None else s[6].tolist(),
+                s[7],
+            )
+            for s in self.seqs
+        ]
         return replace(self, seqs=seqs)
 
 
-def cross_attention_batch(computed: list, qsl: list[int],
-                          encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]], model,
-                          pool: CrossKVPool, backend, encode_batch: int, mirror: bool = False
-                          ) -> tuple[CrossAttentionBatch, CrossStepHost, list[torch.Tensor]]:
+def cross_attention_batch(
+    computed: list,
+    qsl: list[int],
+    encode: Callable[[list[MultiModalItem]], dict[str, torch.Tensor]],
+    model,
+    pool: CrossKVPool,
+    backend,
+    encode_batch: int,
+    mirror: bool = False,
+) -> tuple[CrossAttentionBatch, CrossStepHost, list[torch.Tensor]]:
     """The step's sequences with media and where their encoder keys/values are: a request's items are encoded
     (`encode`: by content hash, the encoder cache first; about encode_batch items at a time, so a step that
     admits many requests stays within the activation profile) on its first step after admission and written to
@@ -76,14 +92,28 @@ def cross_attention_batch(computed: list, qsl: list[int],
         del encoded
     for i, s in with_media:
         req = s.request
-        if len(host.decode_lens) == len(host.seqs) and s.num_tokens == 1 and s.start >= req.num_prompt_tokens:
-            host.decode_tables.append(req.cross_block_ids)   # attends through decode_meta
+        if (
+            len(host.decode_lens) == len(host.seqs)
+            and s.num_tokens == 1
+            and s.start >= req.num_prompt_tokens
+        ):
+            host.decode_tables.append(req.cross_block_ids)  # attends through decode_meta
             host.decode_lens.append(req.cross_decode_len)
             blocks, order = None, None
         else:
             blocks, order = req.cross_block_ids, req.cross_kv_order
-        host.seqs.append((qsl[i], qsl[i + 1], s.start, req.num_prompt_tokens, req.mm_items, blocks, order,
-                          req.cross_kv_tokens))
+        host.seqs.append(
+            (
+                qsl[i],
+                qsl[i + 1],
+                s.start,
+                req.num_prompt_tokens,
+                req.mm_items,
+                blocks,
+                order,
+                req.cross_kv_tokens,
+            )
+        )
     return cross_batch(host, pool, backend), host, written
 
 
@@ -99,12 +129,15 @@ def cross_batch(host: CrossStepHost, pool: CrossKVPool, backend) -> CrossAttenti
         seqs.append(seq)
     batch = CrossAttentionBatch(seqs, pool.caches, len(host.decode_lens), None, backend)
     if host.decode_lens:
-        batch.decode_meta = decode_metadata(host.decode_tables, host.decode_lens, pool.block_size, dev)
+        batch.decode_meta = decode_metadata(
+            host.decode_tables, host.decode_lens, pool.block_size, dev
+        )
     return batch
 
 
-def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], model, pool: CrossKVPool,
-                          backend) -> CrossAttentionBatch:
+def cross_batch_from_host(
+    host: CrossStepHost, written: list[torch.Tensor], model, pool: CrossKVPool, backend
+) -> CrossAttentionBatch:
     """A tensor-parallel worker's copy of the driver's step (cross_attention_batch with mirror): write the
     broadcast encoder outputs' keys/values (this rank's heads) to their pool blocks, then the same batch."""
     for blocks, states in zip(host.writes, written):
@@ -112,7 +145,9 @@ def cross_batch_from_host(host: CrossStepHost, written: list[torch.Tensor], mode
     return cross_batch(host, pool, backend)
 
 
-def cross_decode_inputs(computed: list, max_blocks: int, block_size: int) -> tuple[list[list[int]], list[int]] | None:
+def cross_decode_inputs(
+    computed: list, max_blocks: int, block_size: int
+) -> tuple[list[list[int]], list[int]] | None:
     """For a decode graph of a cross-attention family: each sequence's pool blocks its generated token attends
     and their token count, or None when a step cannot replay one (a sequence without media, a prompt chunk, one
     whose encoder output is not in the pool yet, or more than max_blocks blocks)."""
@@ -120,14 +155,21 @@ def cross_decode_inputs(computed: list, max_blocks: int, block_size: int) -> tup
     for s in computed:
         req = s.request
         n = cdiv(req.cross_decode_len, block_size)
-        if not req.mm_items or not req.cross_kv_written or s.start < req.num_prompt_tokens or n > max_blocks:
+        if (
+            not req.mm_items
+            or not req.cross_kv_written
+            or s.start < req.num_prompt_tokens
+            or n > max_blocks
+        ):
             return None
         tables.append(req.cross_block_ids[:n])
         lens.append(req.cross_decode_len)
     return tables, lens
 
 
-def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool) -> torch.Tensor:
+def _write_cross_kv(
+    req, encoded: dict[str, torch.Tensor], model, pool: CrossKVPool
+) -> torch.Tensor:
     """Write the keys/values of req's encoder outputs (by content hash in `encoded`) to its pool blocks in the
     family's order; returns those outputs in that order."""
     states = [encoded[it.content_hash] for it in req.mm_items]
@@ -140,15 +182,23 @@ def _write_cross_kv(req, encoded: dict[str, torch.Tensor], model, pool: CrossKVP
     return states
 
 
-def decode_metadata(block_tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device) -> AttentionMetadata:
+def decode_metadata(
+    block_tables: list[list[int]], seq_lens: list[int], block_size: int, device: torch.device
+) -> AttentionMetadata:
     """AttentionMetadata of one query per sequence over the first seq_lens[i] tokens of block_tables[i]."""
     width = max(len(t) for t in block_tables)
     n = len(seq_lens)
     return AttentionMetadata(
         query_start_loc=to_device(list(range(n + 1)), torch.int32, device),
         seq_lens=to_device(seq_lens, torch.int32, device),
-        block_tables=to_device([t + [0] * (width - len(t)) for t in block_tables], torch.int32, device),
+        block_tables=to_device(
+            [t + [0] * (width - len(t)) for t in block_tables], torch.int32, device
+        ),
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
-        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=list(seq_lens), max_query_len=1,
-        max_seq_len=max(seq_lens), block_size=block_size, num_decodes=n)
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        num_decodes=n,
+    )

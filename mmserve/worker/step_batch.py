@@ -3,29 +3,30 @@
 `flatten` walks the scheduled chunks once: input ids, positions, KV cache slots, query offsets and context lengths,
 plus the rows whose input token the previous step sampled on the device and the host does not have yet.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from mmserve.core.transfer import to_device
 from mmserve.worker.batch_inputs import cat_positions, slot_ids
-from mmserve.worker.transfer import to_device
 
 
 @dataclass
 class FlatBatch:
     """One step's (or one part of a step's) sequences, in row order."""
 
-    seqs: list                      # ScheduledSeq, as the scheduler ordered them
+    seqs: list  # ScheduledSeq, as the scheduler ordered them
     input_ids: list[int]
-    positions: torch.Tensor         # [T] or [3, T] (M-RoPE) int64 on the host
-    slots: list[int]                # KV cache slot of each token
-    qsl: list[int]                  # query start offsets, len(seqs) + 1
-    seq_lens: list[int]             # context length of each sequence after this step
+    positions: torch.Tensor  # [T] or [3, T] (M-RoPE) int64 on the host
+    slots: list[int]  # KV cache slot of each token
+    qsl: list[int]  # query start offsets, len(seqs) + 1
+    seq_lens: list[int]  # context length of each sequence after this step
     # (rows, ids) on the device: input ids the previous step sampled, not yet on the host
     fill: tuple[torch.Tensor, torch.Tensor] | None
-    sampling: list[int]             # indices into seqs of the sequences that sample a token
+    sampling: list[int]  # indices into seqs of the sequences that sample a token
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -35,7 +36,8 @@ class FlatBatch:
     def one_token_each(self) -> bool:
         """Every sequence computes one token and none of them is a picture's (a decode graph can run it)."""
         return len(self.input_ids) == len(self.seqs) and not any(
-            s.request.mm_items_in(s.start, s.end) for s in self.seqs)
+            s.request.mm_items_in(s.start, s.end) for s in self.seqs
+        )
 
 
 def flatten(seqs: list, prev, block_size: int, device: torch.device, mrope: bool) -> FlatBatch:
@@ -57,7 +59,17 @@ def flatten(seqs: list, prev, block_size: int, device: torch.device, mrope: bool
         seq_lens.append(s.end)
     fill = None
     if fill_dst:
-        fill = (to_device(fill_dst, torch.int64, device), prev.tokens[to_device(fill_src, torch.int64, device)])
-    return FlatBatch(list(seqs), input_ids, cat_positions(positions, mrope), slots, qsl, seq_lens, fill,
-                     [i for i, s in enumerate(seqs) if s.samples])
-
+        fill = (
+            to_device(fill_dst, torch.int64, device),
+            prev.tokens[to_device(fill_src, torch.int64, device)],
+        )
+    return FlatBatch(
+        list(seqs),
+        input_ids,
+        cat_positions(positions, mrope),
+        slots,
+        qsl,
+        seq_lens,
+        fill,
+        [i for i, s in enumerate(seqs) if s.samples],
+    )

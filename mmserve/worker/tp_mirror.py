@@ -7,6 +7,7 @@ projects for its own heads). The worker runs the same pass over its own shard of
 inside meet the driver's. `lora_sync`
 applies the driver's LoRA adapter changes to the worker's slices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.core.transfer import to_device
 from mmserve.distributed import tp_broadcast
 from mmserve.worker.batch_inputs import attention_metadata
 from mmserve.worker.request_inputs import cross_batch_from_host
-from mmserve.worker.transfer import to_device
 
 if TYPE_CHECKING:
     from mmserve.worker.model_runner import ModelRunner
@@ -33,10 +34,21 @@ class _SeqLayout:
 
 def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> None:
     """Receive the broadcast inputs described by `specs` ((shape, dtype) each) and run pass `kind` on them."""
-    tensors = [tp_broadcast(torch.empty(shape, dtype=dtype, device=runner.device)) for shape, dtype in specs]
+    tensors = [
+        tp_broadcast(torch.empty(shape, dtype=dtype, device=runner.device))
+        for shape, dtype in specs
+    ]
     if kind == "decode":
         input_ids, positions, slots, seq_lens, tables, cross = host
-        runner.graphs.run(input_ids, positions, slots, seq_lens, tables, tuple(tensors) if tensors else None, cross)
+        runner.graphs.run(
+            input_ids,
+            positions,
+            slots,
+            seq_lens,
+            tables,
+            tuple(tensors) if tensors else None,
+            cross,
+        )
         return
     positions, slots, qsl, seq_lens, tables, rows_by_adapter, cross_host = host
     embeds = tensors[0]
@@ -45,15 +57,25 @@ def run_mirrored(runner: ModelRunner, kind: str, host: tuple, specs: list) -> No
         return
     seqs = [_SeqLayout(t, qsl[i + 1] - qsl[i]) for i, t in enumerate(tables)]
     if kind == "piecewise":
-        meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device,
-                                  runner.piecewise_graphs.inputs.slot_mapping[:len(slots)])
+        meta = attention_metadata(
+            seqs,
+            slots,
+            qsl,
+            seq_lens,
+            runner.block_size,
+            runner.device,
+            runner.piecewise_graphs.inputs.slot_mapping[: len(slots)],
+        )
         runner.piecewise_graphs.run(embeds, positions, slots, meta)
         return
     meta = attention_metadata(seqs, slots, qsl, seq_lens, runner.block_size, runner.device)
-    if cross_host is not None:   # Mllama: the step's new pictures' states follow the embeddings
-        meta.cross = cross_batch_from_host(cross_host, tensors[1:], runner.model, runner.cross_kv,
-                                           runner.attn_layers[0].backend)
-    runner.run_eager(embeds, to_device(positions, torch.int64, runner.device), meta, rows_by_adapter)
+    if cross_host is not None:  # Mllama: the step's new pictures' states follow the embeddings
+        meta.cross = cross_batch_from_host(
+            cross_host, tensors[1:], runner.model, runner.cross_kv, runner.attn_layers[0].backend
+        )
+    runner.run_eager(
+        embeds, to_device(positions, torch.int64, runner.device), meta, rows_by_adapter
+    )
 
 
 def lora_sync(runner: ModelRunner, removed: list[str], name: str, source, evictable: bool) -> None:
@@ -62,8 +84,12 @@ def lora_sync(runner: ModelRunner, removed: list[str], name: str, source, evicta
     rank."""
     from mmserve.lora.adapter import LoRAAdapter
     from mmserve.lora.trtllm_format import adapter_from_trtllm
+
     for gone in removed:
         runner.lora.remove(gone)
-    adapter = LoRAAdapter.load(name, source, runner.model, runner.device, runner.dtype) if isinstance(source, str) \
+    adapter = (
+        LoRAAdapter.load(name, source, runner.model, runner.device, runner.dtype)
+        if isinstance(source, str)
         else adapter_from_trtllm(name, *source, runner.model, runner.device, runner.dtype)
+    )
     runner.lora.install(adapter, evictable)

@@ -1,6 +1,7 @@
 """Decode steps of cross-attention families (Mllama, Nougat, Deplot and BLIP-2 T5: T5's relative-position bias by
 key distance in the decode kernel) replay CUDA graphs that read the cross-attention pool, with the same tokens as
 their eager steps; steps a graph cannot take (text-only Mllama rows) stay eager."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,13 +27,28 @@ PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=
 
 def _prompts(family: str) -> list[dict]:
     if family != "mllama":
-        text = {"nougat": "", "pix2struct": "Which year?", "blip2_t5": "Question: what is it? Answer:"}[family]
-        return [{"prompt": text, "images": [make_test_image(i, (60 + 9 * i, 80))]} for i in range(6)]
+        text = {
+            "nougat": "",
+            "pix2struct": "Which year?",
+            "blip2_t5": "Question: what is it? Answer:",
+        }[family]
+        return [
+            {"prompt": text, "images": [make_test_image(i, (60 + 9 * i, 80))]} for i in range(6)
+        ]
     # two pictures apart (decodes attend the second's real tiles), pictures with padding tiles, a text-only prompt
-    return ([{"prompt": f"<|begin_of_text|><|image|> look {i}", "images": [make_test_image(i, (96, 40 + 20 * i))]}
-             for i in range(4)]
-            + [{"prompt": "<|begin_of_text|><|image|> a <|image|> b", "images": [make_test_image(8), make_test_image(9)]},
-               {"prompt": "<|begin_of_text|>no picture here"}])
+    return [
+        {
+            "prompt": f"<|begin_of_text|><|image|> look {i}",
+            "images": [make_test_image(i, (96, 40 + 20 * i))],
+        }
+        for i in range(4)
+    ] + [
+        {
+            "prompt": "<|begin_of_text|><|image|> a <|image|> b",
+            "images": [make_test_image(8), make_test_image(9)],
+        },
+        {"prompt": "<|begin_of_text|>no picture here"},
+    ]
 
 
 def _run(model_dir: str, family: str, **kw) -> tuple[list, LLM, list[int]]:
@@ -54,7 +70,9 @@ def test_cross_attention_decode_graphs_match_eager(family, tmp_path):
     MAKERS[family](model_dir)
     eager, _, _ = _run(model_dir, family, enforce_eager=True)
     graphed, llm, replays = _run(model_dir, family)
-    assert llm.engine.runner.graphs.cross is not None and replays   # decode steps replayed graphs
+    assert llm.engine.runner.graphs.cross is not None and replays  # decode steps replayed graphs
     for a, b in zip(eager, graphed):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
+        assert b.outputs[0].cumulative_logprob == pytest.approx(
+            a.outputs[0].cumulative_logprob, abs=1e-3
+        )

@@ -6,23 +6,34 @@ run (Triton attention, decode through the one-row path) against transformers.
 The GEMV serves exactly one activation row (`linear` sends x with x.numel() == K, fp16 / bf16, to it); two or
 more rows always go to F.linear.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 CUDA = torch.device("cuda")
 HALF = [torch.float16, torch.bfloat16]
 # (out_features N, in_features K) of LLaVA-1.5-7B's text model (Llama-2-7B, vocab 32064) at TP=1
-SHAPES = {"qkv_proj": (3 * 4096, 4096), "o_proj": (4096, 4096), "gate_up_proj": (2 * 11008, 4096),
-          "down_proj": (4096, 11008), "lm_head": (32064, 4096)}
-UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+SHAPES = {
+    "qkv_proj": (3 * 4096, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (2 * 11008, 4096),
+    "down_proj": (4096, 11008),
+    "lm_head": (32064, 4096),
+}
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
-def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: torch.Tensor) -> torch.Tensor:
+def _error_bound(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: torch.Tensor
+) -> torch.Tensor:
     """Per-output bound on |gemv(x, w, b) - exact| (exact: the fp64 product of the same half-precision operands).
 
     The kernel multiplies in fp32, where a product of two fp16 (11-bit) or bf16 (8-bit) significands is exact,
@@ -35,13 +46,13 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact
     For unit-variance operands this is about 2 fp16 ulps of a typical output: a lost tile, a wrong row or a
     dropped bias is orders of magnitude outside it."""
     terms = F.linear(x.abs().double(), w.abs().double(), None if b is None else b.abs().double())
-    return 2 * UNIT_ROUNDOFF[w.dtype] * exact.abs() + 2.0 ** -16 * terms + 2.0 ** -24
+    return 2 * UNIT_ROUNDOFF[w.dtype] * exact.abs() + 2.0**-16 * terms + 2.0**-24
 
 
 def _operands(n: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
     """Decode-like operands: x ~ N(0, 1) (a normalised hidden state), W ~ N(0, 1 / K) (outputs of unit scale)."""
     gen = torch.Generator(device=CUDA).manual_seed(seed)
-    w = (torch.randn(n, k, generator=gen, device=CUDA) * k ** -0.5).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=CUDA) * k**-0.5).to(dtype)
     x = torch.randn(1, k, generator=gen, device=CUDA).to(dtype)
     b = torch.randn(n, generator=gen, device=CUDA).to(dtype) if bias else None
     return x, w, b
@@ -52,9 +63,11 @@ def _assert_within(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, 
     err = (got.double() - exact).abs()
     assert torch.isfinite(err).all(), f"{what}: non-finite output"
     worst = int((err / bound).argmax())
-    assert (err <= bound).all(), (f"{what}: {int((err > bound).sum())} outputs outside the bound; worst at "
-                                  f"{worst}: got {got.flatten()[worst].item():.6g}, exact "
-                                  f"{exact.flatten()[worst].item():.6g}, bound {bound.flatten()[worst].item():.3g}")
+    assert (err <= bound).all(), (
+        f"{what}: {int((err > bound).sum())} outputs outside the bound; worst at "
+        f"{worst}: got {got.flatten()[worst].item():.6g}, exact "
+        f"{exact.flatten()[worst].item():.6g}, bound {bound.flatten()[worst].item():.3g}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -66,7 +79,7 @@ def test_gemv_matches_fp64_linear_at_llava_7b_shapes(name: str, dtype: torch.dty
     from mmserve.kernels.gemv import gemv
 
     n, k = SHAPES[name]
-    bias = name == "qkv_proj"   # Qwen2-style q/k/v bias: the HAS_BIAS variant at one shape
+    bias = name == "qkv_proj"  # Qwen2-style q/k/v bias: the HAS_BIAS variant at one shape
     x, w, b = _operands(n, k, dtype, bias, seed=n + k)
     # fp64 (cuBLAS DGEMV) rather than fp32: exact for this purpose, and no TF32 setting can reach it
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -83,19 +96,27 @@ def test_gemv_matches_fp64_linear_at_llava_7b_shapes(name: str, dtype: torch.dty
 
 def _layer(name: str):
     """The mmserve linear layer of LLaVA-1.5-7B's text model with this name, as models/llama.py builds it."""
-    from mmserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                       RowParallelLinear)
-    return {"qkv_proj": lambda: QKVParallelLinear(4096, 128, 32, 32),
-            "o_proj": lambda: RowParallelLinear(4096, 4096),
-            "gate_up_proj": lambda: MergedColumnParallelLinear(4096, [11008, 11008]),
-            "down_proj": lambda: RowParallelLinear(11008, 4096),
-            "lm_head": lambda: ReplicatedLinear(4096, 32064, bias=False)}[name]()
+    from mmserve.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    return {
+        "qkv_proj": lambda: QKVParallelLinear(4096, 128, 32, 32),
+        "o_proj": lambda: RowParallelLinear(4096, 4096),
+        "gate_up_proj": lambda: MergedColumnParallelLinear(4096, [11008, 11008]),
+        "down_proj": lambda: RowParallelLinear(11008, 4096),
+        "lm_head": lambda: ReplicatedLinear(4096, 32064, bias=False),
+    }[name]()
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_linear_layers_take_the_one_row_gemv_path_at_llava_7b_shapes(name: str, dtype: torch.dtype,
-                                                                     monkeypatch) -> None:
+def test_linear_layers_take_the_one_row_gemv_path_at_llava_7b_shapes(
+    name: str, dtype: torch.dtype, monkeypatch
+) -> None:
     """A one-row half-precision input of each layer goes to gemv.linear_one_row, which times cuBLAS against the
     GEMV once for the weight's shape and records the choice (fastest._CHOICE / TIMINGS); the layer's output is
     then the chosen candidate's (the GEMV's bit for bit when the GEMV is chosen). Inputs of 2 or 8 rows go to
@@ -122,14 +143,18 @@ def test_linear_layers_take_the_one_row_gemv_path_at_llava_7b_shapes(name: str, 
     monkeypatch.setattr(gemv_module, "linear_one_row", spy_one_row)
 
     y = layer(x)
-    assert len(one_row_calls) == 1 and one_row_calls[0][1] is layer.weight, "one row must take linear_one_row"
+    assert len(one_row_calls) == 1 and one_row_calls[0][1] is layer.weight, (
+        "one row must take linear_one_row"
+    )
     assert len(fastest._CHOICE) == 1, f"expected one timed choice, got {list(fastest._CHOICE)}"
     key, choice = next(iter(fastest._CHOICE.items()))
     assert key[0] == "linear_one_row" and tuple(key[1]) == (n, k) and key[2] == dtype, key
     timings = fastest.TIMINGS[key]
     assert len(timings) == 2 and all(t >= 0 for t in timings) and choice in (0, 1)
-    print(f"{name} {n}x{k} {dtype}: cuBLAS {timings[0] * 1e3:.1f} us, GEMV {timings[1] * 1e3:.1f} us -> "
-          f"{('cuBLAS', 'GEMV')[choice]}")
+    print(
+        f"{name} {n}x{k} {dtype}: cuBLAS {timings[0] * 1e3:.1f} us, GEMV {timings[1] * 1e3:.1f} us -> "
+        f"{('cuBLAS', 'GEMV')[choice]}"
+    )
 
     exact = F.linear(x.double(), w.double())
     # whichever candidate ran: the GEMV within its bound, cuBLAS (fp32 accumulation, possibly split-K with
@@ -142,17 +167,23 @@ def test_linear_layers_take_the_one_row_gemv_path_at_llava_7b_shapes(name: str, 
     # forced onto each candidate, the layer runs that one: the GEMV kernel itself when the choice is the GEMV
     gemv_calls = []
     gemv = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: gemv_calls.append(a) or gemv(*a, **kw))
+    monkeypatch.setattr(
+        gemv_module, "gemv", lambda *a, **kw: gemv_calls.append(a) or gemv(*a, **kw)
+    )
     fastest._CHOICE[key] = 1
     y_gemv = layer(x)
-    assert len(gemv_calls) == 1 and gemv_calls[0][1] is layer.weight, "choice 1 must run the Triton GEMV"
+    assert len(gemv_calls) == 1 and gemv_calls[0][1] is layer.weight, (
+        "choice 1 must run the Triton GEMV"
+    )
     assert torch.equal(y_gemv, gemv(x, w)), "the layer's GEMV path differs from gemv()"
-    _assert_within(y_gemv, exact, _error_bound(x, w, None, exact), f"{name} layer forced GEMV {dtype}")
+    _assert_within(
+        y_gemv, exact, _error_bound(x, w, None, exact), f"{name} layer forced GEMV {dtype}"
+    )
     fastest._CHOICE[key] = 0
     layer(x)
     assert len(gemv_calls) == 1, "choice 0 (cuBLAS) must not run the GEMV"
 
-    for rows in (2, 8):   # the GEMV serves one row only
+    for rows in (2, 8):  # the GEMV serves one row only
         xr = torch.randn(rows, k, device=CUDA).to(dtype)
         yr = layer(xr)
         assert len(one_row_calls) == 3, f"{rows} rows must not take the one-row path"
@@ -182,16 +213,24 @@ def _prompt(i: int, num_images: int) -> dict:
 
     words = " ".join(["tell me about it"] * (i % 4 + 1))
     tags = "".join("<image>\n" for _ in range(num_images))
-    return {"prompt": f"USER: {tags}{words} number {i} ASSISTANT:",
-            "images": [make_test_image(10 * i + k) for k in range(num_images)]}
+    return {
+        "prompt": f"USER: {tags}{words} number {i} ASSISTANT:",
+        "images": [make_test_image(10 * i + k) for k in range(num_images)],
+    }
 
 
 def _hf_fp32_on_fp16_weights(model_dir: str):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(CUDA).eval()
+    model = (
+        LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        .to(CUDA)
+        .eval()
+    )
     with torch.no_grad():
-        for p in model.parameters():   # parameters only: buffers such as rotary inv_freq stay fp32, as mmserve's
+        for p in (
+            model.parameters()
+        ):  # parameters only: buffers such as rotary inv_freq stay fp32, as mmserve's
             p.copy_(p.half().float())
     return model, AutoProcessor.from_pretrained(model_dir)
 
@@ -219,21 +258,34 @@ def test_fp16_llava_triton_backend_matches_transformers(tiny_llava_dir, linear_p
         return linear_one_row(x, weight, bias)
 
     monkeypatch.setattr(gemv_module, "linear_one_row", spy_one_row)
-    if linear_path == "gemv":   # every one-row linear on the Triton GEMV, whatever the timing would pick
+    if (
+        linear_path == "gemv"
+    ):  # every one-row linear on the Triton GEMV, whatever the timing would pick
         monkeypatch.setattr(gemv_module, "run_fastest", lambda key, candidates: candidates[1]())
 
-    llm = LLM(tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(
+        tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4, enable_prefix_caching=False
+    )
     runner = llm.engine.runner
     assert runner.backend_name == "triton"
-    assert runner.attn_layers and all(layer.backend is triton_backend for layer in runner.attn_layers)
+    assert runner.attn_layers and all(
+        layer.backend is triton_backend for layer in runner.attn_layers
+    )
     text_model = llm.engine.model.language_model
     assert text_model.lm_head.weight.dtype == torch.float16
-    params = SamplingParams(max_tokens=N_TOKENS, min_tokens=N_TOKENS, temperature=0.0, return_context_logits=True,
-                            return_generation_logits=True)
+    params = SamplingParams(
+        max_tokens=N_TOKENS,
+        min_tokens=N_TOKENS,
+        temperature=0.0,
+        return_context_logits=True,
+        return_generation_logits=True,
+    )
     outs = [llm.generate([_prompt(i, k)], params, use_tqdm=False)[0] for i, k in PROMPTS]
     # the decode graphs were captured over the one-row path of every text-model linear (lm_head included)
     linears = [m for m in text_model.modules() if isinstance(m, LinearBase)]
-    assert linears and all(id(m.weight) in one_row_weights for m in linears), "decode skipped linear_one_row"
+    assert linears and all(id(m.weight) in one_row_weights for m in linears), (
+        "decode skipped linear_one_row"
+    )
     del llm
 
     model, processor = _hf_fp32_on_fp16_weights(tiny_llava_dir)
@@ -241,14 +293,25 @@ def test_fp16_llava_triton_backend_matches_transformers(tiny_llava_dir, linear_p
     for (i, k), out in zip(PROMPTS, outs):
         prompt = _prompt(i, k)
         # device="cuda": transformers resizes / normalises on the GPU as mmserve does, so both see the same pixels
-        enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt", device="cuda").to(CUDA)
+        enc = processor(
+            text=prompt["prompt"], images=prompt["images"], return_tensors="pt", device="cuda"
+        ).to(CUDA)
         with torch.no_grad():
             ref_context = model(**enc).logits[0].float().cpu()
-            gen = model.generate(**enc, max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False,
-                                 output_logits=True, output_scores=True, return_dict_in_generate=True)
-        ref_ids = gen.sequences[0, enc["input_ids"].shape[1]:].tolist()
+            gen = model.generate(
+                **enc,
+                max_new_tokens=N_TOKENS,
+                min_new_tokens=N_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        ref_ids = gen.sequences[0, enc["input_ids"].shape[1] :].tolist()
         ref_logits = torch.stack(gen.logits)[:, 0].float().cpu()
-        top2 = torch.stack(gen.scores)[:, 0].float().topk(2, dim=-1).values   # the scores greedy picks from
+        top2 = (
+            torch.stack(gen.scores)[:, 0].float().topk(2, dim=-1).values
+        )  # the scores greedy picks from
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         tag = f"prompt {i} with {k} image(s)"
 
@@ -256,17 +319,31 @@ def test_fp16_llava_triton_backend_matches_transformers(tiny_llava_dir, linear_p
         got_ids = out.outputs[0].token_ids
         n_decided = next((s for s, g in enumerate(gaps) if g < MARGIN), N_TOKENS)
         same = _leading_equal(got_ids, ref_ids)
-        assert same >= n_decided, (f"{tag}: token {same} differs ({got_ids[same]} vs oracle {ref_ids[same]}) "
-                                   f"where the oracle's top-2 gap is {gaps[same]:.3f}; gaps {gaps}")
+        assert same >= n_decided, (
+            f"{tag}: token {same} differs ({got_ids[same]} vs oracle {ref_ids[same]}) "
+            f"where the oracle's top-2 gap is {gaps[same]:.3f}; gaps {gaps}"
+        )
         decided.append(n_decided)
 
         assert out.context_logits.shape == ref_context.shape, tag
-        torch.testing.assert_close(out.context_logits, ref_context, atol=LOGIT_ATOL, rtol=LOGIT_RTOL,
-                                   msg=lambda m: f"{tag}, context logits: {m}")
+        torch.testing.assert_close(
+            out.context_logits,
+            ref_context,
+            atol=LOGIT_ATOL,
+            rtol=LOGIT_RTOL,
+            msg=lambda m: f"{tag}, context logits: {m}",
+        )
         # a step's logits see the tokens before it: comparable up to and including the first differing token
         steps = min(same + 1, N_TOKENS)
         assert out.generation_logits.shape == ref_logits.shape, tag
-        torch.testing.assert_close(out.generation_logits[:steps], ref_logits[:steps], atol=LOGIT_ATOL,
-                                   rtol=LOGIT_RTOL, msg=lambda m: f"{tag}, generation logits: {m}")
+        torch.testing.assert_close(
+            out.generation_logits[:steps],
+            ref_logits[:steps],
+            atol=LOGIT_ATOL,
+            rtol=LOGIT_RTOL,
+            msg=lambda m: f"{tag}, generation logits: {m}",
+        )
     # the prompts were picked for wide gaps: the token check covered the first few steps of most of them
-    assert sum(d >= 3 for d in decided) >= 2, f"decided steps per prompt {decided}: the token check is vacuous"
+    assert sum(d >= 3 for d in decided) >= 2, (
+        f"decided steps per prompt {decided}: the token check is vacuous"
+    )

@@ -20,6 +20,7 @@ level off are what a wrong filter, crop or normalisation would break. Emulating 
 than one level off, at most 17 levels (an upscaled picture with 1-pixel lines); the PIL processor differs from
 the CPU path the same way. The bounds leave 3-4x room.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +34,10 @@ from mmserve.testing import make_test_image
 from mmserve.testing.llava import make_llava_checkpoint
 from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 CUDA = torch.device("cuda")
 # (width, height): upscales (the first two), downscales of several aspect ratios, and an exact 336 x 336
@@ -54,20 +58,28 @@ def images() -> list:
 @pytest.fixture(scope="module")
 def llava_336_dir(tmp_path_factory) -> str:
     # LLaVA-1.5's CLIP-L/336 preprocessing (shortest edge 336, centre crop 336, CLIP mean / std) on a tiny model
-    return str(make_llava_checkpoint(tmp_path_factory.mktemp("llava_336"), preset="tiny", seed=0, image_size=336))
+    return str(
+        make_llava_checkpoint(
+            tmp_path_factory.mktemp("llava_336"), preset="tiny", seed=0, image_size=336
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen2_vl_dir(tmp_path_factory) -> str:
-    return str(make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl_pre"), preset="tiny", seed=0))
+    return str(
+        make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl_pre"), preset="tiny", seed=0)
+    )
 
 
 def _cpu_and_gpu(model_dir: str) -> tuple[InputProcessor, InputProcessor]:
     """Two InputProcessors of the checkpoint, as an engine builds them on the CPU and on a GPU."""
     hf_config = load_hf_config(model_dir)
     model_cls = get_model_class(hf_config)
-    return (InputProcessor(model_dir, hf_config, model_cls),
-            InputProcessor(model_dir, hf_config, model_cls, device=CUDA))
+    return (
+        InputProcessor(model_dir, hf_config, model_cls),
+        InputProcessor(model_dir, hf_config, model_cls, device=CUDA),
+    )
 
 
 def _levels(diff: torch.Tensor, std: list[float], patches: bool) -> torch.Tensor:
@@ -75,23 +87,39 @@ def _levels(diff: torch.Tensor, std: list[float], patches: bool) -> torch.Tensor
     (channel, time, patch, patch); otherwise [3, H, W]."""
     scale = torch.tensor(std, dtype=torch.float64) * 255
     diff = diff.double().abs()
-    return diff.reshape(len(diff), 3, -1) * scale[None, :, None] if patches else diff * scale[:, None, None]
+    return (
+        diff.reshape(len(diff), 3, -1) * scale[None, :, None]
+        if patches
+        else diff * scale[:, None, None]
+    )
 
 
-def _assert_close_in_levels(got: torch.Tensor, want: torch.Tensor, std: list[float], patches: bool,
-                            bounds: tuple[float, float, float], what: str) -> None:
+def _assert_close_in_levels(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    std: list[float],
+    patches: bool,
+    bounds: tuple[float, float, float],
+    what: str,
+) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.isfinite(got).all(), f"{what}: non-finite pixel values"
     lv = _levels(got.cpu() - want.cpu(), std, patches)
     max_levels, mean_levels, share = bounds
     over = (lv > 1.01).double().mean().item()
-    stats = f"max {lv.max().item():.2f}, mean {lv.mean().item():.4f} levels, {over:.2%} over one level"
-    assert lv.max().item() <= max_levels and lv.mean().item() <= mean_levels and over <= share, f"{what}: {stats}"
+    stats = (
+        f"max {lv.max().item():.2f}, mean {lv.mean().item():.4f} levels, {over:.2%} over one level"
+    )
+    assert lv.max().item() <= max_levels and lv.mean().item() <= mean_levels and over <= share, (
+        f"{what}: {stats}"
+    )
 
 
 def _pixels(item) -> torch.Tensor:
     pv = item.data["pixel_values"]
-    assert pv.is_cuda and pv.dtype == torch.float32, f"pixel values on {pv.device} as {pv.dtype}, not CUDA fp32"
+    assert pv.is_cuda and pv.dtype == torch.float32, (
+        f"pixel values on {pv.device} as {pv.dtype}, not CUDA fp32"
+    )
     return pv
 
 
@@ -116,7 +144,10 @@ def test_llava_clip_336_preprocessing_on_gpu(llava_336_dir, images):
     std = list(pil.image_std)
     # all pictures in one prompt (the full HF processor, images of different sizes in one call), then one by one
     # (the placeholder-expansion shortcut: the image processor alone)
-    together = {"prompt": "USER: " + "<image>\n" * len(images) + "describe ASSISTANT:", "images": images}
+    together = {
+        "prompt": "USER: " + "<image>\n" * len(images) + "describe ASSISTANT:",
+        "images": images,
+    }
     got_all, want_all = gpu.process(together), cpu.process(together)
     assert got_all.prompt_token_ids == want_all.prompt_token_ids
     assert len(got_all.mm_items) == len(images)
@@ -125,13 +156,19 @@ def test_llava_clip_336_preprocessing_on_gpu(llava_336_dir, images):
         (got_one,), (want_one,) = gpu.process(single).mm_items, cpu.process(single).mm_items
         reference = pil(image, return_tensors="pt")["pixel_values"][0]
         what = f"image {k} ({image.size[0]}x{image.size[1]})"
-        for got, want, how in ((got_all.mm_items[k], want_all.mm_items[k], "in one prompt"),
-                               (got_one, want_one, "alone")):
+        for got, want, how in (
+            (got_all.mm_items[k], want_all.mm_items[k], "in one prompt"),
+            (got_one, want_one, "alone"),
+        ):
             assert got.content_hash == want.content_hash and got.length == want.length == 576
             pv = _pixels(got)
             assert pv.shape == (3, 336, 336)
-            _assert_close_in_levels(pv, want.data["pixel_values"], std, False, TIGHT, f"{what} {how} vs CPU path")
-            _assert_close_in_levels(pv, reference, std, False, LOOSE, f"{what} {how} vs PIL processor")
+            _assert_close_in_levels(
+                pv, want.data["pixel_values"], std, False, TIGHT, f"{what} {how} vs CPU path"
+            )
+            _assert_close_in_levels(
+                pv, reference, std, False, LOOSE, f"{what} {how} vs PIL processor"
+            )
 
 
 def test_qwen2_vl_image_preprocessing_on_gpu(qwen2_vl_dir, images):
@@ -140,8 +177,10 @@ def test_qwen2_vl_image_preprocessing_on_gpu(qwen2_vl_dir, images):
     cpu, gpu = _cpu_and_gpu(qwen2_vl_dir)
     pil = Qwen2VLImageProcessorPil.from_pretrained(qwen2_vl_dir)
     std = list(pil.image_std)
-    prompt = {"prompt": f"<|im_start|>user\n{QWEN_IMG * len(images)}describe<|im_end|>\n<|im_start|>assistant\n",
-              "images": images}
+    prompt = {
+        "prompt": f"<|im_start|>user\n{QWEN_IMG * len(images)}describe<|im_end|>\n<|im_start|>assistant\n",
+        "images": images,
+    }
     got, want = gpu.process(prompt), cpu.process(prompt)
     assert got.prompt_token_ids == want.prompt_token_ids
     assert torch.equal(got.mrope_positions, want.mrope_positions)
@@ -151,22 +190,33 @@ def test_qwen2_vl_image_preprocessing_on_gpu(qwen2_vl_dir, images):
         ref = pil(image, return_tensors="pt")
         grid = g.data["grid_thw"]
         assert not grid.is_cuda, "grids come back to the host with the preprocessing"
-        assert grid.tolist() == w.data["grid_thw"].tolist() == ref["image_grid_thw"][0].tolist(), what
+        assert grid.tolist() == w.data["grid_thw"].tolist() == ref["image_grid_thw"][0].tolist(), (
+            what
+        )
         pv = _pixels(g)
         _assert_close_in_levels(pv, w.data["pixel_values"], std, True, TIGHT, f"{what} vs CPU path")
-        _assert_close_in_levels(pv, ref["pixel_values"], std, True, LOOSE, f"{what} vs PIL processor")
+        _assert_close_in_levels(
+            pv, ref["pixel_values"], std, True, LOOSE, f"{what} vs PIL processor"
+        )
 
 
 def test_qwen2_vl_video_preprocessing_on_gpu(qwen2_vl_dir):
     """Decoded frames [F, H, W, 3] through the video processor (torchvision too) on the GPU vs the CPU path."""
     cpu, gpu = _cpu_and_gpu(qwen2_vl_dir)
     frames = np.stack([np.asarray(make_test_image(40 + f, size=(160, 120))) for f in range(4)])
-    prompt = {"prompt": f"<|im_start|>user\n{QWEN_VID}describe<|im_end|>\n<|im_start|>assistant\n",
-              "videos": [frames]}
+    prompt = {
+        "prompt": f"<|im_start|>user\n{QWEN_VID}describe<|im_end|>\n<|im_start|>assistant\n",
+        "videos": [frames],
+    }
     got, want = gpu.process(prompt), cpu.process(prompt)
     assert got.prompt_token_ids == want.prompt_token_ids
     (g,), (w,) = got.mm_items, want.mm_items
     assert g.modality == "video"
-    assert not g.data["grid_thw"].is_cuda and g.data["grid_thw"].tolist() == w.data["grid_thw"].tolist()
+    assert (
+        not g.data["grid_thw"].is_cuda
+        and g.data["grid_thw"].tolist() == w.data["grid_thw"].tolist()
+    )
     std = list(cpu.processor.video_processor.image_std)
-    _assert_close_in_levels(_pixels(g), w.data["pixel_values"], std, True, TIGHT, "video vs CPU path")
+    _assert_close_in_levels(
+        _pixels(g), w.data["pixel_values"], std, True, TIGHT, "video vs CPU path"
+    )

@@ -2,6 +2,7 @@
 raises on any synchronizing call (a pageable host-to-device copy, .item(), .tolist() of a device tensor) while the
 runner queues steps that encode new images, mix them with decodes, and decode alone, for every family whose
 encoder reads host-side sizes (LLaVA-NeXT's image sizes, Qwen2-VL's grids and M-RoPE positions)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,17 @@ pytestmark = pytest.mark.gpu
 
 def _requests(model_dir: str, n: int, seed: int) -> list[dict]:
     text = make_prompt(PromptTemplate(model_dir), 8).text
-    return [{"prompt": text, "images": [im]} for im in make_images(n, image_size_of(model_dir), seed=seed)]
+    return [
+        {"prompt": text, "images": [im]}
+        for im in make_images(n, image_size_of(model_dir), seed=seed)
+    ]
 
 
 def _run(llm: LLM, prompts: list[dict], params: SamplingParams, checked: bool) -> list[list[int]]:
     engine = llm.engine
-    inputs = [engine.preprocess(p) for p in prompts]   # preprocessing syncs its own stream: before the check
+    inputs = [
+        engine.preprocess(p) for p in prompts
+    ]  # preprocessing syncs its own stream: before the check
     for i, x in enumerate(inputs):
         engine.add_processed(f"r{checked}{i}", x, params)
     launch = engine.runner.launch

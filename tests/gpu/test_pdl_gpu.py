@@ -4,6 +4,7 @@ that read its input before waiting for the previous one, or let the next one lau
 loop and then wrote what that one reads, would show stale data here. The chain's linears are the three Triton
 matmuls of decode steps: the one-row GEMV (batch 1), the weight-only GEMM (releases its successor after its main
 loop) and the FP8 small-M GEMM, at 8 rows."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,10 @@ from mmserve.kernels.weight_only_gemm import weight_only_gemm
 from mmserve.layers.fp8_linear import quantize_weight
 from mmserve.layers.weight_only import quantize_weight_int8
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _gemv_linear(w: torch.Tensor):
@@ -46,7 +50,7 @@ def _chain(x: torch.Tensor, norm_w: torch.Tensor, up, down) -> torch.Tensor:
 
 
 def _in_graph(x, *weights) -> torch.Tensor:
-    _chain(x, *weights)   # compile and autotune outside the capture
+    _chain(x, *weights)  # compile and autotune outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -57,17 +61,24 @@ def _in_graph(x, *weights) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("linear", sorted(LINEARS))
-def test_dependent_kernels_give_the_same_bits_with_and_without_pdl(monkeypatch, linear: str) -> None:
+def test_dependent_kernels_give_the_same_bits_with_and_without_pdl(
+    monkeypatch, linear: str
+) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden, inter = 4096, 11008
     make_linear, rows = LINEARS[linear]
     x = torch.randn(rows, hidden, device=dev, generator=gen, dtype=torch.float16)
-    weights = (torch.rand(hidden, device=dev, generator=gen, dtype=torch.float16) + 0.5,
-               make_linear(torch.randn(2 * inter, hidden, device=dev, generator=gen, dtype=torch.float16)
-                           * hidden ** -0.5),
-               make_linear(torch.randn(hidden, inter, device=dev, generator=gen, dtype=torch.float16)
-                           * inter ** -0.5))
+    weights = (
+        torch.rand(hidden, device=dev, generator=gen, dtype=torch.float16) + 0.5,
+        make_linear(
+            torch.randn(2 * inter, hidden, device=dev, generator=gen, dtype=torch.float16)
+            * hidden**-0.5
+        ),
+        make_linear(
+            torch.randn(hidden, inter, device=dev, generator=gen, dtype=torch.float16) * inter**-0.5
+        ),
+    )
     with_pdl = _in_graph(x, *weights)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert pdl.pdl_options(dev)["PDL"] == (pdl.AFTER_WAIT if hopper else 0)

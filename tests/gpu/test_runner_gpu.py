@@ -1,4 +1,5 @@
 """GPU runner paths: CUDA-graph decode and the Triton backend give the same tokens as eager torch."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,15 @@ PARAMS = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, logprobs=
 
 
 def _prompts(n: int, filler: int = 0) -> list[dict]:
-    return [{"prompt": f"USER: {'<image>' * (i % 3)}\nquestion {i} " + "word " * (i + filler) + "ASSISTANT:",
-             "images": [make_test_image(i * 7 + k) for k in range(i % 3)]} for i in range(n)]
+    return [
+        {
+            "prompt": f"USER: {'<image>' * (i % 3)}\nquestion {i} "
+            + "word " * (i + filler)
+            + "ASSISTANT:",
+            "images": [make_test_image(i * 7 + k) for k in range(i % 3)],
+        }
+        for i in range(n)
+    ]
 
 
 def _run(model_dir: str, **kw) -> tuple[list[list[int]], LLM]:
@@ -46,20 +54,34 @@ def test_larger_kv_blocks_match_eager_torch(tiny_llava_dir, block_size):
 
 
 def test_half_precision_cuda_graphs_run(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4, enable_prefix_caching=False)
-    outs = llm.generate(_prompts(6), SamplingParams(max_tokens=16, temperature=0.8, seed=3), use_tqdm=False)
+    llm = LLM(
+        tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4, enable_prefix_caching=False
+    )
+    outs = llm.generate(
+        _prompts(6), SamplingParams(max_tokens=16, temperature=0.8, seed=3), use_tqdm=False
+    )
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
-    again = llm.generate(_prompts(6), SamplingParams(max_tokens=16, temperature=0.8, seed=3), use_tqdm=False)
+    again = llm.generate(
+        _prompts(6), SamplingParams(max_tokens=16, temperature=0.8, seed=3), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
 
 
 def test_async_scheduling_matches_sync_with_graphs(tiny_llava_dir):
-    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True),
-              SamplingParams(max_tokens=3, temperature=0.0)] * 4
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0.0),
+    ] * 4
     runs = []
     for async_scheduling in (False, True):
-        llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=8, async_scheduling=async_scheduling)
+        llm = LLM(
+            tiny_llava_dir,
+            device="cuda",
+            dtype="float32",
+            max_num_seqs=8,
+            async_scheduling=async_scheduling,
+        )
         outs = llm.generate(_prompts(12), params, use_tqdm=False)
         assert llm.engine.kv.usage == 0 and llm.engine.runner.graphs is not None
         runs.append(outs)
@@ -69,7 +91,9 @@ def test_async_scheduling_matches_sync_with_graphs(tiny_llava_dir):
     assert [o.outputs[0].text for o in runs[0]] == [o.outputs[0].text for o in runs[1]]
     for a, b in zip(runs[0], runs[1]):
         if a.outputs[0].cumulative_logprob is not None:
-            assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-3)
+            assert b.outputs[0].cumulative_logprob == pytest.approx(
+                a.outputs[0].cumulative_logprob, abs=1e-3
+            )
 
 
 def test_encoder_graphs_match_the_eager_tower(tiny_llava_dir):
@@ -77,29 +101,41 @@ def test_encoder_graphs_match_the_eager_tower(tiny_llava_dir):
 
     hf_config = load_hf_config(tiny_llava_dir)
     inputs = InputProcessor(tiny_llava_dir, hf_config, get_model_class(hf_config))
-    items = [it for i in range(9)   # nine images: padded to the bucket of 10
-             for it in inputs.process({"prompt": "USER: <image>\nhi ASSISTANT:",
-                                       "images": [make_test_image(60 + i)]}).mm_items]
+    items = [
+        it
+        for i in range(9)  # nine images: padded to the bucket of 10
+        for it in inputs.process(
+            {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(60 + i)]}
+        ).mm_items
+    ]
     length = items[0].length
     # a step of 2 images' tokens overlaps at most 3 images: startup captures buckets 1-3
-    llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=2 * length)
+    llm = LLM(
+        tiny_llava_dir,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=2 * length,
+    )
     runner = llm.engine.runner
     assert runner.encoder_graphs is not None
     assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3]
     moved = [runner._on_device(it) for it in items]
     eager = runner.model.get_mm_embeddings(moved)
-    graphed = runner.encoder_graphs.encode(moved)       # bucket 10: captured on first use
-    graphed_again = runner.encoder_graphs.encode(moved[:2])   # bucket 2: warmed at startup
+    graphed = runner.encoder_graphs.encode(moved)  # bucket 10: captured on first use
+    graphed_again = runner.encoder_graphs.encode(moved[:2])  # bucket 2: warmed at startup
     assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3, 10]
     for e, g in zip(eager, graphed):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     for e, g in zip(eager, graphed_again):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-    assert graphed[0].data_ptr() != graphed_again[0].data_ptr()   # outputs are copies, not the graph's buffer
+    assert (
+        graphed[0].data_ptr() != graphed_again[0].data_ptr()
+    )  # outputs are copies, not the graph's buffer
 
 
 def test_encoder_graphs_warmed_for_the_default_token_budget(tiny_llava_dir):
-    from mmserve.engine.kv_cache import cdiv
+    from mmserve.core.transfer import cdiv
     from mmserve.worker.encoder_graphs import BUCKETS
 
     llm = LLM(tiny_llava_dir, device="cuda", dtype="float16", max_num_seqs=4)
@@ -110,7 +146,9 @@ def test_encoder_graphs_warmed_for_the_default_token_budget(tiny_llava_dir):
     warmed = sorted(key[-1] for key in engine.runner.encoder_graphs.graphs)
     assert warmed == [b for b in BUCKETS if b <= top]
     llm.generate(_prompts(6), SamplingParams(max_tokens=4), use_tqdm=False)
-    assert sorted(key[-1] for key in engine.runner.encoder_graphs.graphs) == warmed   # nothing captured on use
+    assert (
+        sorted(key[-1] for key in engine.runner.encoder_graphs.graphs) == warmed
+    )  # nothing captured on use
 
 
 def test_prefill_graphs_match_eager(tiny_llava_dir):
@@ -120,9 +158,14 @@ def test_prefill_graphs_match_eager(tiny_llava_dir):
     prompts = _prompts(5)
 
     def first_token_logprobs(llm):
-        return [llm.generate([p], first, use_tqdm=False)[0].outputs[0].logprobs[0] for p in prompts + prompts]
+        return [
+            llm.generate([p], first, use_tqdm=False)[0].outputs[0].logprobs[0]
+            for p in prompts + prompts
+        ]
 
-    want = first_token_logprobs(LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=True))
+    want = first_token_logprobs(
+        LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=True)
+    )
     llm = LLM(tiny_llava_dir, device="cuda", dtype="float32")
     graphs = llm.engine.runner.prefill_graphs
     assert graphs is not None and graphs.graphs
@@ -132,22 +175,24 @@ def test_prefill_graphs_match_eager(tiny_llava_dir):
     got = first_token_logprobs(llm)
     # every first-round prompt replays a prefill graph; a cache hit leaving one token runs the decode graph
     assert len(replays) >= len(prompts)
-    assert llm.engine.kv.stats.hit_tokens > 0   # the second round hit the prefix cache
+    assert llm.engine.kv.stats.hit_tokens > 0  # the second round hit the prefix cache
     for g, w in zip(got, want):
         common = set(g) & set(w)
-        assert len(common) >= len(w) - 1   # a near-tie may swap the 5th-ranked token
+        assert len(common) >= len(w) - 1  # a near-tie may swap the 5th-ranked token
         for tok in common:
             assert g[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("budget,filler", [(2048, 0), (4096, 200)])   # 4096: steps of > 2048 tokens
+@pytest.mark.parametrize("budget,filler", [(2048, 0), (4096, 200)])  # 4096: steps of > 2048 tokens
 def test_piecewise_graphs_match_eager(tiny_llava_dir, budget, filler):
     """Steps with more than four sequences and prompt chunks among them (the first step's eight prompts,
     then decodes mixed with new prompts) replay piecewise graphs with eager attention between them; their
     tokens and log-probs equal the eager forward's up to rounding (graphs pad the GEMMs' M)."""
     # requests of different lengths, so that finished ones make room for new prompts beside decodes
-    params = [SamplingParams(max_tokens=4 + 3 * i, min_tokens=4 + 3 * i, temperature=0.0, logprobs=3)
-              for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=4 + 3 * i, min_tokens=4 + 3 * i, temperature=0.0, logprobs=3)
+        for i in range(12)
+    ]
     kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=budget)
     eager = LLM(tiny_llava_dir, enforce_eager=True, **kw)
     want = eager.generate(_prompts(12, filler), params, use_tqdm=False)
@@ -169,23 +214,30 @@ def test_piecewise_graphs_match_eager(tiny_llava_dir, budget, filler):
                 assert got_step[tok].logprob == pytest.approx(want_step[tok].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])   # False: the encoder graphs captured at startup
+@pytest.mark.parametrize(
+    "enforce_eager", [True, False]
+)  # False: the encoder graphs captured at startup
 def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir, enforce_eager):
     import torch
 
     previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True     # PyTorch's default, which the test session turns off
+    torch.backends.cudnn.allow_tf32 = True  # PyTorch's default, which the test session turns off
     try:
         llm = LLM(tiny_llava_dir, device="cuda", dtype="float32", enforce_eager=enforce_eager)
         runner = llm.engine.runner
-        items = [it for i in range(3) for it in llm.engine.inputs.process(
-            {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(80 + i)]}).mm_items]
-        together = runner._encode(items)   # noqa: SLF001 - one batch of three
+        items = [
+            it
+            for i in range(3)
+            for it in llm.engine.inputs.process(
+                {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(80 + i)]}
+            ).mm_items
+        ]
+        together = runner._encode(items)  # noqa: SLF001 - one batch of three
         runner.encoder_cache.clear()
         for it in items:
-            alone = runner._encode([it])[it.content_hash]   # noqa: SLF001
+            alone = runner._encode([it])[it.content_hash]  # noqa: SLF001
             torch.testing.assert_close(alone, together[it.content_hash], rtol=1e-5, atol=1e-5)
-        assert torch.backends.cudnn.allow_tf32 is True   # restored after each encode
+        assert torch.backends.cudnn.allow_tf32 is True  # restored after each encode
     finally:
         torch.backends.cudnn.allow_tf32 = previous
 
@@ -210,7 +262,9 @@ def test_piecewise_capture_failure_closes_the_capture_and_restores_the_backends(
         return forward(*args, **kwargs)
 
     layer.forward = fail_while_capturing
-    hidden = runner.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device="cuda")).shape[-1]
+    hidden = runner.model.embed_input_ids(torch.zeros(1, dtype=torch.int64, device="cuda")).shape[
+        -1
+    ]
     graphs = PiecewiseGraphs(runner.model, runner.device, runner.dtype, hidden, [16])
     try:
         with pytest.raises(RuntimeError, match="boom in capture"):
@@ -218,6 +272,6 @@ def test_piecewise_capture_failure_closes_the_capture_and_restores_the_backends(
     finally:
         del layer.forward
     assert layer.backend is backend and not graphs.pieces
-    assert torch.ones(4, device="cuda").sum().item() == 4   # no capture left open
+    assert torch.ones(4, device="cuda").sum().item() == 4  # no capture left open
     outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)

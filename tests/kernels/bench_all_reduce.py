@@ -7,6 +7,7 @@ isolation did not make a decode step faster).
 Prints µs per all-reduce of rows x hidden fp16 values, from CUDA-graph replays of 64 chained all-reduces (a
 7B decode step's count) on rank 0; the copy into the symmetric buffer is included, as any caller would pay it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ CHAIN = 64
 
 def _time_us(fn, x: torch.Tensor, device: torch.device) -> float:
     import torch.distributed as dist
+
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -46,9 +48,12 @@ def _time_us(fn, x: torch.Tensor, device: torch.device) -> float:
 def _rank_main(rank: int, init_method: str, rows_list: list[int], hidden: int) -> None:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
+
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=2, device_id=device)
+    dist.init_process_group(
+        "nccl", init_method=init_method, rank=rank, world_size=2, device_id=device
+    )
     group = dist.group.WORLD.group_name
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group)
@@ -58,35 +63,45 @@ def _rank_main(rank: int, init_method: str, rows_list: list[int], hidden: int) -
     wide = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
 
     def one_shot(x):
-        if x.dtype == torch.float16:   # the kernel has no fp16: staged as fp32
-            staged = buf[:x.numel() * 4].view(torch.float32)
+        if x.dtype == torch.float16:  # the kernel has no fp16: staged as fp32
+            staged = buf[: x.numel() * 4].view(torch.float32)
             staged.copy_(x.view(-1))
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group, wide[:x.numel()])
-            x.view(-1).copy_(wide[:x.numel()])
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group, wide[: x.numel()])
+            x.view(-1).copy_(wide[: x.numel()])
             return
-        staged = buf[:x.numel() * x.element_size()].view(x.dtype)
+        staged = buf[: x.numel() * x.element_size()].view(x.dtype)
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group, x.view(-1))
 
     def two_shot(x):
-        staged = buf[:x.numel() * 4].view(torch.float32)
+        staged = buf[: x.numel() * 4].view(torch.float32)
         staged.copy_(x.view(-1))
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", group)
         x.view(-1).copy_(staged)
 
     if rank == 0:
-        print(f"{torch.cuda.get_device_name(device)} x2, torch {torch.__version__}: µs per all-reduce "
-              f"(fp16 rows x {hidden}, graph of {CHAIN})")
-        print("| rows | KiB (fp16) | NCCL fp16 | one-shot fp16 (as fp32) | two-shot fp16 (as fp32) | NCCL bf16 | "
-              "one-shot bf16 |\n|---|---|---|---|---|---|---|")
+        print(
+            f"{torch.cuda.get_device_name(device)} x2, torch {torch.__version__}: µs per all-reduce "
+            f"(fp16 rows x {hidden}, graph of {CHAIN})"
+        )
+        print(
+            "| rows | KiB (fp16) | NCCL fp16 | one-shot fp16 (as fp32) | two-shot fp16 (as fp32) | NCCL bf16 | "
+            "one-shot bf16 |\n|---|---|---|---|---|---|---|"
+        )
     for rows in rows_list:
         x = torch.randn(rows, hidden, device=device, dtype=torch.float16)
-        times = [_time_us(fn, x, device) for fn in (lambda t: dist.all_reduce(t), one_shot, two_shot)]
+        times = [
+            _time_us(fn, x, device) for fn in (lambda t: dist.all_reduce(t), one_shot, two_shot)
+        ]
         xb = x.to(torch.bfloat16)
         times += [_time_us(fn, xb, device) for fn in (lambda t: dist.all_reduce(t), one_shot)]
         if rank == 0:
-            print(f"| {rows} | {rows * hidden * 2 // 1024} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
-    del buf
+            print(
+                f"| {rows} | {rows * hidden * 2 // 1024} | "
+                + " | ".join(f"{t:.1f}" for t in times)
+                + " |"
+            )
+    buf = None  # the closures above hold it: dropped before the group goes
     dist.destroy_process_group()
 
 

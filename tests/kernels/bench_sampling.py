@@ -4,6 +4,7 @@
 as the runner calls it: outside CUDA graphs, launch overhead included) for Vicuna's and Qwen2's vocabulary
 sizes at decode batch sizes, per mix of sampling parameters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,11 +33,21 @@ def main() -> None:
             logits = (torch.randn(rows, vocab, device=device, generator=gen) * 3).to(torch.bfloat16)
             for name, kwargs in MIXES.items():
                 params = [SamplingParams(**kwargs) for _ in range(rows)]
-                batch = SamplingBatch.build(params, [[1]] * rows, [[2]] * rows, [None] * rows, [None] * rows,
-                                            [[]] * rows, vocab, device)
+                batch = SamplingBatch.build(
+                    params,
+                    [[1]] * rows,
+                    [[2]] * rows,
+                    [None] * rows,
+                    [None] * rows,
+                    [[]] * rows,
+                    vocab,
+                    device,
+                )
                 t_torch = triton.testing.do_bench(lambda: unfused(logits, batch), rep=200)
                 t_fused = triton.testing.do_bench(lambda: fused(logits, batch), rep=200)
-                print(f"{vocab:>7} {rows:>5} {name:<36} {t_torch:>7.3f} {t_fused:>7.3f} {t_torch / t_fused:>6.1f}x")
+                print(
+                    f"{vocab:>7} {rows:>5} {name:<36} {t_torch:>7.3f} {t_fused:>7.3f} {t_torch / t_fused:>6.1f}x"
+                )
 
 
 if __name__ == "__main__":

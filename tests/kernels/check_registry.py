@@ -2,6 +2,7 @@
 
 Importing it imports no kernel: the check runner sets TRITON_INTERPRET before triton is first imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,12 +20,16 @@ def check(fn: Callable[[torch.device], None]) -> Callable[[torch.device], None]:
     return fn
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float | None = None) -> None:
+def assert_close(
+    got: torch.Tensor, want: torch.Tensor, what: str, tol: float | None = None
+) -> None:
     tol = tol or TOLERANCE[want.dtype]
     err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.isfinite(got.float()).all(), f"{what}: non-finite output"
-    assert err <= tol * max(1.0, want.float().abs().max().item()), f"{what}: max abs error {err:.3g} > {tol}"
+    assert err <= tol * max(1.0, want.float().abs().max().item()), (
+        f"{what}: max abs error {err:.3g} > {tol}"
+    )
 
 
 def interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -33,6 +38,8 @@ def interpreter_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> torch.Ten
     codes), and a round-up that carries into the exponent loses the carry (got = want / 2, want a power of 2)."""
     g, w = got.float(), want.float()
     gb, wb = got.view(torch.uint8).int(), want.view(torch.uint8).int()
-    adjacent = ((gb >> 7) == (wb >> 7)) & ((gb - wb).abs() == 1)   # same sign bit (-0 next to the least subnormal)
+    adjacent = ((gb >> 7) == (wb >> 7)) & (
+        (gb - wb).abs() == 1
+    )  # same sign bit (-0 next to the least subnormal)
     carry = (g * 2 == w) & (torch.frexp(w.abs())[0] == 0.5)
     return adjacent | carry

@@ -1,5 +1,6 @@
 """transformers as the oracle: greedy ids and per-step log-probs of any supported checkpoint for one prompt,
 and the parity tests' shared checks of mmserve's outputs against it."""
+
 from __future__ import annotations
 
 import functools
@@ -10,9 +11,8 @@ import transformers
 from transformers import AutoConfig, AutoProcessor
 
 from mmserve import SamplingParams
+from mmserve.core.outputs import RequestOutput
 from mmserve.engine.engine import Engine
-from mmserve.outputs import RequestOutput
-
 
 # log-prob tolerance against the fp32 oracle: GPU kernels sum in another order than transformers on the CPU
 TOL = {"cpu": 2e-3, "cuda": 1e-2}
@@ -21,7 +21,12 @@ TOL = {"cpu": 2e-3, "cuda": 1e-2}
 @functools.lru_cache(maxsize=4)
 def _load(model_dir: str, device: str):
     arch = AutoConfig.from_pretrained(model_dir).architectures[0]
-    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = (
+        getattr(transformers, arch)
+        .from_pretrained(model_dir, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     projection = getattr(getattr(model, "model", model), "image_to_text_projection", None)
     if projection is not None and getattr(projection.x_attn, "is_causal", False):
         # transformers 5.17's Kosmos-2 marks the latent queries' attention causal, which SDPA applies when no mask
@@ -36,8 +41,15 @@ def text_only_generator(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "text_model", model)
 
 
-def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: str = "cpu",
-              videos: list | None = None, **processor_kwargs) -> tuple[list[int], list[int], torch.Tensor]:
+def hf_greedy(
+    model_dir: str,
+    prompt: str,
+    images: list | None,
+    n: int,
+    device: str = "cpu",
+    videos: list | None = None,
+    **processor_kwargs,
+) -> tuple[list[int], list[int], torch.Tensor]:
     """Returns (prompt ids, n new greedy ids, [n, V] log-softmax of each step's scores).
 
     Scores are the logits after HF's processors, i.e. with EOS masked as min_new_tokens does; compare
@@ -48,38 +60,68 @@ def hf_greedy(model_dir: str, prompt: str, images: list | None, n: int, device: 
         # mmserve resizes/normalises on the GPU when it serves there; the oracle does the same, so the
         # comparison is of the models, not of CPU vs GPU interpolation
         processor_kwargs.setdefault("device", device)
-    enc = processor(text=prompt, images=images or None, videos=videos or None, return_tensors="pt",
-                    **processor_kwargs).to(device)
+    enc = processor(
+        text=prompt,
+        images=images or None,
+        videos=videos or None,
+        return_tensors="pt",
+        **processor_kwargs,
+    ).to(device)
     if not images and not videos:
         model = text_only_generator(model)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     prompt_len = enc["input_ids"].shape[1]
     logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
     return enc["input_ids"][0].tolist(), out.sequences[0, prompt_len:].tolist(), logprobs
 
 
-def hf_logits(model_dir: str, prompt: dict, n: int, device: str = "cpu",
-              prepare: Callable[[torch.nn.Module], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_logits(
+    model_dir: str,
+    prompt: dict,
+    n: int,
+    device: str = "cpu",
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(context logits [T, V], logits of n greedy steps [n, V]) of a freshly loaded fp32 transformers model
     for an mmserve prompt dict; `prepare(model)` may patch the model first (it is not the cached one)."""
     arch = AutoConfig.from_pretrained(model_dir).architectures[0]
-    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = (
+        getattr(transformers, arch)
+        .from_pretrained(model_dir, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     if prepare is not None:
         prepare(model)
     processor = AutoProcessor.from_pretrained(model_dir)
     kw = {"device": device} if device != "cpu" else {}
-    enc = processor(text=prompt["prompt"], images=prompt.get("images"), return_tensors="pt", **kw).to(device)
+    enc = processor(
+        text=prompt["prompt"], images=prompt.get("images"), return_tensors="pt", **kw
+    ).to(device)
     with torch.no_grad():
-        context = model(**enc, use_cache=True).logits[0].float().cpu()   # K/V pass through the cache
-        gen = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        context = model(**enc, use_cache=True).logits[0].float().cpu()  # K/V pass through the cache
+        gen = model.generate(
+            **enc,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return context, torch.stack(gen.logits)[:, 0].float().cpu()
 
 
-def assert_matches_oracle(out: RequestOutput, oracle: tuple[list[int], list[int], torch.Tensor],
-                          tol: float = 2e-3) -> None:
+def assert_matches_oracle(
+    out: RequestOutput, oracle: tuple[list[int], list[int], torch.Tensor], tol: float = 2e-3
+) -> None:
     """``out`` has the oracle's prompt ids and greedy ids, and the log-prob of every token it reports
     (the chosen and the top-k) is within ``tol`` of the oracle's at every step.
 
@@ -91,11 +133,20 @@ def assert_matches_oracle(out: RequestOutput, oracle: tuple[list[int], list[int]
     for step, entry in enumerate(out.outputs[0].logprobs):
         for tok, lp in entry.items():
             ref = ref_lp[step, tok].item()
-            assert abs(lp.logprob - ref) < tol, f"step {step}, token {tok}: {lp.logprob:.6f} vs oracle {ref:.6f}"
+            assert abs(lp.logprob - ref) < tol, (
+                f"step {step}, token {tok}: {lp.logprob:.6f} vs oracle {ref:.6f}"
+            )
 
 
-def check_against_hf(model_dir: str, prompt: dict, out: RequestOutput, n: int, device: str = "cpu",
-                     videos: list | None = None, tol: float | None = None) -> None:
+def check_against_hf(
+    model_dir: str,
+    prompt: dict,
+    out: RequestOutput,
+    n: int,
+    device: str = "cpu",
+    videos: list | None = None,
+    tol: float | None = None,
+) -> None:
     """Run the oracle on ``prompt`` (an mmserve prompt dict: "prompt", optional "images" / "videos") for
     ``n`` tokens and :func:`assert_matches_oracle`. ``videos``: the decoded frames HF should see
     (default: the prompt's own "videos", e.g. when the prompt gives encoded bytes). ``tol`` defaults to
@@ -111,7 +162,7 @@ def run_staggered(engine: Engine, prompts: list, params: SamplingParams) -> list
     done: dict[str, RequestOutput] = {}
     step = 0
     while len(done) < len(prompts):
-        if step < len(prompts):           # one new request joins the running batch each step
+        if step < len(prompts):  # one new request joins the running batch each step
             engine.add_request(str(step), prompts[step], params)
         for out in engine.step():
             if out.finished:

@@ -5,6 +5,7 @@ through the T5 encoder, the decoder answers from its start token over the paged 
 Covers one question, a staggered batch (different pictures and questions; the same picture with two questions
 gets two encodings), prompt-end / prefix hits of exact repeats, preemption, and a prompt without a picture refused.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,18 +20,24 @@ from mmserve.testing.blip2 import make_blip2_checkpoint
 from tests.parity.hf_oracle import TOL, assert_matches_oracle, run_staggered
 
 N = 16
-GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
+GREEDY = SamplingParams(
+    max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5
+)  # as HF min_new_tokens
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
 def t5_dir(tmp_path_factory) -> str:
-    return str(make_blip2_checkpoint(tmp_path_factory.mktemp("tiny_blip2_t5"), preset="tiny-t5", seed=0))
+    return str(
+        make_blip2_checkpoint(tmp_path_factory.mktemp("tiny_blip2_t5"), preset="tiny-t5", seed=0)
+    )
 
 
 @functools.lru_cache(maxsize=2)
 def _hf(model_dir: str):
-    model = transformers.Blip2ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.Blip2ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     return model, transformers.AutoProcessor.from_pretrained(model_dir)
 
 
@@ -39,15 +46,30 @@ def _oracle(model_dir: str, prompt: dict, device: str = "cpu"):
     prompt's decoder_prompt becomes the decoder's input after its start token."""
     model, processor = _hf(model_dir)
     kw = {"device": device} if device != "cpu" else {}
-    enc = processor(images=prompt["images"], text=prompt["prompt"], return_tensors="pt", **kw).to("cpu")
+    enc = processor(images=prompt["images"], text=prompt["prompt"], return_tensors="pt", **kw).to(
+        "cpu"
+    )
     start = model.config.text_config.decoder_start_token_id
-    decoder = [start] + processor.tokenizer(prompt.get("decoder_prompt", ""), add_special_tokens=False).input_ids
+    decoder = [start] + processor.tokenizer(
+        prompt.get("decoder_prompt", ""), add_special_tokens=False
+    ).input_ids
     with torch.no_grad():
-        out = model.generate(**enc, decoder_input_ids=torch.tensor([decoder]), max_new_tokens=N, min_new_tokens=N,
-                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            **enc,
+            decoder_input_ids=torch.tensor([decoder]),
+            max_new_tokens=N,
+            min_new_tokens=N,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     seq = out.sequences[0].tolist()
-    assert seq[:len(decoder)] == decoder
-    return decoder, seq[len(decoder):], torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+    assert seq[: len(decoder)] == decoder
+    return (
+        decoder,
+        seq[len(decoder) :],
+        torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1),
+    )
 
 
 def _prompt(i: int, question: str = "Question: what is shown here? Answer:") -> dict:
@@ -68,7 +90,9 @@ def test_question_matches_transformers(t5_dir):
     llm = LLM(t5_dir, device="cpu", dtype="float32")
     out = llm.generate([_prompt(1)], GREEDY)[0]
     assert_matches_oracle(out, _oracle(t5_dir, _prompt(1)))
-    other = llm.generate([_prompt(1, "Question: how many? Answer:")], GREEDY)[0]   # the text is the encoder's
+    other = llm.generate([_prompt(1, "Question: how many? Answer:")], GREEDY)[
+        0
+    ]  # the text is the encoder's
     assert_matches_oracle(other, _oracle(t5_dir, _prompt(1, "Question: how many? Answer:")))
     assert other.outputs[0].token_ids != out.outputs[0].token_ids
 
@@ -79,14 +103,23 @@ def test_staggered_batch_and_repeats(t5_dir, device):
     prompts = [_prompt(i % 3, f"Question: item {i}? Answer:") for i in range(5)]
     for prompt, out in zip(prompts, run_staggered(llm.engine, prompts, GREEDY)):
         assert_matches_oracle(out, _oracle(t5_dir, prompt, device), TOL[device])
-    again = llm.generate([prompts[0]], GREEDY)[0]   # an exact repeat: its first token from the prompt-end cache
+    again = llm.generate([prompts[0]], GREEDY)[
+        0
+    ]  # an exact repeat: its first token from the prompt-end cache
     assert again.outputs[0].token_ids == _oracle(t5_dir, prompts[0])[1]
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
 
 
 def test_preemption_and_missing_picture(t5_dir):
-    tight = LLM(t5_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=10, enable_prefix_caching=False,
-                cross_kv_cache_fraction=0.9)   # a fixed pool: the cross pool gets 0.9 / 0.1 of its bytes
+    tight = LLM(
+        t5_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10,
+        enable_prefix_caching=False,
+        cross_kv_cache_fraction=0.9,
+    )  # a fixed pool: the cross pool gets 0.9 / 0.1 of its bytes
     prompts = [_prompt(10 + i) for i in range(4)]
     for prompt, out in zip(prompts, tight.generate(prompts, GREEDY)):
         assert_matches_oracle(out, _oracle(t5_dir, prompt))
@@ -102,10 +135,18 @@ def test_triton_ensemble_answers_as_transformers(t5_dir, tmp_path):
     from tests.server.conftest import start_server
 
     prompt = _prompt(7, "Question: which city is this? Answer:")
-    body = {"text_input": prompt["prompt"], "max_tokens": N, "min_tokens": N, "temperature": 0,
-            "image_url_input": image_to_data_uri(prompt["images"][0]), "exclude_input_in_output": True}
+    body = {
+        "text_input": prompt["prompt"],
+        "max_tokens": N,
+        "min_tokens": N,
+        "temperature": 0,
+        "image_url_input": image_to_data_uri(prompt["images"][0]),
+        "exclude_input_in_output": True,
+    }
     with start_server(t5_dir, tmp_path) as server:
         r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     _, want, _ = _oracle(t5_dir, prompt)
-    assert r.json()["text_output"] == _hf(t5_dir)[1].tokenizer.decode(want, skip_special_tokens=True)
+    assert r.json()["text_output"] == _hf(t5_dir)[1].tokenizer.decode(
+        want, skip_special_tokens=True
+    )

@@ -1,6 +1,7 @@
 """FP8 (e4m3) W8A8 decoder weights: `quantization="fp8"` and FP8 checkpoints (ModelOpt and llm-compressor
 layouts) give the logits of transformers whose decoder projections compute with the same FP8 weights and
 activations rounded to e4m3 the same way (written here independently of mmserve's code)."""
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,9 @@ class _Fp8Projection(nn.Module):
     (Scaled by the fp32 reciprocal, as layers/fp8_linear.py defines it; x / s_x rounds ~1e-5 of elements to the
     neighbouring e4m3 value.)"""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: float | None
+    ) -> None:
         super().__init__()
         self.weight, self.bias, self.input_scale = weight, bias, input_scale
 
@@ -72,12 +75,25 @@ def _hf_logits(model_dir: str, device: str, fp8=None) -> tuple[torch.Tensor, tor
             m = _PROJ.fullmatch(name)
             if not (m and isinstance(module, nn.Linear)):
                 continue
-            spec = _per_row(module.weight.data) if fp8 == "per_row" else fp8.get((int(m.group(1)), m.group(3)))
+            spec = (
+                _per_row(module.weight.data)
+                if fp8 == "per_row"
+                else fp8.get((int(m.group(1)), m.group(3)))
+            )
             if spec is not None:
-                setattr(lm.get_submodule(name.rpartition(".")[0]), m.group(3),
-                        _Fp8Projection(spec[0].to(device), module.bias, spec[1]))
+                setattr(
+                    lm.get_submodule(name.rpartition(".")[0]),
+                    m.group(3),
+                    _Fp8Projection(spec[0].to(device), module.bias, spec[1]),
+                )
 
-    return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device, use_fp8_projections if fp8 is not None else None)
+    return hf_logits(
+        model_dir,
+        PROMPT,
+        PARAMS.max_tokens,
+        device,
+        use_fp8_projections if fp8 is not None else None,
+    )
 
 
 def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:
@@ -86,8 +102,13 @@ def _decoder_linears(llm: LLM) -> dict[str, nn.Module]:
     return dict(decoder_linears(llm.engine.model))
 
 
-def _check(out, want: tuple[torch.Tensor, torch.Tensor], plain: torch.Tensor, device: str,
-           exact_on_cpu: bool = True) -> None:
+def _check(
+    out,
+    want: tuple[torch.Tensor, torch.Tensor],
+    plain: torch.Tensor,
+    device: str,
+    exact_on_cpu: bool = True,
+) -> None:
     """exact_on_cpu False: static activation scales, whose coarse e4m3 steps an fp32 difference between the two
     attention implementations can cross (one such flip at one position moved logits by 0.17 on the CPU), so
     they are held to the statistical criterion below on the CPU too."""
@@ -105,7 +126,7 @@ def _check(out, want: tuple[torch.Tensor, torch.Tensor], plain: torch.Tensor, de
     err = (out.context_logits - want[0]).abs().mean().item()
     quantization_effect = (out.context_logits - plain).abs().mean().item()
     print(f"mean |logit error| vs FP8 oracle {err:.4f}, vs unquantized {quantization_effect:.4f}")
-    assert err < 0.5 * quantization_effect   # measured on an H100: 0.08-0.23 of it
+    assert err < 0.5 * quantization_effect  # measured on an H100: 0.08-0.23 of it
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,30 +135,49 @@ def test_fp8_quantization_at_load_matches_transformers_with_fp8_projections(tiny
     # fp32 oracle is not blurred by fp16 rounding, which flips activations between e4m3 neighbours
     llm = LLM(tiny_llava_dir, device=device, dtype="float32", quantization="fp8")
     layers = _decoder_linears(llm)
-    assert len(layers) == 4 * 3 and all(m.weight.dtype == FP8 and m.input_scale is None for m in layers.values())
+    assert len(layers) == 4 * 3 and all(
+        m.weight.dtype == FP8 and m.input_scale is None for m in layers.values()
+    )
     model = llm.engine.model
-    assert model.language_model.lm_head.weight.dtype != FP8                       # LM head, vision tower and
-    assert all(p.dtype != FP8 for p in model.vision_tower.parameters())           # projector keep the dtype
+    assert model.language_model.lm_head.weight.dtype != FP8  # LM head, vision tower and
+    assert all(p.dtype != FP8 for p in model.vision_tower.parameters())  # projector keep the dtype
     assert all(p.dtype != FP8 for p in model.multi_modal_projector.parameters())
     out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
     assert llm.engine.kv.usage == 0
-    _check(out, _hf_logits(tiny_llava_dir, device, "per_row"), _hf_logits(tiny_llava_dir, device)[0], device)
+    _check(
+        out,
+        _hf_logits(tiny_llava_dir, device, "per_row"),
+        _hf_logits(tiny_llava_dir, device)[0],
+        device,
+    )
 
 
 @pytest.mark.parametrize("style", ["modelopt", "compressed-tensors"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_checkpoint_loads_without_a_flag_and_matches_transformers(tiny_llava_dir, tmp_path, style, device):
+def test_fp8_checkpoint_loads_without_a_flag_and_matches_transformers(
+    tiny_llava_dir, tmp_path, style, device
+):
     """Per-tensor scales + static input scales (ModelOpt; layer 0's MLP left unquantized as an exporter's
     exclude list would) and per-channel scales with dynamic activations (llm-compressor)."""
-    fp8_dir = str(write_fp8_checkpoint(tiny_llava_dir, tmp_path / style, style,
-                                       exclude=("layers.0.mlp.",) if style == "modelopt" else ()))
+    fp8_dir = str(
+        write_fp8_checkpoint(
+            tiny_llava_dir,
+            tmp_path / style,
+            style,
+            exclude=("layers.0.mlp.",) if style == "modelopt" else (),
+        )
+    )
     llm = LLM(fp8_dir, device=device, dtype="float32")
     layers = _decoder_linears(llm)
     fp8 = {name for name, m in layers.items() if m.weight.dtype == FP8}
-    want_fp8 = {n for n in layers if not (style == "modelopt" and n.startswith("model.layers.0.mlp."))}
+    want_fp8 = {
+        n for n in layers if not (style == "modelopt" and n.startswith("model.layers.0.mlp."))
+    }
     assert fp8 == want_fp8
     qkv = layers["model.layers.1.self_attn.qkv_proj"]
-    if style == "modelopt":   # q, k, v each bring their own per-tensor scale: three values over the fused rows
+    if (
+        style == "modelopt"
+    ):  # q, k, v each bring their own per-tensor scale: three values over the fused rows
         assert qkv.weight_scale.unique().numel() == 3
         assert qkv.input_scale.item() == pytest.approx(4.0 / 448)
     else:
@@ -151,12 +191,19 @@ def test_fp8_checkpoint_loads_without_a_flag_and_matches_transformers(tiny_llava
     assert bool(decoder[0].post_attention_layernorm._fp8_consumer) != unquantized_mlp
     assert bool(decoder[0].mlp.act._fp8_consumer) != unquantized_mlp
     out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
-    _check(out, _hf_logits(tiny_llava_dir, device, _from_checkpoint(fp8_dir)), _hf_logits(tiny_llava_dir, device)[0],
-           device, exact_on_cpu=style != "modelopt")
+    _check(
+        out,
+        _hf_logits(tiny_llava_dir, device, _from_checkpoint(fp8_dir)),
+        _hf_logits(tiny_llava_dir, device)[0],
+        device,
+        exact_on_cpu=style != "modelopt",
+    )
 
 
 def test_fp8_weights_take_one_byte_per_element(tiny_llava_dir):
-    plain, fp8 = (LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization=q) for q in (None, "fp8"))
+    plain, fp8 = (
+        LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization=q) for q in (None, "fp8")
+    )
     for name, layer in _decoder_linears(fp8).items():
         ref = _decoder_linears(plain)[name]
         assert layer.weight.shape == ref.weight.shape
@@ -184,7 +231,11 @@ def test_fp8_checkpoint_missing_a_weight_scale_is_refused(tiny_llava_dir, tmp_pa
 
     fp8_dir = write_fp8_checkpoint(tiny_llava_dir, tmp_path / "broken", "compressed-tensors")
     with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys() if not n.endswith("layers.2.mlp.down_proj.weight_scale")}
+        tensors = {
+            n: f.get_tensor(n)
+            for n in f.keys()
+            if not n.endswith("layers.2.mlp.down_proj.weight_scale")
+        }
     save_file(tensors, str(fp8_dir / "model.safetensors"))
     with pytest.raises(ValueError, match="layers.2.mlp.down_proj.weight_scale"):
         LLM(str(fp8_dir), device="cpu")

@@ -1,5 +1,6 @@
 """FP8 (e4m3) KV cache: logits match transformers with its keys/values rounded to e4m3 the same way, the pool
 holds more tokens in the same memory, and prefix-cache hits still reuse blocks."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,13 +13,16 @@ from tests.parity.fp8_case import DEVICES, FP8, PARAMS, PROMPT
 from tests.parity.hf_oracle import hf_logits
 
 
-
 def _round_to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return quantize_kv(x, FP8, scale).to(x.dtype) * scale
 
 
-def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | None,
-               scales: dict[int, tuple[float, float]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_logits(
+    model_dir: str,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch | None,
+    scales: dict[int, tuple[float, float]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' context and generation logits; with monkeypatch, every key (after rotary) and value is
     rounded to e4m3 with its layer's (k, v) scale (default 1) as it enters the cache: the arithmetic of an
     FP8 KV cache."""
@@ -29,15 +33,23 @@ def _hf_logits(model_dir: str, device: str, monkeypatch: pytest.MonkeyPatch | No
 
         def rounded_update(self, key_states, value_states, layer_idx, *args, **kwargs):
             ks, vs = (scales or {}).get(layer_idx, (1.0, 1.0))
-            return update(self, _round_to_fp8(key_states, ks), _round_to_fp8(value_states, vs), layer_idx,
-                          *args, **kwargs)
+            return update(
+                self,
+                _round_to_fp8(key_states, ks),
+                _round_to_fp8(value_states, vs),
+                layer_idx,
+                *args,
+                **kwargs,
+            )
 
         monkeypatch.setattr(DynamicCache, "update", rounded_update)
     return hf_logits(model_dir, PROMPT, PARAMS.max_tokens, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_kv_cache_matches_transformers_with_fp8_rounded_keys_and_values(tiny_llava_dir, device, monkeypatch):
+def test_fp8_kv_cache_matches_transformers_with_fp8_rounded_keys_and_values(
+    tiny_llava_dir, device, monkeypatch
+):
     llm = LLM(tiny_llava_dir, device=device, dtype="float32", kv_cache_dtype="fp8")
     assert all(c.dtype == FP8 for c in llm.engine.runner.kv_caches)
     out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
@@ -54,12 +66,21 @@ def test_fp8_kv_cache_matches_transformers_with_fp8_rounded_keys_and_values(tiny
 def test_fp8_pool_holds_more_tokens_in_the_same_memory(tiny_llava_dir):
     sizes = {}
     for kv_dtype in ("auto", "fp8"):
-        llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_size_gb=0.01)
+        llm = LLM(
+            tiny_llava_dir,
+            device="cpu",
+            dtype="float32",
+            kv_cache_dtype=kv_dtype,
+            kv_cache_size_gb=0.01,
+        )
         runner = llm.engine.runner
-        sizes[kv_dtype] = (llm.engine.kv.num_blocks, runner.kv_bytes_per_block(),
-                           sum(c.numel() * c.element_size() for c in runner.kv_caches))
+        sizes[kv_dtype] = (
+            llm.engine.kv.num_blocks,
+            runner.kv_bytes_per_block(),
+            sum(c.numel() * c.element_size() for c in runner.kv_caches),
+        )
     (blocks32, per_block32, bytes32), (blocks8, per_block8, bytes8) = sizes["auto"], sizes["fp8"]
-    assert per_block32 == 4 * per_block8                  # fp32 -> 1 byte per element
+    assert per_block32 == 4 * per_block8  # fp32 -> 1 byte per element
     assert blocks8 == 4 * blocks32 or abs(blocks8 - 4 * blocks32) <= 4
     assert abs(bytes8 - bytes32) <= 4 * per_block8 and bytes8 <= 0.01 * 2**30
 
@@ -91,10 +112,16 @@ def test_kv_scales_from_the_checkpoint_are_used(tiny_llava_dir, tmp_path, monkey
     model_dir = tmp_path / "scaled"
     shutil.copytree(tiny_llava_dir, model_dir)
     prefix = "language_model.model.layers.{}.self_attn."
-    save_file({prefix.format(0) + "k_scale": torch.tensor(0.05), prefix.format(0) + "v_scale": torch.tensor(0.02),
-               prefix.format(1) + "kv_scale": torch.tensor([0.03]),
-               prefix.format(2) + "k_proj.k_scale": torch.tensor(0.04),
-               prefix.format(2) + "v_proj.v_scale": torch.tensor([0.01, 0.06])}, str(model_dir / "kv_scales.safetensors"))
+    save_file(
+        {
+            prefix.format(0) + "k_scale": torch.tensor(0.05),
+            prefix.format(0) + "v_scale": torch.tensor(0.02),
+            prefix.format(1) + "kv_scale": torch.tensor([0.03]),
+            prefix.format(2) + "k_proj.k_scale": torch.tensor(0.04),
+            prefix.format(2) + "v_proj.v_scale": torch.tensor([0.01, 0.06]),
+        },
+        str(model_dir / "kv_scales.safetensors"),
+    )
     scales = {0: (0.05, 0.02), 1: (0.03, 0.03), 2: (0.04, 0.06)}
 
     llm = LLM(str(model_dir), device=device, dtype="float32", kv_cache_dtype="fp8")
@@ -110,5 +137,7 @@ def test_kv_scales_from_the_checkpoint_are_used(tiny_llava_dir, tmp_path, monkey
     assert (out.context_logits - unscaled_context).abs().max() > 20 * tol
     del llm
 
-    fp32 = LLM(str(model_dir), device=device, dtype="float32").generate([PROMPT], PARAMS, use_tqdm=False)[0]
+    fp32 = LLM(str(model_dir), device=device, dtype="float32").generate(
+        [PROMPT], PARAMS, use_tqdm=False
+    )[0]
     torch.testing.assert_close(fp32.context_logits, unscaled_context, atol=tol, rtol=tol)

@@ -3,6 +3,7 @@
 Covers one request, continuous batching with requests arriving at different steps, prefix-cache
 hits, chunked prefill cutting through image tokens, and preemption under a tiny KV pool.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,15 +14,19 @@ from mmserve.testing import make_test_image
 from tests.parity.hf_oracle import check_against_hf, hf_greedy, run_staggered
 
 N = 32
-GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
+GREEDY = SamplingParams(
+    max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5
+)  # as HF min_new_tokens
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _prompt(i: int, num_images: int) -> dict:
     words = " ".join(["tell me about it"] * (i % 4 + 1))
     tags = "".join("<image>\n" for _ in range(num_images))
-    return {"prompt": f"USER: {tags}{words} number {i} ASSISTANT:",
-            "images": [make_test_image(10 * i + k) for k in range(num_images)]}
+    return {
+        "prompt": f"USER: {tags}{words} number {i} ASSISTANT:",
+        "images": [make_test_image(10 * i + k) for k in range(num_images)],
+    }
 
 
 def _check(model_dir: str, prompt: dict, out, device: str) -> None:
@@ -77,8 +82,13 @@ def test_repeated_image_and_prefix_hits_the_prefix_cache(tiny_llava_dir, device)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunked_prefill_splitting_image_tokens_matches(tiny_llava_dir, device):
-    llm = LLM(tiny_llava_dir, device=device, dtype="float32", max_num_batched_tokens=5,
-              enable_prefix_caching=False)
+    llm = LLM(
+        tiny_llava_dir,
+        device=device,
+        dtype="float32",
+        max_num_batched_tokens=5,
+        enable_prefix_caching=False,
+    )
     prompt = _prompt(4, 2)
     out_ids = llm.engine.inputs.process(prompt).prompt_token_ids
     image_pos = [i for i, t in enumerate(out_ids) if t == llm.engine.inputs.image_token_id]
@@ -89,8 +99,14 @@ def test_chunked_prefill_splitting_image_tokens_matches(tiny_llava_dir, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_preemption_under_tiny_kv_pool_matches(tiny_llava_dir, device):
-    llm = LLM(tiny_llava_dir, device=device, dtype="float32", block_size=4, num_kv_blocks=40,
-              enable_prefix_caching=False)
+    llm = LLM(
+        tiny_llava_dir,
+        device=device,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        enable_prefix_caching=False,
+    )
     prompts = [_prompt(i, 1) for i in range(4)]
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -114,22 +130,46 @@ def test_context_and_generation_logits_match_transformers(tiny_llava_dir, device
     """Triton's return_context_logits / return_generation_logits: fp32 logits of every prompt position and
     every generated step, also when the prompt is prefilled in chunks (one cut inside the image)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
+
     llm = LLM(tiny_llava_dir, device=device, dtype="float32", max_num_batched_tokens=7)
     prompt = _prompt(6, 1)
-    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, return_context_logits=True,
-                            return_generation_logits=True)
-    out = llm.generate([prompt, prompt], params, use_tqdm=False)[1]   # the 2nd would hit the cache: it must not
+    params = SamplingParams(
+        max_tokens=6,
+        min_tokens=6,
+        temperature=0.0,
+        return_context_logits=True,
+        return_generation_logits=True,
+    )
+    out = llm.generate([prompt, prompt], params, use_tqdm=False)[
+        1
+    ]  # the 2nd would hit the cache: it must not
     processor = AutoProcessor.from_pretrained(tiny_llava_dir)
-    hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).to(device).eval()
+    hf = (
+        LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     kw = {"device": device} if device != "cpu" else {}
-    enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt", **kw).to(device)
+    enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt", **kw).to(
+        device
+    )
     with torch.no_grad():
         ref_context = hf(**enc).logits[0].float().cpu()
-        gen = hf.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
+        gen = hf.generate(
+            **enc,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     ref_generation = torch.stack(gen.logits)[:, 0].float().cpu()
     assert out.metrics.num_cached_tokens == 0
-    assert out.context_logits.shape == ref_context.shape == (len(out.prompt_token_ids), ref_context.shape[1])
+    assert (
+        out.context_logits.shape
+        == ref_context.shape
+        == (len(out.prompt_token_ids), ref_context.shape[1])
+    )
     assert out.generation_logits.shape == ref_generation.shape
     tol = 1e-3 if device == "cpu" else 2e-2
     torch.testing.assert_close(out.context_logits, ref_context, atol=tol, rtol=tol)
@@ -137,9 +177,17 @@ def test_context_and_generation_logits_match_transformers(tiny_llava_dir, device
 
 
 def test_context_logits_survive_preemption_without_duplicates(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=40,
-              enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0, return_context_logits=True)
+    llm = LLM(
+        tiny_llava_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(
+        max_tokens=32, min_tokens=32, temperature=0.0, return_context_logits=True
+    )
     prompts = [_prompt(i, 1) for i in range(4)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0

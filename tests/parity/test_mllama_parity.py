@@ -6,6 +6,7 @@ which image); images with padding tiles; text-only prompts (cross layers skipped
 them; prefix-cache hits keyed by the picture (also for the text before it); chunked prefill; preemption; and
 that a request's image keys/values live exactly as long as the request.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,18 @@ from mmserve.testing.mllama import make_mllama_checkpoint
 from tests.parity.hf_oracle import check_against_hf, run_staggered
 
 N = 24
-GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)  # as HF min_new_tokens
+GREEDY = SamplingParams(
+    max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5
+)  # as HF min_new_tokens
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-WIDE = (96, 40)    # 2 of 4 tiles: the other two are padding
+WIDE = (96, 40)  # 2 of 4 tiles: the other two are padding
 
 
 @pytest.fixture(scope="module")
 def mllama_dir(tmp_path_factory) -> str:
-    return str(make_mllama_checkpoint(tmp_path_factory.mktemp("tiny_mllama"), preset="tiny", seed=0))
+    return str(
+        make_mllama_checkpoint(tmp_path_factory.mktemp("tiny_mllama"), preset="tiny", seed=0)
+    )
 
 
 def _prompt(text: str, *images) -> dict:
@@ -55,14 +60,19 @@ def test_one_image_matches_transformers(mllama_dir, device):
     assert other.outputs[0].token_ids != out.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("text", [
-    "Look at this: <|image|> what is it?",                   # text before the image attends no image
-    "first <|image|> then <|image|> compare them",           # each image until the next one
-    "<|image|><|image|> both, then text",                    # adjacent images attend together
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Look at this: <|image|> what is it?",  # text before the image attends no image
+        "first <|image|> then <|image|> compare them",  # each image until the next one
+        "<|image|><|image|> both, then text",  # adjacent images attend together
+    ],
+)
 def test_image_placement_matches_transformers(mllama_dir, text):
     llm = _llm(mllama_dir)
-    images = [make_test_image(3 + i, WIDE if i % 2 else (48, 40)) for i in range(text.count("<|image|>"))]
+    images = [
+        make_test_image(3 + i, WIDE if i % 2 else (48, 40)) for i in range(text.count("<|image|>"))
+    ]
     prompt = _prompt(text, *images)
     check_against_hf(mllama_dir, prompt, llm.generate([prompt], GREEDY)[0], N)
 
@@ -76,9 +86,13 @@ def test_text_only_prompt_matches_transformers(mllama_dir):
 @pytest.mark.parametrize("device", DEVICES)
 def test_staggered_batch_of_image_and_text_requests(mllama_dir, device):
     llm = _llm(mllama_dir, device, enable_prefix_caching=False)
-    prompts = [_prompt(f"request {i} <|image|> says" if i % 3 != 1 else f"request {i} only text",
-                       *([make_test_image(10 + i, WIDE if i % 2 else (48, 40))] if i % 3 != 1 else []))
-               for i in range(6)]
+    prompts = [
+        _prompt(
+            f"request {i} <|image|> says" if i % 3 != 1 else f"request {i} only text",
+            *([make_test_image(10 + i, WIDE if i % 2 else (48, 40))] if i % 3 != 1 else []),
+        )
+        for i in range(6)
+    ]
     for prompt, out in zip(prompts, run_staggered(llm.engine, prompts, GREEDY)):
         check_against_hf(mllama_dir, prompt, out, N, device)
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
@@ -89,7 +103,7 @@ def test_same_picture_hits_the_prefix_cache_other_picture_does_not(mllama_dir):
     text = "some words before the picture <|image|> and a question after it"
     first = llm.generate([_prompt(text, make_test_image(5))], GREEDY)[0]
     assert first.metrics.num_cached_tokens == 0
-    again = _prompt(text, make_test_image(5))   # the same picture as a fresh object
+    again = _prompt(text, make_test_image(5))  # the same picture as a fresh object
     second = llm.generate([again], GREEDY)[0]
     assert second.metrics.num_cached_tokens >= 8
     check_against_hf(mllama_dir, again, second, N)
@@ -101,7 +115,9 @@ def test_same_picture_hits_the_prefix_cache_other_picture_does_not(mllama_dir):
 
 
 def test_chunked_prefill_and_preemption_match_transformers(mllama_dir):
-    prompt = _prompt("words before <|image|> and a longer question after the picture", make_test_image(7, WIDE))
+    prompt = _prompt(
+        "words before <|image|> and a longer question after the picture", make_test_image(7, WIDE)
+    )
     chunked = _llm(mllama_dir, max_num_batched_tokens=5, enable_prefix_caching=False)
     check_against_hf(mllama_dir, prompt, chunked.generate([prompt], GREEDY)[0], N)
     # a pool too small for all four at once: requests are preempted and recomputed
@@ -118,8 +134,12 @@ def test_image_keys_and_values_live_as_long_as_the_request(mllama_dir):
     engine = llm.engine
     pool, blocks = engine.runner.cross_kv, engine.scheduler.cross_blocks
     assert blocks.num_free == pool.num_blocks > 0
-    engine.add_request("r", _prompt("<|image|> describe", make_test_image(8, WIDE)), SamplingParams(max_tokens=4))
-    engine.add_request("a", _prompt("<|image|> describe", make_test_image(9)), SamplingParams(max_tokens=50))
+    engine.add_request(
+        "r", _prompt("<|image|> describe", make_test_image(8, WIDE)), SamplingParams(max_tokens=4)
+    )
+    engine.add_request(
+        "a", _prompt("<|image|> describe", make_test_image(9)), SamplingParams(max_tokens=50)
+    )
     engine.step()
     req = engine.requests["r"]
     item = req.mm_items[0]
@@ -128,15 +148,20 @@ def test_image_keys_and_values_live_as_long_as_the_request(mllama_dir):
     assert len(req.cross_block_ids) == -(-tokens // pool.block_size)
     patches = engine.model.vision_model.num_patches
     real = int(item.data["num_tiles"]) * patches
-    assert 0 < real < tokens and req.cross_decode_len == real and req.cross_kv_order is None   # real tiles first
+    assert (
+        0 < real < tokens and req.cross_decode_len == real and req.cross_kv_order is None
+    )  # real tiles first
     # two images: the generated tokens attend the second one's real tiles, which come first
-    two = engine.inputs.process(_prompt("<|image|> a <|image|> b", make_test_image(8, WIDE), make_test_image(9)))
+    two = engine.inputs.process(
+        _prompt("<|image|> a <|image|> b", make_test_image(8, WIDE), make_test_image(9))
+    )
     first, second = (engine.model.cross_kv_tokens(it) for it in two.mm_items)
     real2 = int(two.mm_items[1].data["num_tiles"]) * patches
     order, n = engine.model.cross_kv_order(two.mm_items, len(two.prompt_token_ids))
     assert n == real2
-    assert order.tolist() == list(range(first, first + real2)) + list(range(first)) + \
-        list(range(first + real2, first + second))
+    assert order.tolist() == list(range(first, first + real2)) + list(range(first)) + list(
+        range(first + real2, first + second)
+    )
     engine.abort("a")
     while engine.has_unfinished():
         engine.step()
@@ -153,26 +178,45 @@ def test_lora_on_self_attention_layers_matches_and_cross_layers_are_refused(mlla
     from mmserve.testing.lora import make_lora_adapter, merge_lora_into
     from tests.parity.hf_oracle import assert_matches_oracle
 
-    cross = set(transformers.AutoConfig.from_pretrained(mllama_dir).text_config.cross_attention_layers)
+    cross = set(
+        transformers.AutoConfig.from_pretrained(mllama_dir).text_config.cross_attention_layers
+    )
     adapter = make_lora_adapter(tmp_path / "all", mllama_dir, seed=3)
     llm = _llm(mllama_dir)
     with pytest.raises(ValueError, match="cross-attention layer"):
         llm.engine.add_lora("all", str(adapter))
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    keep = {k: v for k, v in tensors.items() if int(k.split(".layers.")[1].split(".")[0]) not in cross}
+    keep = {
+        k: v for k, v in tensors.items() if int(k.split(".layers.")[1].split(".")[0]) not in cross
+    }
     assert keep and len(keep) < len(tensors)
     save_file(keep, str(adapter / "adapter_model.safetensors"))
     llm.engine.add_lora("self", str(adapter))
     prompt = _prompt("<|image|> describe it", make_test_image(9))
     out = llm.generate([{**prompt, "lora": "self"}], GREEDY)[0]
-    model = transformers.MllamaForConditionalGeneration.from_pretrained(mllama_dir, dtype=torch.float32).eval()
+    model = transformers.MllamaForConditionalGeneration.from_pretrained(
+        mllama_dir, dtype=torch.float32
+    ).eval()
     merge_lora_into(model, adapter)
     processor = transformers.AutoProcessor.from_pretrained(mllama_dir)
     enc = processor(text=prompt["prompt"], images=prompt["images"], return_tensors="pt")
     with torch.no_grad():
-        ref = model.generate(**enc, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
+        ref = model.generate(
+            **enc,
+            max_new_tokens=N,
+            min_new_tokens=N,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     n = enc["input_ids"].shape[1]
-    assert_matches_oracle(out, (enc["input_ids"][0].tolist(), ref.sequences[0, n:].tolist(),
-                                torch.log_softmax(torch.stack(ref.scores)[:, 0].float(), dim=-1)))
+    assert_matches_oracle(
+        out,
+        (
+            enc["input_ids"][0].tolist(),
+            ref.sequences[0, n:].tolist(),
+            torch.log_softmax(torch.stack(ref.scores)[:, 0].float(), dim=-1),
+        ),
+    )

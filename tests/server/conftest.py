@@ -1,5 +1,6 @@
 """A real `mmserve serve` subprocess on 127.0.0.1 with free ports, an in-process server with slow engine steps
 (to watch what a request leaves running), and a local HTTP server for media URLs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -52,27 +53,57 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def start_server(model_dir: str, log_dir: Path, *extra: str, timeout: float = 120.0, https_ca: str | None = None):
+def start_server(
+    model_dir: str, log_dir: Path, *extra: str, timeout: float = 120.0, https_ca: str | None = None
+):
     """Start `mmserve serve` and wait for /v2/health/ready (over HTTPS trusting `https_ca` when given); always
     terminate it."""
     http_port, grpc_port = free_port(), free_port()
     log_path = log_dir / f"server-{http_port}.log"
-    cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model_dir, "--host", "127.0.0.1",
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu",
-           "--allow-private-media-urls", "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmserve.entrypoints.cli",
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--device",
+        "cpu",
+        "--allow-private-media-urls",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    handle = ServerHandle(proc, http_port, grpc_port, model_dir, log_path, "https" if https_ca else "http")
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    handle = ServerHandle(
+        proc, http_port, grpc_port, model_dir, log_path, "https" if https_ca else "http"
+    )
     try:
         deadline = time.time() + timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
             try:
-                if httpx.get(f"{handle.http_url}/v2/health/ready", timeout=1,
-                             verify=ssl.create_default_context(cafile=https_ca) if https_ca else True
-                             ).status_code == 200:
+                if (
+                    httpx.get(
+                        f"{handle.http_url}/v2/health/ready",
+                        timeout=1,
+                        verify=ssl.create_default_context(cafile=https_ca) if https_ca else True,
+                    ).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
@@ -118,9 +149,15 @@ def media_server(tmp_path_factory):
 
 def ensemble_texts(server: ServerHandle, texts: list[str], max_tokens: int = 10) -> list[str]:
     """text_output of one batched greedy `/v2/models/ensemble/generate` request over `texts`."""
-    r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate",
-                   json={"text_input": texts, "max_tokens": [max_tokens] * len(texts),
-                         "temperature": [0] * len(texts)}, timeout=60)
+    r = httpx.post(
+        f"{server.http_url}/v2/models/ensemble/generate",
+        json={
+            "text_input": texts,
+            "max_tokens": [max_tokens] * len(texts),
+            "temperature": [0] * len(texts),
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()["text_output"]
 
@@ -128,8 +165,8 @@ def ensemble_texts(server: ServerHandle, texts: list[str], max_tokens: int = 10)
 @dataclass
 class InProcessServer:
     url: str
-    engine: Engine          # the engine itself: has_unfinished(), kv.usage
-    state: ServerState      # in_flight, config
+    engine: Engine  # the engine itself: has_unfinished(), kv.usage
+    state: ServerState  # in_flight, config
 
 
 @contextlib.contextmanager
@@ -147,7 +184,9 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
     from mmserve.multimodal.inputs import MediaConfig
 
     media = MediaConfig()
-    engine = Engine(EngineConfig(ModelConfig(model_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media)
+    engine = Engine(
+        EngineConfig(ModelConfig(model_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media
+    )
     step = engine.step
 
     def slow_step():
@@ -156,9 +195,16 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
 
     engine.step = slow_step
     port = free_port()
-    state = ServerState(AsyncEngine(engine), ServerConfig(http_port=port, grpc_port=-1), media, model_dir,
-                        engine.hf_config.model_type)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    state = ServerState(
+        AsyncEngine(engine),
+        ServerConfig(http_port=port, grpc_port=-1),
+        media,
+        model_dir,
+        engine.hf_config.model_type,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -173,5 +219,18 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
 
 def serve_with(model_dir: str, *flags: str) -> subprocess.CompletedProcess:
     """`mmserve serve model_dir --device cpu *flags` run to its end (for flags that must stop it at startup)."""
-    return subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model_dir, "--device", "cpu",
-                           *flags], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmserve.entrypoints.cli",
+            "serve",
+            model_dir,
+            "--device",
+            "cpu",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

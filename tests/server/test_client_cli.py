@@ -1,4 +1,5 @@
 """`mmserve client` as a subprocess against a real server: the seed client's flags, tensors and printout."""
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,26 @@ def image_url(media_server) -> str:
 
 def run_client(server, *args: str, protocol: str = "grpc") -> subprocess.CompletedProcess:
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", url, "--protocol", protocol,
-           "--model_type", "llava", "--text", TEXT, "--request-output-len", str(OUTPUT_LEN), *args]
-    proc = subprocess.run(cmd, capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmserve.entrypoints.cli",
+        "client",
+        "--url",
+        url,
+        "--protocol",
+        protocol,
+        "--model_type",
+        "llava",
+        "--text",
+        TEXT,
+        "--request-output-len",
+        str(OUTPUT_LEN),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"}
+    )
     proc.stdout, proc.stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
     return proc
 
@@ -57,7 +75,7 @@ def printed_text(stdout: str, streaming: bool) -> str:
         assert head == "[beam 0 ]:", stdout
         return text
     assert body.startswith("[beam 0 ]:  "), stdout
-    pieces = re.split(r"\n\[beam 0 \]:  ", body[len("[beam 0 ]:  "):])
+    pieces = re.split(r"\n\[beam 0 \]:  ", body[len("[beam 0 ]:  ") :])
     return "".join(pieces)
 
 
@@ -67,27 +85,36 @@ def expected_completion(offline: LLM, image=None, pixel_values=None) -> str:
         prompt["images"] = [image]
     else:
         prompt["pixel_values"] = pixel_values
-    return offline.generate(prompt, SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0), use_tqdm=False)[0] \
-        .outputs[0].text
+    return (
+        offline.generate(
+            prompt, SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
 def test_local_png_gives_the_offline_greedy_text(server, offline, image_path, protocol, streaming):
-    proc = run_client(server, "--image", image_path, *(["--streaming"] if streaming else []), protocol=protocol)
+    proc = run_client(
+        server, "--image", image_path, *(["--streaming"] if streaming else []), protocol=protocol
+    )
     assert proc.returncode == 0, proc.stderr
     text = printed_text(proc.stdout, streaming)
     completion = expected_completion(offline, make_test_image(11))
-    if streaming:   # streamed pieces carry only the new tokens
+    if streaming:  # streamed pieces carry only the new tokens
         assert text == completion
-    else:           # non-streaming text_output includes the wrapped prompt (exclude_input_in_output false)
+    else:  # non-streaming text_output includes the wrapped prompt (exclude_input_in_output false)
         assert text.endswith(completion) and TEXT in text and "ASSISTANT:" in text
     if protocol == "grpc":
         assert "sending raw image_bytes_input" in proc.stderr
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_image_url_is_fetched_client_side_and_bls_gives_the_same(server, offline, image_url, protocol):
+def test_image_url_is_fetched_client_side_and_bls_gives_the_same(
+    server, offline, image_url, protocol
+):
     completion = expected_completion(offline, make_test_image(12))
     for extra in ([], ["--use_bls"], ["--use_bls", "--streaming"]):
         proc = run_client(server, "--image", image_url, *extra, protocol=protocol)
@@ -96,27 +123,48 @@ def test_image_url_is_fetched_client_side_and_bls_gives_the_same(server, offline
         assert text.endswith(completion), (extra, text)
 
 
-def test_hf_model_dir_sends_preprocessed_fp16_image_input(server, offline, image_path, tiny_llava_dir):
-    proc = run_client(server, "--image", image_path, "--hf_model_dir", tiny_llava_dir, "--prompt_table_extra_id", "7")
+def test_hf_model_dir_sends_preprocessed_fp16_image_input(
+    server, offline, image_path, tiny_llava_dir
+):
+    proc = run_client(
+        server,
+        "--image",
+        image_path,
+        "--hf_model_dir",
+        tiny_llava_dir,
+        "--prompt_table_extra_id",
+        "7",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "image_bytes_input" not in proc.stderr
     processor = AutoProcessor.from_pretrained(tiny_llava_dir)
     pixels = processor.image_processor([make_test_image(11)], return_tensors="pt")["pixel_values"]
     fp16 = torch.from_numpy(pixels.numpy().astype(np.float16).astype(np.float32))
-    assert printed_text(proc.stdout, False).endswith(expected_completion(offline, pixel_values=fp16))
+    assert printed_text(proc.stdout, False).endswith(
+        expected_completion(offline, pixel_values=fp16)
+    )
 
 
 def test_text_only_request_and_model_name_override(server, offline):
     proc = run_client(server, "--image", "", "--model_name", "tensorrt_llm_bls", "--streaming")
     assert proc.returncode == 0, proc.stderr
-    expected = offline.generate(build_prompt("llava", TEXT, 0), SamplingParams(max_tokens=OUTPUT_LEN, temperature=0),
-                                use_tqdm=False)[0].outputs[0].text
+    expected = (
+        offline.generate(
+            build_prompt("llava", TEXT, 0),
+            SamplingParams(max_tokens=OUTPUT_LEN, temperature=0),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert printed_text(proc.stdout, True) == expected
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_errors_go_to_stderr_with_exit_code_1(server, image_path, protocol):
-    proc = run_client(server, "--image", image_path, "--model_name", "no_such_model", protocol=protocol)
+    proc = run_client(
+        server, "--image", image_path, "--model_name", "no_such_model", protocol=protocol
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("[ERROR]") or "\n[ERROR]" in proc.stderr
     proc = run_client(server, "--image", image_path + ".missing", protocol=protocol)
@@ -131,18 +179,47 @@ def test_a_deplot_chart_question_through_the_client(tmp_path_factory, protocol):
     from tests.server.conftest import start_server
 
     root = tmp_path_factory.mktemp("client-deplot")
-    model_dir = str(make_pix2struct_checkpoint(root / "deplot", preset="tiny", seed=0, progress=False))
+    model_dir = str(
+        make_pix2struct_checkpoint(root / "deplot", preset="tiny", seed=0, progress=False)
+    )
     chart = root / "chart.png"
     chart.write_bytes(image_to_png_bytes(make_test_image(5, (60, 40))))
-    want = LLM(model_dir, device="cpu").generate({"prompt": DEPLOT_PROMPT, "images": [make_test_image(5, (60, 40))]},
-                                                  SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0),
-                                                  use_tqdm=False)[0].outputs[0].text
+    want = (
+        LLM(model_dir, device="cpu")
+        .generate(
+            {"prompt": DEPLOT_PROMPT, "images": [make_test_image(5, (60, 40))]},
+            SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
     with start_server(model_dir, root) as server:
         url = server.grpc_url if protocol == "grpc" else server.http_url
-        proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "client", "--url", url, "--protocol",
-                               protocol, "--model_type", "pix2struct", "--text", DEPLOT_PROMPT, "--image", str(chart),
-                               "--request-output-len", str(OUTPUT_LEN)], capture_output=True, timeout=120, text=True,
-                              env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mmserve.entrypoints.cli",
+                "client",
+                "--url",
+                url,
+                "--protocol",
+                protocol,
+                "--model_type",
+                "pix2struct",
+                "--text",
+                DEPLOT_PROMPT,
+                "--image",
+                str(chart),
+                "--request-output-len",
+                str(OUTPUT_LEN),
+            ],
+            capture_output=True,
+            timeout=120,
+            text=True,
+            env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        )
     assert proc.returncode == 0, proc.stderr
     assert printed_text(proc.stdout, streaming=False) == want
 
@@ -154,6 +231,10 @@ def test_streamed_beams_print_every_beam_of_every_response(server, image_path):
     plain = run_client(server, "--image", image_path, "-b", "2")
     assert streamed.returncode == 0 and plain.returncode == 0, streamed.stderr + plain.stderr
     lines = [ln for ln in streamed.stdout.splitlines() if ln.startswith("[beam ")]
-    assert len(lines) >= 4 and [ln[:9] for ln in lines] == ["[beam 0 ]", "[beam 1 ]"] * (len(lines) // 2)
+    assert len(lines) >= 4 and [ln[:9] for ln in lines] == ["[beam 0 ]", "[beam 1 ]"] * (
+        len(lines) // 2
+    )
     best = lines[-2].split(":  ", 1)[1]
-    assert best and best in plain.stdout   # the plain answer prints the prompt, then the same best beam
+    assert (
+        best and best in plain.stdout
+    )  # the plain answer prints the prompt, then the same best beam

@@ -1,5 +1,6 @@
 """OpenAI `n` on a real server: n choices fan out into n engine requests (choice i seeded seed + i) and come back
 as one answer or one interleaved stream; a disconnect, a failing choice or an overload leaves nothing running."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,19 +18,27 @@ from tests.server.conftest import InProcessServer, slow_server
 MAX_TOKENS = 10
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 PROMPT = "Once upon a time"
-LONG = {"max_tokens": 400, "ignore_eos": True}   # 400 slow steps: seconds, unless aborted
+LONG = {"max_tokens": 400, "ignore_eos": True}  # 400 slow steps: seconds, unless aborted
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def _create(client: openai.OpenAI, endpoint: str):
     if endpoint == "chat":
-        return functools.partial(client.chat.completions.create, model="ensemble", messages=MESSAGES,
-                                 max_tokens=MAX_TOKENS)
-    return functools.partial(client.completions.create, model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS)
+        return functools.partial(
+            client.chat.completions.create,
+            model="ensemble",
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+        )
+    return functools.partial(
+        client.completions.create, model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS
+    )
 
 
 def _text(choice) -> str:
@@ -81,7 +90,9 @@ def test_streamed_choices_interleave_and_match_the_whole_answer(client, endpoint
     texts, finishes, indexes = {0: "", 1: ""}, {0: [], 1: []}, []
     for chunk in chunks[:-1]:
         (choice,) = chunk.choices
-        assert not finishes[choice.index], f"choice {choice.index} sent a chunk after its finish_reason"
+        assert not finishes[choice.index], (
+            f"choice {choice.index} sent a chunk after its finish_reason"
+        )
         if endpoint == "chat" and choice.index not in indexes:
             assert choice.delta.role == "assistant"
         indexes.append(choice.index)
@@ -92,29 +103,40 @@ def test_streamed_choices_interleave_and_match_the_whole_answer(client, endpoint
     assert texts == {i: _text(c) for i, c in enumerate(whole.choices)}
     assert finishes == {i: [c.finish_reason] for i, c in enumerate(whole.choices)}
     usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
-        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert chunks[-1].choices == [] and (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.total_tokens,
+    ) == (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
     assert usage.completion_tokens == 2 * MAX_TOKENS
 
 
 @pytest.mark.parametrize("n", [0, -1, 17, True, 2.5])
-@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": MESSAGES}),
-                                         ("/v1/completions", {"prompt": PROMPT})])
+@pytest.mark.parametrize(
+    "route, body",
+    [("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": PROMPT})],
+)
 def test_n_outside_1_to_16_is_400_naming_n(server, route, body, n):
-    resp = httpx.post(f"{server.http_url}{route}", json={"model": "ensemble", "n": n, **body}, timeout=30)
+    resp = httpx.post(
+        f"{server.http_url}{route}", json={"model": "ensemble", "n": n, **body}, timeout=30
+    )
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "n"
 
 
 def test_n_of_16_and_null_n_are_served(server):
     for n, expected in ((16, 16), (None, 1)):
-        resp = httpx.post(f"{server.http_url}/v1/completions", timeout=60,
-                          json={"model": "ensemble", "prompt": PROMPT, "max_tokens": 2, "n": n})
+        resp = httpx.post(
+            f"{server.http_url}/v1/completions",
+            timeout=60,
+            json={"model": "ensemble", "prompt": PROMPT, "max_tokens": 2, "n": n},
+        )
         assert resp.status_code == 200, resp.text
         assert [c["index"] for c in resp.json()["choices"]] == list(range(expected))
 
 
 # ---- nothing left running: an in-process server with slow steps --------------------------------
+
 
 @pytest.fixture
 def cyclic_gc_off():
@@ -147,22 +169,29 @@ def test_client_disconnect_mid_stream_aborts_every_choice(slow):
                 seen.update(c["index"] for c in json.loads(line[6:])["choices"])
             if len(seen) == 3:
                 assert slow.state.in_flight == 3
-                break   # leaving iter_lines closes the connection
+                break  # leaving iter_lines closes the connection
     _assert_nothing_left(slow, time.monotonic())
 
 
 @pytest.mark.usefixtures("cyclic_gc_off")
 def test_client_gone_before_a_non_streaming_answer_aborts_every_choice(slow):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{slow.url}/v1/completions", json={"model": "ensemble", "prompt": PROMPT, "n": 3, **LONG},
-                   timeout=0.5)
+        httpx.post(
+            f"{slow.url}/v1/completions",
+            json={"model": "ensemble", "prompt": PROMPT, "n": 3, **LONG},
+            timeout=0.5,
+        )
     _assert_nothing_left(slow, time.monotonic())
 
 
 @pytest.mark.usefixtures("cyclic_gc_off")
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("fails_after", [0, 3])   # 0: at its first output, once the other choices have theirs
-def test_a_failing_choice_aborts_the_others_and_answers_the_error(slow, monkeypatch, stream, fails_after):
+@pytest.mark.parametrize(
+    "fails_after", [0, 3]
+)  # 0: at its first output, once the other choices have theirs
+def test_a_failing_choice_aborts_the_others_and_answers_the_error(
+    slow, monkeypatch, stream, fails_after
+):
     real = slow.state.generate
 
     async def last_choice_fails(prompt, params, request_id=None):
@@ -178,7 +207,7 @@ def test_a_failing_choice_aborts_the_others_and_answers_the_error(slow, monkeypa
     body = {"model": "ensemble", "prompt": PROMPT, "n": 3, "stream": stream, **LONG}
     resp = httpx.post(f"{slow.url}/v1/completions", json=body, timeout=30)
     ended = time.monotonic()
-    if stream and fails_after:   # the stream had begun: the error is its last event
+    if stream and fails_after:  # the stream had begun: the error is its last event
         events = [line for line in resp.text.splitlines() if line]
         assert resp.status_code == 200 and events[-1] == "data: [DONE]"
         error = json.loads(events[-2][6:])["error"]
@@ -191,13 +220,18 @@ def test_a_failing_choice_aborts_the_others_and_answers_the_error(slow, monkeypa
 
 @pytest.mark.usefixtures("cyclic_gc_off")
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_fan_out_beyond_the_concurrency_cap_is_503_and_leaves_nothing_running(slow, monkeypatch, stream):
+def test_a_fan_out_beyond_the_concurrency_cap_is_503_and_leaves_nothing_running(
+    slow, monkeypatch, stream
+):
     monkeypatch.setattr(slow.state.config, "max_concurrent_requests", 2)
     body = {"model": "ensemble", "prompt": PROMPT, "n": 3, "stream": stream, **LONG}
     resp = httpx.post(f"{slow.url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "server_overloaded"
     _assert_nothing_left(slow, time.monotonic())
-    ok = httpx.post(f"{slow.url}/v1/completions", json={"model": "ensemble", "prompt": PROMPT, "n": 2,
-                                                        "max_tokens": 2}, timeout=30)
+    ok = httpx.post(
+        f"{slow.url}/v1/completions",
+        json={"model": "ensemble", "prompt": PROMPT, "n": 2, "max_tokens": 2},
+        timeout=30,
+    )
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

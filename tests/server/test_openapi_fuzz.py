@@ -7,6 +7,7 @@ after which the remaining cases are generated but not sent, and per-request time
 would make the tiny model generate for long (`max_tokens`, `n`, beams, ...) are cut to small ones before a
 case is sent; everything else goes out as generated. `MMSERVE_FUZZ_SEED` picks another set of cases.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,37 +30,105 @@ from schemathesis.core.result import Ok  # noqa: E402
 from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, TRTLLM_INPUTS  # noqa: E402
 from tests.server.conftest import start_server  # noqa: E402
 
-FUZZ_BUDGET_S = 60.0          # after this, remaining cases are not sent (the test stays well under 2 minutes)
+FUZZ_BUDGET_S = (
+    60.0  # after this, remaining cases are not sent (the test stays well under 2 minutes)
+)
 REQUEST_TIMEOUT_S = 30.0
-SMALL_TOKENS = 3              # max_tokens and friends above this are cut to it
-SMALL_COUNT = 2               # n, best_of, beam widths, sequences above this are cut to it
+SMALL_TOKENS = 3  # max_tokens and friends above this are cut to it
+SMALL_COUNT = 2  # n, best_of, beam widths, sequences above this are cut to it
 # cases per operation (positive, negative); the versioned twins of the model routes run the same handlers
 CASES = {"primary": (40, 15), "versioned": (6, 3)}
-SCALE = float(os.environ.get("MMSERVE_FUZZ_SCALE", "1"))   # more cases (and budget) for a longer local run
+SCALE = float(
+    os.environ.get("MMSERVE_FUZZ_SCALE", "1")
+)  # more cases (and budget) for a longer local run
 
 # Triton inputs that a "focused" case keeps (the others, pictures, LoRA tensors and prompt tables, make nearly every
 # generated body a 400 before it reaches sampling)
 FOCUS_INPUTS = {
-    "text_input", "decoder_text_input", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty", "stop_words", "bad_words",
-    "end_id", "pad_id", "return_log_probs", "return_context_logits", "return_generation_logits", "beam_width",
-    "num_return_sequences", "exclude_input_in_output", "stream", "embedding_bias_words", "embedding_bias_weights",
-    "guided_decoding_guide_type", "guided_decoding_guide", "input_ids", "input_lengths", "request_output_len",
-    "runtime_top_k", "runtime_top_p", "len_penalty", "streaming", "stop", "id", "parameters"}
-TOKEN_KEYS = {"max_tokens", "max_completion_tokens", "min_tokens", "min_length", "request_output_len"}
-COUNT_KEYS = {"n", "best_of", "beam_width", "num_return_sequences", "prompt_logprobs", "top_logprobs", "logprobs"}
+    "text_input",
+    "decoder_text_input",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+    "stop_words",
+    "bad_words",
+    "end_id",
+    "pad_id",
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "beam_width",
+    "num_return_sequences",
+    "exclude_input_in_output",
+    "stream",
+    "embedding_bias_words",
+    "embedding_bias_weights",
+    "guided_decoding_guide_type",
+    "guided_decoding_guide",
+    "input_ids",
+    "input_lengths",
+    "request_output_len",
+    "runtime_top_k",
+    "runtime_top_p",
+    "len_penalty",
+    "streaming",
+    "stop",
+    "id",
+    "parameters",
+}
+TOKEN_KEYS = {
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "min_length",
+    "request_output_len",
+}
+COUNT_KEYS = {
+    "n",
+    "best_of",
+    "beam_width",
+    "num_return_sequences",
+    "prompt_logprobs",
+    "top_logprobs",
+    "logprobs",
+}
 
-_DATATYPES = {name: spec.datatype for name, spec in (*ACCEPTED_INPUTS.items(), *((s.name, s) for s in TRTLLM_INPUTS))}
+_DATATYPES = {
+    name: spec.datatype
+    for name, spec in (*ACCEPTED_INPUTS.items(), *((s.name, s) for s in TRTLLM_INPUTS))
+}
 
 POST_ROUTES = {
     "/v1/chat/completions": {"model", "messages", "max_tokens", "temperature", "stream", "n"},
     "/v1/completions": {"model", "prompt", "max_tokens", "echo", "logprobs"},
     "/tokenize": {"model", "prompt", "messages", "add_special_tokens"},
     "/detokenize": {"model", "tokens"},
-    "/v2/models/{model}/generate": {"id", "parameters", "text_input", "max_tokens", "image_url_input",
-                                    "image_input", "image_bytes_input", "input_ids", "request_output_len"},
-    "/v2/models/{model}/generate_stream": {"id", "parameters", "text_input", "max_tokens", "image_url_input",
-                                           "stream"},
+    "/v2/models/{model}/generate": {
+        "id",
+        "parameters",
+        "text_input",
+        "max_tokens",
+        "image_url_input",
+        "image_input",
+        "image_bytes_input",
+        "input_ids",
+        "request_output_len",
+    },
+    "/v2/models/{model}/generate_stream": {
+        "id",
+        "parameters",
+        "text_input",
+        "max_tokens",
+        "image_url_input",
+        "stream",
+    },
     "/v2/models/{model}/versions/{version}/generate": {"text_input", "max_tokens"},
     "/v2/models/{model}/versions/{version}/generate_stream": {"text_input", "max_tokens"},
     "/v2/models/{model}/infer": {"id", "inputs", "outputs", "parameters"},
@@ -71,7 +140,9 @@ POST_ROUTES = {
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llava_dir, tmp_path_factory):
     """A server of its own: the pass may load LoRA adapters and fill caches that other modules should not see."""
-    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("fuzz-logs"), "--media-fetch-timeout", "2") as handle:
+    with start_server(
+        tiny_llava_dir, tmp_path_factory.mktemp("fuzz-logs"), "--media-fetch-timeout", "2"
+    ) as handle:
         yield handle
 
 
@@ -83,6 +154,7 @@ def openapi(fuzz_server) -> dict[str, Any]:
 
 
 # ---- the published schemas ------------------------------------------------------------------------------------
+
 
 def _refs(node: Any):
     if isinstance(node, dict):
@@ -112,7 +184,7 @@ def test_post_routes_publish_request_and_error_schemas(openapi):
         assert schema["type"] == "object", path
         assert keys <= set(schema["properties"]), (path, keys - set(schema["properties"]))
         assert "200" in op["responses"] and "400" in op["responses"], path
-        assert "422" not in op["responses"], path   # FastAPI's default; these routes answer 400
+        assert "422" not in op["responses"], path  # FastAPI's default; these routes answer 400
         error = _resolve(openapi, op["responses"]["400"]["content"]["application/json"]["schema"])
         assert error["required"] == ["error"], path
     # the request models' parts are inlined, the response models are components: every ref resolves
@@ -120,16 +192,28 @@ def test_post_routes_publish_request_and_error_schemas(openapi):
         assert ref.startswith("#/components/schemas/"), ref
         assert ref.removeprefix("#/components/schemas/") in openapi["components"]["schemas"], ref
     chat = openapi["paths"]["/v1/chat/completions"]["post"]
-    assert chat["requestBody"]["content"]["application/json"]["schema"]["required"] == ["model", "messages"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["required"] == [
+        "model",
+        "messages",
+    ]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert _resolve(openapi, chat["responses"]["400"]["content"]["application/json"]["schema"]
-                    )["properties"]["error"]["$ref"].endswith("/ErrorInfo")
+    assert _resolve(openapi, chat["responses"]["400"]["content"]["application/json"]["schema"])[
+        "properties"
+    ]["error"]["$ref"].endswith("/ErrorInfo")
     generate = openapi["paths"]["/v2/models/{model}/generate"]["post"]["requestBody"]["content"]
     text_input = generate["application/json"]["schema"]["properties"]["text_input"]
-    assert {"type": "string"} in text_input["anyOf"] and {"type": "array", "items": {"type": "string"}} in \
-        text_input["anyOf"]   # a scalar, or a list for a batch
-    infer = openapi["paths"]["/v2/models/{model}/infer"]["post"]["requestBody"]["content"]["application/json"]
-    assert infer["schema"]["properties"]["inputs"]["items"]["required"] == ["name", "datatype", "shape"]
+    assert {"type": "string"} in text_input["anyOf"] and {
+        "type": "array",
+        "items": {"type": "string"},
+    } in text_input["anyOf"]  # a scalar, or a list for a batch
+    infer = openapi["paths"]["/v2/models/{model}/infer"]["post"]["requestBody"]["content"][
+        "application/json"
+    ]
+    assert infer["schema"]["properties"]["inputs"]["items"]["required"] == [
+        "name",
+        "datatype",
+        "shape",
+    ]
 
 
 def test_openapi_document_is_valid_openapi_3_1(openapi):
@@ -138,6 +222,7 @@ def test_openapi_document_is_valid_openapi_3_1(openapi):
 
 
 # ---- the fuzz pass --------------------------------------------------------------------------------------------
+
 
 def _small(value: Any, limit: int) -> Any:
     """Numbers (also inside lists) above `limit` cut to it; anything else unchanged (bad values stay bad)."""
@@ -157,11 +242,15 @@ def _tame_object(doc: dict[str, Any]) -> None:
     if isinstance(doc.get("parameters"), dict):
         _tame_object(doc["parameters"])
     inputs = doc.get("inputs")
-    for tensor in inputs if isinstance(inputs, list) else []:   # KServe infer: the same inputs as tensors
+    for tensor in (
+        inputs if isinstance(inputs, list) else []
+    ):  # KServe infer: the same inputs as tensors
         if isinstance(tensor, dict) and "data" in tensor:
             name = tensor.get("name")
             if name in TOKEN_KEYS or name in COUNT_KEYS:
-                tensor["data"] = _small(tensor["data"], SMALL_TOKENS if name in TOKEN_KEYS else SMALL_COUNT)
+                tensor["data"] = _small(
+                    tensor["data"], SMALL_TOKENS if name in TOKEN_KEYS else SMALL_COUNT
+                )
 
 
 def _focus(body: dict[str, Any], path: str) -> None:
@@ -185,7 +274,9 @@ def _focus(body: dict[str, Any], path: str) -> None:
     if not any(t["name"] == "text_input" for t in inputs):
         inputs.append({"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["hi"]})
     if not any(t["name"] == "max_tokens" for t in inputs):
-        inputs.append({"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [SMALL_TOKENS]})
+        inputs.append(
+            {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [SMALL_TOKENS]}
+        )
     body["inputs"] = inputs
 
 
@@ -196,19 +287,27 @@ def _tame(case, model: str | None, version: str | None, path: str, focus: bool) 
         case.path_parameters["model"] = model
     if version is not None and "version" in (case.path_parameters or {}):
         case.path_parameters["version"] = version
-    elif version is not None and "version" in (case.query or {}):   # the unversioned routes take ?version=
+    elif version is not None and "version" in (
+        case.query or {}
+    ):  # the unversioned routes take ?version=
         case.query["version"] = version
     body = case.body
     if not isinstance(body, dict):
         return
-    if model is not None and path.startswith(("/v1/", "/tokenize", "/detokenize")) and "model" in body:
+    if (
+        model is not None
+        and path.startswith(("/v1/", "/tokenize", "/detokenize"))
+        and "model" in body
+    ):
         body["model"] = model
     if focus and path.startswith("/v2/models/"):
         _focus(body, path)
     _tame_object(body)
-    if path.startswith("/v1/") and not any(isinstance(body.get(k), (int, float)) and not isinstance(body.get(k), bool)
-                                           for k in ("max_tokens", "max_completion_tokens")):
-        body["max_tokens"] = SMALL_TOKENS   # chat's default is the rest of the context
+    if path.startswith("/v1/") and not any(
+        isinstance(body.get(k), (int, float)) and not isinstance(body.get(k), bool)
+        for k in ("max_tokens", "max_completion_tokens")
+    ):
+        body["max_tokens"] = SMALL_TOKENS  # chat's default is the rest of the context
 
 
 @dataclass
@@ -216,20 +315,37 @@ class _Pass:
     deadline: float
     sent: int = 0
     skipped: int = 0
-    statuses: dict[str, dict[int, int]] = field(default_factory=dict)   # per operation
+    statuses: dict[str, dict[int, int]] = field(default_factory=dict)  # per operation
     failures: list[str] = field(default_factory=list)
 
 
-def _run_operation(operation, served: list[str], mode, examples: int, state: _Pass, base_url: str) -> None:
+def _run_operation(
+    operation, served: list[str], mode, examples: int, state: _Pass, base_url: str
+) -> None:
     path = operation.path
-    names_model = "{model}" in path or not path.startswith("/v2/")   # in the path, or the OpenAI body's `model`
+    names_model = "{model}" in path or not path.startswith(
+        "/v2/"
+    )  # in the path, or the OpenAI body's `model`
     models = st.sampled_from([*served, None]) if names_model else st.just(None)
-    versions = st.sampled_from(["1", "1", None]) if path.startswith("/v2/models/") else st.just(None)
+    versions = (
+        st.sampled_from(["1", "1", None]) if path.startswith("/v2/models/") else st.just(None)
+    )
 
     @seed(int(os.environ.get("MMSERVE_FUZZ_SEED", "0")))
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(case=operation.as_strategy(generation_mode=mode), model=models, version=versions, focus=st.booleans())
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(
+        case=operation.as_strategy(generation_mode=mode),
+        model=models,
+        version=versions,
+        focus=st.booleans(),
+    )
     def one(case, model, version, focus) -> None:
         if time.monotonic() > state.deadline:
             state.skipped += 1
@@ -237,8 +353,10 @@ def _run_operation(operation, served: list[str], mode, examples: int, state: _Pa
         _tame(case, model, version, path, focus)
         try:
             response = case.call(base_url=base_url, timeout=REQUEST_TIMEOUT_S)
-        except Exception as exc:   # a timeout or a dropped connection is a failure too
-            state.failures.append(f"{operation.label}: {type(exc).__name__}: {exc}\n  body: {_short(case.body)}")
+        except Exception as exc:  # a timeout or a dropped connection is a failure too
+            state.failures.append(
+                f"{operation.label}: {type(exc).__name__}: {exc}\n  body: {_short(case.body)}"
+            )
             return
         state.sent += 1
         counts = state.statuses.setdefault(operation.label, {})
@@ -246,8 +364,10 @@ def _run_operation(operation, served: list[str], mode, examples: int, state: _Pa
         try:
             case.validate_response(response, checks=[not_a_server_error])
         except FailureGroup:
-            state.failures.append(f"{operation.label} -> {response.status_code} {response.text[:300]!r}\n"
-                                  f"  {case.as_curl_command(base_url=base_url)}")
+            state.failures.append(
+                f"{operation.label} -> {response.status_code} {response.text[:300]!r}\n"
+                f"  {case.as_curl_command(base_url=base_url)}"
+            )
 
     one()
 
@@ -268,21 +388,32 @@ def test_schemathesis_pass_over_post_routes_gets_no_server_error(fuzz_server):
     start = time.monotonic()
     state = _Pass(deadline=start + FUZZ_BUDGET_S * SCALE)
     for operation in operations:
-        positive, negative = (round(n * SCALE) for n in CASES["versioned" if "{version}" in operation.path
-                                                             else "primary"])
-        for mode, examples in ((schemathesis.GenerationMode.POSITIVE, positive),
-                               (schemathesis.GenerationMode.NEGATIVE, negative)):
+        positive, negative = (
+            round(n * SCALE)
+            for n in CASES["versioned" if "{version}" in operation.path else "primary"]
+        )
+        for mode, examples in (
+            (schemathesis.GenerationMode.POSITIVE, positive),
+            (schemathesis.GenerationMode.NEGATIVE, negative),
+        ):
             _run_operation(operation, served, mode, examples, state, base_url)
     elapsed = time.monotonic() - start
-    print(f"\nschemathesis: {state.sent} cases sent in {elapsed:.1f}s ({state.skipped} over the budget, not sent)")
+    print(
+        f"\nschemathesis: {state.sent} cases sent in {elapsed:.1f}s ({state.skipped} over the budget, not sent)"
+    )
     for label, counts in state.statuses.items():
         print(f"  {label}: {dict(sorted(counts.items()))}")
 
     health = httpx.get(f"{base_url}/v2/health/ready", timeout=30)
-    assert health.status_code == 200 and httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+    assert (
+        health.status_code == 200 and httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+    )
     assert state.sent >= 100, f"only {state.sent} cases sent within {FUZZ_BUDGET_S}s"
     if state.failures:
         log = fuzz_server.log()
-        tracebacks = log[log.find("Traceback"):][-6000:] if "Traceback" in log else log[-3000:]
-        pytest.fail(f"{len(state.failures)} server errors:\n" + "\n".join(state.failures[:20])
-                    + f"\n--- server log ---\n{tracebacks}")
+        tracebacks = log[log.find("Traceback") :][-6000:] if "Traceback" in log else log[-3000:]
+        pytest.fail(
+            f"{len(state.failures)} server errors:\n"
+            + "\n".join(state.failures[:20])
+            + f"\n--- server log ---\n{tracebacks}"
+        )

@@ -2,6 +2,7 @@
 restricted groups answer Triton's 403 / UNAVAILABLE naming the header until the request carries it, OpenAI routes
 follow the same groups, unrestricted groups stay open, and the server keeps serving. Bad specs stop `serve` before
 the model loads."""
+
 from __future__ import annotations
 
 import queue
@@ -19,18 +20,26 @@ from mmserve.entrypoints.restricted_apis import http_category, parse_restriction
 from tests.server.conftest import start_server
 from tests.server.test_triton_grpc import inputs
 
-KEY, SECRET = "mm-key", "s3cret"          # the gRPC inference group's
-BEARER = {"Authorization": "Bearer tok"}   # the HTTP inference group's: what an OpenAI client sends as its key
+KEY, SECRET = "mm-key", "s3cret"  # the gRPC inference group's
+BEARER = {
+    "Authorization": "Bearer tok"
+}  # the HTTP inference group's: what an OpenAI client sends as its key
 ADMIN = {"admin-key": "adm"}
 GENERATE = {"text_input": "USER:\nhello ASSISTANT:", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
 def restricted(tiny_llava_dir, tmp_path_factory):
-    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("restricted-logs"),
-                      "--http-restricted-api", "inference:Authorization=Bearer tok",
-                      "--http-restricted-api", "model-config,model-repository:admin-key=adm",
-                      "--grpc-restricted-protocol", f"inference,metadata:{KEY}={SECRET}") as handle:
+    with start_server(
+        tiny_llava_dir,
+        tmp_path_factory.mktemp("restricted-logs"),
+        "--http-restricted-api",
+        "inference:Authorization=Bearer tok",
+        "--http-restricted-api",
+        "model-config,model-repository:admin-key=adm",
+        "--grpc-restricted-protocol",
+        f"inference,metadata:{KEY}={SECRET}",
+    ) as handle:
         yield handle
 
 
@@ -39,15 +48,22 @@ def test_http_inference_needs_the_header_and_other_groups_stay_open(restricted):
     refused = httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE)
     assert refused.status_code == 403
     assert refused.json() == {"error": "This API is restricted, expecting header 'authorization'"}
-    wrong = httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE, headers={"Authorization": "Bearer x"})
+    wrong = httpx.post(
+        f"{url}/v2/models/ensemble/generate", json=GENERATE, headers={"Authorization": "Bearer x"}
+    )
     assert wrong.status_code == 403
     ok = httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE, headers=BEARER)
     assert ok.status_code == 200 and ok.json()["text_output"]
-    stream = httpx.post(f"{url}/v2/models/ensemble/generate_stream", json=GENERATE,
-                        headers={"AUTHORIZATION": "Bearer tok"})   # header names are case-insensitive
+    stream = httpx.post(
+        f"{url}/v2/models/ensemble/generate_stream",
+        json=GENERATE,
+        headers={"AUTHORIZATION": "Bearer tok"},
+    )  # header names are case-insensitive
     assert stream.status_code == 200 and stream.text.startswith("data: ")
     assert httpx.get(f"{url}/v2/health/ready").status_code == 200
-    assert httpx.get(f"{url}/v2/models/ensemble").status_code == 200     # metadata: not restricted over HTTP
+    assert (
+        httpx.get(f"{url}/v2/models/ensemble").status_code == 200
+    )  # metadata: not restricted over HTTP
     assert httpx.get(f"{url}/v2/models/ensemble/config").status_code == 403
     assert httpx.get(f"{url}/v2/models/ensemble/config", headers=ADMIN).status_code == 200
     assert httpx.post(f"{url}/v2/repository/index", headers=ADMIN).status_code == 200
@@ -55,37 +71,54 @@ def test_http_inference_needs_the_header_and_other_groups_stay_open(restricted):
 
 
 def test_an_openai_client_key_opens_the_openai_routes(restricted):
-    refused = httpx.post(f"{restricted.http_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    refused = httpx.post(
+        f"{restricted.http_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+    )
     assert refused.status_code == 403
     assert "expecting header 'authorization'" in refused.json()["error"]["message"]
-    name = httpx.get(f"{restricted.http_url}/v1/models").json()["data"][0]["id"]   # metadata: open
+    name = httpx.get(f"{restricted.http_url}/v1/models").json()["data"][0]["id"]  # metadata: open
     with pytest.raises(openai.PermissionDeniedError):
-        openai.OpenAI(base_url=f"{restricted.http_url}/v1", api_key="wrong", max_retries=0) \
-            .completions.create(model=name, prompt="hi", max_tokens=2)
+        openai.OpenAI(
+            base_url=f"{restricted.http_url}/v1", api_key="wrong", max_retries=0
+        ).completions.create(model=name, prompt="hi", max_tokens=2)
     client = openai.OpenAI(base_url=f"{restricted.http_url}/v1", api_key="tok", max_retries=0)
-    assert client.completions.create(model=name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    assert (
+        client.completions.create(model=name, prompt="hi", max_tokens=2).usage.completion_tokens
+        == 2
+    )
 
 
 def _request() -> list:
-    return inputs(text_input=np.array([[GENERATE["text_input"].encode()]], dtype=object),
-                  max_tokens=np.array([[4]], np.int32))
+    return inputs(
+        text_input=np.array([[GENERATE["text_input"].encode()]], dtype=object),
+        max_tokens=np.array([[4]], np.int32),
+    )
 
 
 def test_grpc_calls_need_the_prefixed_metadata(restricted):
     header = {f"triton-grpc-protocol-{KEY}": SECRET}
     with grpcclient.InferenceServerClient(restricted.grpc_url) as client:
-        assert client.is_server_live() and client.is_model_ready("ensemble")   # health: open
-        for call in (lambda **kw: client.infer("ensemble", _request(), **kw),
-                     lambda **kw: client.get_model_metadata("ensemble", **kw)):
+        assert client.is_server_live() and client.is_model_ready("ensemble")  # health: open
+        for call in (
+            lambda **kw: client.infer("ensemble", _request(), **kw),
+            lambda **kw: client.get_model_metadata("ensemble", **kw),
+        ):
             with pytest.raises(InferenceServerException) as err:
                 call()
-            assert f"This protocol is restricted, expecting header 'triton-grpc-protocol-{KEY}'" in str(err.value)
+            assert (
+                f"This protocol is restricted, expecting header 'triton-grpc-protocol-{KEY}'"
+                in str(err.value)
+            )
             assert "UNAVAILABLE" in str(err.value.status())
         text = client.infer("ensemble", _request(), headers=header).as_numpy("text_output")[0]
         assert text.decode().startswith("USER:")
         assert client.get_model_metadata("ensemble", headers=header).name == "ensemble"
-        assert client.get_model_config("ensemble").config.name == "ensemble"   # model-config: open over gRPC
-    refused = _stream(restricted.grpc_url, None)   # the decoupled stream: its metadata come at its start
+        assert (
+            client.get_model_config("ensemble").config.name == "ensemble"
+        )  # model-config: open over gRPC
+    refused = _stream(
+        restricted.grpc_url, None
+    )  # the decoupled stream: its metadata come at its start
     assert len(refused) == 1 and "This protocol is restricted" in str(refused[0][1])
     answered = _stream(restricted.grpc_url, header)
     assert answered and all(error is None for _, error in answered)
@@ -96,40 +129,76 @@ def _stream(url: str, headers: dict | None) -> list[tuple]:
     """One request on a ModelStreamInfer stream opened with `headers`: its (result, error) callbacks."""
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
-        client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+        client.start_stream(
+            callback=lambda result, error: results.put((result, error)), headers=headers
+        )
         client.async_stream_infer("ensemble", _request(), request_id="s")
         client.stop_stream()
     return [results.get() for _ in range(results.qsize())]
 
 
 def test_specs_are_parsed_as_triton_parses_them():
-    got = parse_restrictions(["inference,health:My-Key=a=b", "metadata:k=v"], "--opt", "triton-grpc-protocol-")
-    assert got["inference"].header == "triton-grpc-protocol-my-key" and got["inference"].value == "a=b"
+    got = parse_restrictions(
+        ["inference,health:My-Key=a=b", "metadata:k=v"], "--opt", "triton-grpc-protocol-"
+    )
+    assert (
+        got["inference"].header == "triton-grpc-protocol-my-key" and got["inference"].value == "a=b"
+    )
     assert got["health"] == got["inference"] and got["metadata"].value == "v"
-    for spec, needle in [("bogus:k=v", "unknown API 'bogus'"), ("inference", "APIS:KEY=VALUE"),
-                         ("inference:k", "APIS:KEY=VALUE"), (":k=v", "APIS:KEY=VALUE")]:
+    for spec, needle in [
+        ("bogus:k=v", "unknown API 'bogus'"),
+        ("inference", "APIS:KEY=VALUE"),
+        ("inference:k", "APIS:KEY=VALUE"),
+        (":k=v", "APIS:KEY=VALUE"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             parse_restrictions([spec], "--opt")
     with pytest.raises(ValueError, match="'inference' can not be in more than one group"):
         parse_restrictions(["inference:a=1", "health,inference:b=2"], "--opt")
-    table = {("POST", "/v2/models/ensemble/infer"): "inference",
-             ("POST", "/v2/models/ensemble/versions/1/generate_stream"): "inference",
-             ("POST", "/v1/chat/completions"): "inference", ("POST", "/tokenize"): "inference",
-             ("GET", "/v2/models/ensemble/ready"): "health", ("GET", "/health"): "health",
-             ("GET", "/v2/models/ensemble/versions/1/config"): "model-config", ("GET", "/v2"): "metadata",
-             ("GET", "/v1/models/x"): "metadata", ("POST", "/v2/repository/index"): "model-repository",
-             ("GET", "/metrics"): "statistics", ("GET", "/v2/models/stats"): "statistics",
-             ("GET", "/v2/models/ensemble/versions/1/stats"): "statistics", ("GET", "/v2/models/ensemble/generate"): None,
-             ("GET", "/docs"): None}
+    table = {
+        ("POST", "/v2/models/ensemble/infer"): "inference",
+        ("POST", "/v2/models/ensemble/versions/1/generate_stream"): "inference",
+        ("POST", "/v1/chat/completions"): "inference",
+        ("POST", "/tokenize"): "inference",
+        ("GET", "/v2/models/ensemble/ready"): "health",
+        ("GET", "/health"): "health",
+        ("GET", "/v2/models/ensemble/versions/1/config"): "model-config",
+        ("GET", "/v2"): "metadata",
+        ("GET", "/v1/models/x"): "metadata",
+        ("POST", "/v2/repository/index"): "model-repository",
+        ("GET", "/metrics"): "statistics",
+        ("GET", "/v2/models/stats"): "statistics",
+        ("GET", "/v2/models/ensemble/versions/1/stats"): "statistics",
+        ("GET", "/v2/models/ensemble/generate"): None,
+        ("GET", "/docs"): None,
+    }
     assert {k: http_category(*k) for k in table} == table
 
 
 def test_a_bad_spec_stops_serve_before_the_model_loads(tiny_llava_dir):
-    proc = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve", tiny_llava_dir, "--device",
-                           "cpu", "--grpc-restricted-protocol", "inference:k=v", "--grpc-restricted-protocol",
-                           "inference:j=w"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmserve.entrypoints.cli",
+            "serve",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--grpc-restricted-protocol",
+            "inference:k=v",
+            "--grpc-restricted-protocol",
+            "inference:j=w",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
-    assert "--grpc-restricted-protocol: API 'inference' can not be in more than one group" in proc.stderr
+    assert (
+        "--grpc-restricted-protocol: API 'inference' can not be in more than one group"
+        in proc.stderr
+    )
 
 
 @pytest.mark.parametrize("protocol", ["triton-http", "triton-grpc", "openai"])
@@ -139,11 +208,35 @@ def test_the_serve_bench_sends_headers_and_keeps_no_secret(restricted, tmp_path,
     import json
 
     from mmserve.bench.cli import main
+
     url = restricted.grpc_url if protocol == "triton-grpc" else restricted.http_url
-    header = f"triton-grpc-protocol-{KEY}={SECRET}" if protocol == "triton-grpc" else "Authorization=Bearer tok"
+    header = (
+        f"triton-grpc-protocol-{KEY}={SECRET}"
+        if protocol == "triton-grpc"
+        else "Authorization=Bearer tok"
+    )
     secret = SECRET if protocol == "triton-grpc" else "Bearer tok"
-    common = ["serve", "--url", url, "--protocol", protocol, "--device", "cpu", "--request-rates", "inf",
-              "--concurrency", "", "--num-requests", "2", "--input-len", "4", "--output-len", "2", "--warmup", "0"]
+    common = [
+        "serve",
+        "--url",
+        url,
+        "--protocol",
+        protocol,
+        "--device",
+        "cpu",
+        "--request-rates",
+        "inf",
+        "--concurrency",
+        "",
+        "--num-requests",
+        "2",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--warmup",
+        "0",
+    ]
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert main([*common, "--header", header, "--out", str(out), "--markdown", str(md)]) == 0
     row = json.loads(out.read_text())["results"]["rate_sweep"][0]["mmserve"]

@@ -1,5 +1,6 @@
 """/metrics of a real server: request counters, latency histograms, token counters, engine gauges; and the
 server under disconnects and a concurrent mix of OpenAI and Triton requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,11 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of the server's /metrics."""
     resp = httpx.get(f"{server.http_url}/metrics", timeout=30)
     assert resp.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
 
 
 def value(metrics: dict, name: str, **labels: str) -> float:
@@ -29,24 +33,41 @@ def chat(server, content, max_tokens: int = 8, system: str | None = None, **kw) 
     messages = [{"role": "user", "content": content}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    body = {"model": "ensemble", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
+    body = {
+        "model": "ensemble",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **kw,
+    }
     return httpx.post(f"{server.http_url}{CHAT}", json=body, timeout=60)
 
 
 def image_content(seed: int, text: str = "Describe the picture.") -> list[dict]:
-    return [{"type": "image_url", "image_url": {"url": image_to_data_uri(make_test_image(seed))}},
-            {"type": "text", "text": text}]
+    return [
+        {"type": "image_url", "image_url": {"url": image_to_data_uri(make_test_image(seed))}},
+        {"type": "text", "text": text},
+    ]
 
 
 def test_request_counters_by_endpoint_and_status(server):
     before = scrape(server)
     assert chat(server, "Hi").status_code == 200
-    assert httpx.post(f"{server.http_url}{CHAT}", json={"model": "nope", "messages": [{"role": "user",
-                                                          "content": "x"}]}, timeout=30).status_code == 404
+    assert (
+        httpx.post(
+            f"{server.http_url}{CHAT}",
+            json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+            timeout=30,
+        ).status_code
+        == 404
+    )
     after = scrape(server)
     for status in ("200", "404"):
         key = dict(endpoint=CHAT, status=status)
-        assert value(after, "mmserve_requests_total", **key) == value(before, "mmserve_requests_total", **key) + 1
+        assert (
+            value(after, "mmserve_requests_total", **key)
+            == value(before, "mmserve_requests_total", **key) + 1
+        )
 
 
 def test_latency_histograms_and_token_counters_follow_a_request(server):
@@ -54,14 +75,23 @@ def test_latency_histograms_and_token_counters_follow_a_request(server):
     resp = chat(server, image_content(31), max_tokens=8, ignore_eos=True)
     usage = resp.json()["usage"]
     after = scrape(server)
-    for hist in ("mmserve_time_to_first_token_seconds", "mmserve_inter_token_latency_seconds",
-                 "mmserve_e2e_request_latency_seconds"):
+    for hist in (
+        "mmserve_time_to_first_token_seconds",
+        "mmserve_inter_token_latency_seconds",
+        "mmserve_e2e_request_latency_seconds",
+    ):
         assert value(after, hist + "_count") == value(before, hist + "_count") + 1, hist
         assert value(after, hist + "_sum") > value(before, hist + "_sum"), hist
-    assert value(after, "mmserve_prompt_tokens_total") - value(before, "mmserve_prompt_tokens_total") \
+    assert (
+        value(after, "mmserve_prompt_tokens_total") - value(before, "mmserve_prompt_tokens_total")
         == usage["prompt_tokens"]
-    assert value(after, "mmserve_generation_tokens_total") - value(before, "mmserve_generation_tokens_total") \
-        == usage["completion_tokens"] == 8
+    )
+    assert (
+        value(after, "mmserve_generation_tokens_total")
+        - value(before, "mmserve_generation_tokens_total")
+        == usage["completion_tokens"]
+        == 8
+    )
 
 
 def test_engine_step_counters_by_kind_follow_a_request(server):
@@ -79,16 +109,28 @@ def test_engine_step_counters_by_kind_follow_a_request(server):
     assert 7 < tokens <= prompt_tokens + 7
     assert grown("mmserve_engine_steps_total", kind="decode") >= 6
     assert grown("mmserve_engine_step_seconds_total", kind="decode", part="host") > 0
-    assert all(grown("mmserve_engine_step_seconds_total", kind=k, part=p) >= 0
-               for k in kinds for p in ("host", "device_wait"))
+    assert all(
+        grown("mmserve_engine_step_seconds_total", kind=k, part=p) >= 0
+        for k in kinds
+        for p in ("host", "device_wait")
+    )
 
 
 def test_engine_gauges_are_exported_and_idle_after_requests(server):
     metrics = scrape(server)
-    for gauge in ("mmserve_num_requests_running", "mmserve_num_requests_waiting", "mmserve_kv_cache_usage_ratio",
-                  "mmserve_prefix_cache_hit_rate", "mmserve_encoder_cache_hit_rate"):
+    for gauge in (
+        "mmserve_num_requests_running",
+        "mmserve_num_requests_waiting",
+        "mmserve_kv_cache_usage_ratio",
+        "mmserve_prefix_cache_hit_rate",
+        "mmserve_encoder_cache_hit_rate",
+    ):
         assert (gauge, ()) in metrics, gauge
-    assert value(metrics, "mmserve_num_requests_running") == value(metrics, "mmserve_num_requests_waiting") == 0
+    assert (
+        value(metrics, "mmserve_num_requests_running")
+        == value(metrics, "mmserve_num_requests_waiting")
+        == 0
+    )
     assert value(metrics, "mmserve_kv_cache_usage_ratio") == 0
 
 
@@ -112,8 +154,14 @@ def test_same_image_after_a_different_prefix_hits_the_encoder_cache(server):
 
 
 def test_disconnect_mid_stream_frees_the_kv_cache(server):
-    body = {"model": "ensemble", "messages": [{"role": "user", "content": image_content(34)}], "max_tokens": 400,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": "ensemble",
+        "messages": [{"role": "user", "content": image_content(34)}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.http_url}{CHAT}", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         chunks = 0
@@ -124,7 +172,10 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server):
     deadline = time.monotonic() + 5
     while True:
         metrics = scrape(server)
-        if value(metrics, "mmserve_kv_cache_usage_ratio") == 0 and value(metrics, "mmserve_num_requests_running") == 0:
+        if (
+            value(metrics, "mmserve_kv_cache_usage_ratio") == 0
+            and value(metrics, "mmserve_num_requests_running") == 0
+        ):
             break
         assert time.monotonic() < deadline, "KV blocks still held 5 s after the client disconnected"
         time.sleep(0.1)
@@ -137,31 +188,53 @@ def test_32_concurrent_openai_and_triton_requests_all_succeed(server):
     async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str]:
         kind = ("chat", "generate", "completions")[i % 3]
         if kind == "chat":
-            resp = await client.post(CHAT, json={"model": "ensemble", "max_tokens": 6, "messages": [
-                {"role": "user", "content": image_content(35, f"Question {i}?")}]})
-            text = resp.json()["choices"][0]["message"]["content"] if resp.status_code == 200 else resp.text
+            resp = await client.post(
+                CHAT,
+                json={
+                    "model": "ensemble",
+                    "max_tokens": 6,
+                    "messages": [{"role": "user", "content": image_content(35, f"Question {i}?")}],
+                },
+            )
+            text = (
+                resp.json()["choices"][0]["message"]["content"]
+                if resp.status_code == 200
+                else resp.text
+            )
         elif kind == "generate":
-            resp = await client.post("/v2/models/ensemble/generate", json={
-                "text_input": f"Question {i}?", "image_url_input": uri, "max_tokens": 6})
+            resp = await client.post(
+                "/v2/models/ensemble/generate",
+                json={"text_input": f"Question {i}?", "image_url_input": uri, "max_tokens": 6},
+            )
             text = resp.json()["text_output"] if resp.status_code == 200 else resp.text
         else:
-            resp = await client.post("/v1/completions", json={"model": "ensemble", "prompt": f"Story {i}:",
-                                                              "max_tokens": 6})
+            resp = await client.post(
+                "/v1/completions",
+                json={"model": "ensemble", "prompt": f"Story {i}:", "max_tokens": 6},
+            )
             text = resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text
         assert resp.status_code == 200, (kind, text)
         return kind, text
 
     async def burst() -> list[tuple[str, str]]:
         limits = httpx.Limits(max_connections=32)
-        async with httpx.AsyncClient(base_url=server.http_url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=server.http_url, timeout=120, limits=limits
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
     before = scrape(server)
     results = asyncio.run(burst())
     after = scrape(server)
     assert len(results) == 32 and all(isinstance(text, str) for _, text in results)
-    for endpoint, count in ((CHAT, 11), ("/v2/models/{model}/generate", 11), ("/v1/completions", 10)):
+    for endpoint, count in (
+        (CHAT, 11),
+        ("/v2/models/{model}/generate", 11),
+        ("/v1/completions", 10),
+    ):
         key = dict(endpoint=endpoint, status="200")
-        assert value(after, "mmserve_requests_total", **key) - value(before, "mmserve_requests_total", **key) \
-            == count, endpoint
-
+        assert (
+            value(after, "mmserve_requests_total", **key)
+            - value(before, "mmserve_requests_total", **key)
+            == count
+        ), endpoint

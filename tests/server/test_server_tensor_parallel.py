@@ -1,6 +1,7 @@
 """`mmserve serve --tensor-parallel-size 2`: a real server whose language model is sharded over two processes
 answers Triton requests (text, and an image over gRPC with tritonclient) as the one-process offline LLM does; a
 worker that dies turns the server unavailable (health 503, requests 503) instead of hanging."""
+
 from __future__ import annotations
 
 import os
@@ -21,27 +22,37 @@ PROMPTS = ["a cat on a mat", "two dogs in the park"]
 
 @pytest.fixture(scope="module")
 def tp_server(tiny_llava_dir, tmp_path_factory):
-    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("tp-logs"), "--tensor-parallel-size", "2") as handle:
+    with start_server(
+        tiny_llava_dir, tmp_path_factory.mktemp("tp-logs"), "--tensor-parallel-size", "2"
+    ) as handle:
         yield handle
 
 
 def test_sharded_server_answers_as_one_process(tp_server, tiny_llava_dir):
     got = ensemble_texts(tp_server, PROMPTS, max_tokens=10)
     params = SamplingParams(max_tokens=10, temperature=0.0)
-    offline = LLM(tiny_llava_dir, device="cpu").generate([f"USER:\n{t} ASSISTANT:" for t in PROMPTS], params,
-                                                       use_tqdm=False)
+    offline = LLM(tiny_llava_dir, device="cpu").generate(
+        [f"USER:\n{t} ASSISTANT:" for t in PROMPTS], params, use_tqdm=False
+    )
     assert [g.endswith(o.outputs[0].text) for g, o in zip(got, offline)] == [True, True]
 
 
 def test_sharded_server_answers_an_image_over_grpc(tp_server, tiny_llava_dir):
-    image = np.asarray(make_test_image(6, size=(30, 20)))[None, None]      # [1, 1, H, W, 3] uint8
-    _, want = completion(LLM(tiny_llava_dir, device="cpu"), {"prompt": f"USER:\n<image>{TEXT} ASSISTANT:",
-                                                             "images": [make_test_image(6, (30, 20))]},
-                         max_tokens=16, top_k=1)
+    image = np.asarray(make_test_image(6, size=(30, 20)))[None, None]  # [1, 1, H, W, 3] uint8
+    _, want = completion(
+        LLM(tiny_llava_dir, device="cpu"),
+        {"prompt": f"USER:\n<image>{TEXT} ASSISTANT:", "images": [make_test_image(6, (30, 20))]},
+        max_tokens=16,
+        top_k=1,
+    )
     with grpcclient.InferenceServerClient(tp_server.grpc_url) as client:
         for model in ("ensemble", "tensorrt_llm_bls"):
-            assert client.infer(model, seed_inputs("image_bytes_input", image)).as_numpy("text_output")[0] \
-                .decode() == want
+            assert (
+                client.infer(model, seed_inputs("image_bytes_input", image))
+                .as_numpy("text_output")[0]
+                .decode()
+                == want
+            )
 
 
 def _spawned_children(pid: int) -> list[int]:
@@ -75,4 +86,4 @@ def test_a_dead_worker_turns_the_server_unavailable(tiny_llava_dir, tmp_path):
         assert httpx.get(f"{server.http_url}/v2/health/ready", timeout=5).status_code == 503
         r = httpx.post(f"{server.http_url}/v2/models/ensemble/generate", json=body, timeout=10)
         assert r.status_code == 503 and "engine loop has stopped" in r.text, r.text
-        assert server.proc.poll() is None   # still answering, with 503s
+        assert server.proc.poll() is None  # still answering, with 503s

@@ -19,6 +19,7 @@ The second half runs under tracemalloc. Three memory bounds, none on time:
 - raw RSS at most 24 MB above its value after warm-up: glibc's kept memory grows back after the first trim in steps
   of up to ~6 MB (+2.6 MB in this test's traced 35 s).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,19 +39,46 @@ RSS_GROWTH_BOUND_MB = 24.0
 @pytest.mark.timeout(300)
 def test_rss_stays_flat_once_the_caches_are_full(tiny_llava_dir, tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(SCRIPT), "--model", tiny_llava_dir, "--minutes", "1.25", "--warmup-fraction", "0.5",
-           "--sample-s", "3", "--concurrency", "3", "--max-side", "320", "--encoder-cache-size", "256",
-           "--kv-cache-size-gb", "0.02", "--server-arg=--prompt-end-cache-size=64", "--max-slope-mb-per-min", "1000",
-           "--tracemalloc", str(tmp_path / "tracemalloc"), "--log-dir", str(tmp_path), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--model",
+        tiny_llava_dir,
+        "--minutes",
+        "1.25",
+        "--warmup-fraction",
+        "0.5",
+        "--sample-s",
+        "3",
+        "--concurrency",
+        "3",
+        "--max-side",
+        "320",
+        "--encoder-cache-size",
+        "256",
+        "--kv-cache-size-gb",
+        "0.02",
+        "--server-arg=--prompt-end-cache-size=64",
+        "--max-slope-mb-per-min",
+        "1000",
+        "--tracemalloc",
+        str(tmp_path / "tracemalloc"),
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     report = run.stdout[-4000:]
     assert result["requests_failed"] == 0, report
     requests = result["requests_after_warm"]
-    assert requests >= 50, report   # the traced half did work (~300 requests on a busy 2-core box)
+    assert requests >= 50, report  # the traced half did work (~300 requests on a busy 2-core box)
     assert "caches: encoder cache 256 rows" in (result["server_caches_line"] or ""), report
     assert result["live_growth_after_warm_mb"] <= LIVE_GROWTH_BOUND_MB, report
     assert result["rss_after_warm_max_mb"] - result["rss_at_warm_mb"] <= RSS_GROWTH_BOUND_MB, report
     bound = PYTHON_ALIVE_BASE_MB + PYTHON_ALIVE_PER_REQUEST_KB * requests / 1024
-    assert result["python_alive_after_warm_mb"] <= bound, report + "\n".join(result["tracemalloc_top"])
+    assert result["python_alive_after_warm_mb"] <= bound, report + "\n".join(
+        result["tracemalloc_top"]
+    )

@@ -2,6 +2,7 @@
 runs) still ends in a well-formed error in the API's own shape, and the client's connection keeps serving: HTTP
 routes (OpenAI error object, Triton {"error": ...}), SSE streams (an error event, then OpenAI's [DONE]) and gRPC
 (INTERNAL naming the fault; Triton's in-band error_message on a stream)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,16 @@ def _in_process_server(model_dir: str):
     media = MediaConfig()
     engine = Engine(EngineConfig(ModelConfig(model_dir, device="cpu")), media)
     http_port, grpc_port = free_port(), free_port()
-    state = ServerState(AsyncEngine(engine), ServerConfig(http_port=http_port, grpc_port=grpc_port), media,
-                        model_dir, engine.hf_config.model_type)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=http_port, log_level="warning"))
+    state = ServerState(
+        AsyncEngine(engine),
+        ServerConfig(http_port=http_port, grpc_port=grpc_port),
+        media,
+        model_dir,
+        engine.hf_config.model_type,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(state), host="127.0.0.1", port=http_port, log_level="warning")
+    )
 
     async def serve() -> None:
         grpc, _ = await grpc_server.start_grpc_server(state, "127.0.0.1", grpc_port)
@@ -88,7 +96,12 @@ def _model(conn: KeepAlive) -> str:
 
 
 def _openai_body(conn: KeepAlive, **extra) -> dict:
-    return {"model": _model(conn), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    return {
+        "model": _model(conn),
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 def _after_fault_a_good_request_works(conn: KeepAlive) -> None:
@@ -98,20 +111,28 @@ def _after_fault_a_good_request_works(conn: KeepAlive) -> None:
 
 # ---- HTTP routes ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, module, name", [
-    ("/v1/chat/completions", openai_api, "chat_prompt"),
-    ("/v1/completions", openai_api, "completion_prompt"),
-    ("/tokenize", tokenize_api, "chat_prompt"),
-    ("/v2/models/ensemble/generate", triton_http, "_generate_json"),
-    ("/v2/models/ensemble/infer", triton_http, "_infer_response"),
-])
+
+@pytest.mark.parametrize(
+    "path, module, name",
+    [
+        ("/v1/chat/completions", openai_api, "chat_prompt"),
+        ("/v1/completions", openai_api, "completion_prompt"),
+        ("/tokenize", tokenize_api, "chat_prompt"),
+        ("/v2/models/ensemble/generate", triton_http, "_generate_json"),
+        ("/v2/models/ensemble/infer", triton_http, "_infer_response"),
+    ],
+)
 def test_a_route_that_raises_answers_500_in_its_shape(conn, monkeypatch, path, module, name):
-    body = {"/v2/models/ensemble/generate": GOOD,
-            "/v2/models/ensemble/infer": {"inputs": [
+    body = {
+        "/v2/models/ensemble/generate": GOOD,
+        "/v2/models/ensemble/infer": {
+            "inputs": [
                 {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["hi"]},
-                {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [2]}]},
-            "/v1/completions": {"model": _model(conn), "prompt": "hi", "max_tokens": 2},
-            }.get(path) or _openai_body(conn)
+                {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [2]},
+            ]
+        },
+        "/v1/completions": {"model": _model(conn), "prompt": "hi", "max_tokens": 2},
+    }.get(path) or _openai_body(conn)
     monkeypatch.setattr(module, name, _boom)
     status, text = conn.post(path, body)
     assert status == 500, text
@@ -126,6 +147,7 @@ def test_a_route_that_raises_answers_500_in_its_shape(conn, monkeypatch, path, m
 
 # ---- SSE streams ---------------------------------------------------------------------------------------
 
+
 def _fail_after(first_calls: int, real):
     calls = 0
 
@@ -135,6 +157,7 @@ def _fail_after(first_calls: int, real):
         if calls > first_calls:
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
+
     return maybe_fail
 
 
@@ -153,8 +176,10 @@ def test_openai_stream_that_raises_ends_with_an_error_event_and_done(conn, monke
 
 def test_triton_stream_that_raises_ends_with_an_error_event(conn, monkeypatch):
     monkeypatch.setattr(triton_http, "_generate_json", _fail_after(1, triton_http._generate_json))
-    status, text = conn.post("/v2/models/ensemble/generate_stream", {**GOOD, "max_tokens": 8, "min_tokens": 8,
-                                                                       "stream": True})
+    status, text = conn.post(
+        "/v2/models/ensemble/generate_stream",
+        {**GOOD, "max_tokens": 8, "min_tokens": 8, "stream": True},
+    )
     assert status == 200
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
     assert "text_output" in events[0] and "injected fault" in events[-1].get("error", ""), events
@@ -164,10 +189,16 @@ def test_triton_stream_that_raises_ends_with_an_error_event(conn, monkeypatch):
 
 # ---- gRPC ------------------------------------------------------------------------------------------------
 
+
 def _grpc_inputs() -> list[grpcclient.InferInput]:
     inputs = []
-    for name, value in [("text_input", np.array([["hi"]], dtype=object)), ("max_tokens", np.array([[3]], np.int32))]:
-        inputs.append(grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype)))
+    for name, value in [
+        ("text_input", np.array([["hi"]], dtype=object)),
+        ("max_tokens", np.array([[3]], np.int32)),
+    ]:
+        inputs.append(
+            grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        )
         inputs[-1].set_data_from_numpy(value)
     return inputs
 
@@ -194,7 +225,10 @@ def test_grpc_stream_fault_is_an_in_band_error_and_the_stream_serves_on(urls, mo
 
     def callback(result, error) -> None:
         results.append((result, error))
-        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+        if (
+            error is not None
+            or result.get_response().parameters["triton_final_response"].bool_param
+        ):
             done.set()
 
     client.start_stream(callback)

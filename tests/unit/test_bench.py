@@ -3,6 +3,7 @@ JSON keys, positive numbers, markdown and plots.
 
 Timings here only have to exist and be positive; their values are never checked (DESIGN §5).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,10 @@ from mmserve.bench.serve import ServeConfig
 from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
 
 
-
 def _strict_json(path: Path) -> dict:
     def no_constants(c: str):
         raise ValueError(f"non-standard JSON constant {c}")
+
     return json.loads(path.read_text(), parse_constant=no_constants)
 
 
@@ -30,14 +31,25 @@ def _positive(x) -> bool:
 
 
 def _outputs(tmp_path: Path) -> list[str]:
-    return ["--out", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "b.md"),
-            "--plot-dir", str(tmp_path / "plots")]
+    return [
+        "--out",
+        str(tmp_path / "r.json"),
+        "--markdown",
+        str(tmp_path / "b.md"),
+        "--plot-dir",
+        str(tmp_path / "plots"),
+    ]
 
 
 def _check_env_and_files(tmp_path: Path, result: dict, bench: str, table_header: str) -> None:
     assert result["schema"] == "mmserve-bench/1" and result["bench"] == bench
     env = result["env"]
-    assert env["command"].startswith(f"mmserve bench {bench} ") and env["torch"] and env["device_name"] and env["date"]
+    assert (
+        env["command"].startswith(f"mmserve bench {bench} ")
+        and env["torch"]
+        and env["device_name"]
+        and env["date"]
+    )
     assert result["errors"] == []
     md = (tmp_path / "b.md").read_text()
     assert env["command"] in md and table_header in md
@@ -45,8 +57,28 @@ def _check_env_and_files(tmp_path: Path, result: dict, bench: str, table_header:
 
 
 def test_latency_bench_measures_mmserve_hf_and_roofline_per_batch_size(tiny_llava_dir, tmp_path):
-    rc = main(["latency", "--model", tiny_llava_dir, "--device", "cpu", "--batch-sizes", "1,2", "--input-len", "16",
-               "--output-len", "3", "--warmup", "0", "--iters", "1", "--baseline", "hf", *_outputs(tmp_path)])
+    rc = main(
+        [
+            "latency",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "3",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--baseline",
+            "hf",
+            *_outputs(tmp_path),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     _check_env_and_files(tmp_path, result, "latency", "| batch | TTFT ms mmserve |")
@@ -56,32 +88,65 @@ def test_latency_bench_measures_mmserve_hf_and_roofline_per_batch_size(tiny_llav
     for row in result["results"]:
         for engine in ("mmserve", "hf"):
             m = row[engine]
-            for key in ("ttft_ms", "ttft_mean_ms", "decode_ms_per_step", "decode_tok_s", "roofline_fraction"):
+            for key in (
+                "ttft_ms",
+                "ttft_mean_ms",
+                "decode_ms_per_step",
+                "decode_tok_s",
+                "roofline_fraction",
+            ):
                 assert _positive(m[key]), (engine, key, m[key])
             assert m["prompt_tokens"] > 16  # the image's placeholders come on top of the text
         assert row["mmserve"]["prompt_tokens"] == row["hf"]["prompt_tokens"]
-        assert all(_positive(row["roofline"][k]) for k in ("bytes_per_step", "ms_per_step", "tok_s"))
+        assert all(
+            _positive(row["roofline"][k]) for k in ("bytes_per_step", "ms_per_step", "tok_s")
+        )
         assert _positive(row["ratio"]["ttft"]) and _positive(row["ratio"]["decode_tok_s"])
 
 
 def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_llava_dir, tmp_path):
-    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
-               "--output-len", "4", "--hf-batch-size", "2", "--warmup", "0", *_outputs(tmp_path)])
+    rc = main(
+        [
+            "throughput",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "4",
+            "--hf-batch-size",
+            "2",
+            "--warmup",
+            "0",
+            *_outputs(tmp_path),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     _check_env_and_files(tmp_path, result, "throughput", "| engine | requests |")
     res = result["results"]
     for engine in ("mmserve", "hf"):
         assert res[engine]["num_requests"] == 3 and res[engine]["output_tokens"] == 12
-        assert all(_positive(res[engine][k]) for k in ("elapsed_s", "requests_per_s", "output_tok_s"))
+        assert all(
+            _positive(res[engine][k]) for k in ("elapsed_s", "requests_per_s", "output_tok_s")
+        )
     assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
     assert _positive(res["ratio"]["output_tok_s"]) and _positive(res["ratio"]["requests_per_s"])
     # the step breakdown accounts for every computed token: prompts (less cached ones) and each output
     # token but the last, which is sampled and never fed back
     m, steps = res["mmserve"], res["mmserve"]["steps"]
     kinds = {k: v for k, v in steps.items() if k != "idle"}
-    assert sum(v["tokens"] for v in kinds.values()) == m["prompt_tokens"] - m["cached_prompt_tokens"] + 3 * 3
-    assert kinds["decode"]["steps"] >= 1 and kinds["decode"]["tokens"] == kinds["decode"]["sequences"]
+    assert (
+        sum(v["tokens"] for v in kinds.values())
+        == m["prompt_tokens"] - m["cached_prompt_tokens"] + 3 * 3
+    )
+    assert (
+        kinds["decode"]["steps"] >= 1 and kinds["decode"]["tokens"] == kinds["decode"]["sequences"]
+    )
     wall = sum(v["wall_s"] for v in kinds.values()) + steps["idle"]["host_s"]
     assert 0 < wall <= m["elapsed_s"]
     assert "| step kind | steps |" in (tmp_path / "b.md").read_text()
@@ -90,13 +155,15 @@ def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_ll
 # ---- other families: --family NAME --preset tiny, the transformers baseline by config.architectures ----
 
 # family -> (--input-len: at least its template's own tokens with the tiny BPE, HF architecture)
-FAMILY_CASES = {"qwen2_vl": (56, "Qwen2VLForConditionalGeneration"),
-                "blip2": (20, "Blip2ForConditionalGeneration"),
-                "mllama": (60, "MllamaForConditionalGeneration"),
-                "fuyu": (20, "FuyuForCausalLM"),
-                "kosmos2": (20, "Kosmos2ForConditionalGeneration"),
-                "nougat": (20, "VisionEncoderDecoderModel"),
-                "pix2struct": (20, "Pix2StructForConditionalGeneration")}
+FAMILY_CASES = {
+    "qwen2_vl": (56, "Qwen2VLForConditionalGeneration"),
+    "blip2": (20, "Blip2ForConditionalGeneration"),
+    "mllama": (60, "MllamaForConditionalGeneration"),
+    "fuyu": (20, "FuyuForCausalLM"),
+    "kosmos2": (20, "Kosmos2ForConditionalGeneration"),
+    "nougat": (20, "VisionEncoderDecoderModel"),
+    "pix2struct": (20, "Pix2StructForConditionalGeneration"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -106,35 +173,95 @@ def family_work_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CASES))
-def test_latency_bench_runs_a_family_preset_against_its_transformers_class(family, family_work_dir, tmp_path):
+def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
+    family, family_work_dir, tmp_path
+):
     input_len, arch = FAMILY_CASES[family]
-    rc = main(["latency", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir, "--device", "cpu",
-               "--batch-sizes", "1", "--input-len", str(input_len), "--output-len", "2", "--warmup", "0",
-               "--iters", "1", "--baseline", "hf", "--out", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "latency",
+            "--family",
+            family,
+            "--preset",
+            "tiny",
+            "--work-dir",
+            family_work_dir,
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1",
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            "2",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--baseline",
+            "hf",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["errors"] == []
     model = result["model"]
     assert (model["family"], model["preset"], model["architecture"]) == (family, "tiny", arch)
     assert Path(model["path"]).name == f"{family}-tiny" and model["text_tokens"] == input_len
-    assert [r["batch_size"] for r in result["results"]] == [1]  # batches of 2: the throughput test below
+    assert [r["batch_size"] for r in result["results"]] == [
+        1
+    ]  # batches of 2: the throughput test below
     for row in result["results"]:
         for engine in ("mmserve", "hf"):
-            assert all(_positive(row[engine][k]) for k in ("ttft_ms", "decode_ms_per_step", "decode_tok_s"))
+            assert all(
+                _positive(row[engine][k]) for k in ("ttft_ms", "decode_ms_per_step", "decode_tok_s")
+            )
         assert row["mmserve"]["prompt_tokens"] == row["hf"]["prompt_tokens"]
         # + the image's tokens, but for an encoder-decoder, whose prompt is its decoder's (Deplot's: the start token
         # alone, the question is drawn on the picture)
         want = {"nougat": input_len, "pix2struct": 1}.get(family)
-        assert row["mmserve"]["prompt_tokens"] == want if want else row["mmserve"]["prompt_tokens"] > input_len
+        assert (
+            row["mmserve"]["prompt_tokens"] == want
+            if want
+            else row["mmserve"]["prompt_tokens"] > input_len
+        )
         assert _positive(row["roofline"]["ms_per_step"])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CASES))
-def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(family, family_work_dir, tmp_path):
+def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(
+    family, family_work_dir, tmp_path
+):
     input_len, _ = FAMILY_CASES[family]
-    rc = main(["throughput", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir, "--device", "cpu",
-               "--num-requests", "2", "--input-len", str(input_len), "--output-len", "4", "--hf-batch-size", "2",
-               "--warmup", "0", "--baseline", "hf", "--out", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "throughput",
+            "--family",
+            family,
+            "--preset",
+            "tiny",
+            "--work-dir",
+            family_work_dir,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "2",
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            "4",
+            "--hf-batch-size",
+            "2",
+            "--warmup",
+            "0",
+            "--baseline",
+            "hf",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["errors"] == [] and result["model"]["family"] == family
@@ -146,9 +273,16 @@ def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(fa
 
 
 def test_unknown_preset_or_family_is_refused_naming_the_known_ones(capsys):
-    assert main(["latency", "--family", "qwen2_vl", "--preset", "llava-1.5-7b", "--device", "cpu"]) == 2
+    assert (
+        main(["latency", "--family", "qwen2_vl", "--preset", "llava-1.5-7b", "--device", "cpu"])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "unknown qwen2_vl preset 'llava-1.5-7b'" in err and "qwen2-vl-7b" in err and "qwen2.5-vl-7b" in err
+    assert (
+        "unknown qwen2_vl preset 'llava-1.5-7b'" in err
+        and "qwen2-vl-7b" in err
+        and "qwen2.5-vl-7b" in err
+    )
     assert main(["throughput", "--family", "gpt2", "--preset", "tiny", "--device", "cpu"]) == 2
     assert "unknown model family 'gpt2'" in capsys.readouterr().err
     assert main(["latency", "--family", "blip2", "--model", "/nonexistent", "--device", "cpu"]) == 2
@@ -158,13 +292,21 @@ def test_unknown_preset_or_family_is_refused_naming_the_known_ones(capsys):
 
 
 def test_prompts_follow_each_checkpoint_s_own_template(family_work_dir):
-    qwen = PromptTemplate(ModelSource(family="qwen2_vl", preset="tiny", work_dir=family_work_dir).resolve())
+    qwen = PromptTemplate(
+        ModelSource(family="qwen2_vl", preset="tiny", work_dir=family_work_dir).resolve()
+    )
     spec = make_prompt(qwen, 60)
     assert spec.text.count("<|vision_start|><|image_pad|><|vision_end|>") == 1
     assert spec.text.endswith("<|im_start|>assistant\n") and spec.text_tokens == 60
-    blip2 = PromptTemplate(ModelSource(family="blip2", preset="tiny", work_dir=family_work_dir).resolve())
+    blip2 = PromptTemplate(
+        ModelSource(family="blip2", preset="tiny", work_dir=family_work_dir).resolve()
+    )
     spec = make_prompt(blip2, 24)
-    assert spec.text.startswith("Question: ") and spec.text.endswith(" Answer:") and "<image>" not in spec.text
+    assert (
+        spec.text.startswith("Question: ")
+        and spec.text.endswith(" Answer:")
+        and "<image>" not in spec.text
+    )
     assert spec.text_tokens == len(blip2.tokenizer(spec.text).input_ids) == 24
 
 
@@ -185,7 +327,9 @@ def test_prompt_has_exactly_the_asked_text_tokens(tiny_llava_dir):
     for n in (16, 40, 128):
         spec = make_prompt(template, n)
         assert spec.text_tokens == n and spec.text.count("<image>") == 1
-        assert spec.text == f"USER: <image>\n{spec.filler} ASSISTANT:"  # llava-1.5's own chat template
+        assert (
+            spec.text == f"USER: <image>\n{spec.filler} ASSISTANT:"
+        )  # llava-1.5's own chat template
         assert len(tok(spec.text).input_ids) - 1 == n
 
 
@@ -202,16 +346,23 @@ def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
     position bias tables) and the cross-attention k/v projections of Mllama, MBart, T5 and Pix2Struct (run once per image or
     request, not per decode step)."""
     lm_prefixes = ("lm_head", "text_model.", "decoder.")
-    return dtype_bytes * sum(p.numel() for n, p in model.named_parameters(remove_duplicate=False)
-                             if (not vlm or "language_model" in n or n.startswith(lm_prefixes))
-                             and "embed_tokens" not in n and "embed_positions" not in n
-                             and "cross_attn.k_proj" not in n and "cross_attn.v_proj" not in n
-                             and "encoder_attn.k_proj" not in n and "encoder_attn.v_proj" not in n
-                             and not n.startswith(("language_model.encoder.", "language_model.shared."))
-                             and "EncDecAttention.k." not in n and "EncDecAttention.v." not in n
-                             and "encoder_decoder_attention.attention.key" not in n
-                             and "encoder_decoder_attention.attention.value" not in n
-                             and "relative_attention_bias" not in n)
+    return dtype_bytes * sum(
+        p.numel()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if (not vlm or "language_model" in n or n.startswith(lm_prefixes))
+        and "embed_tokens" not in n
+        and "embed_positions" not in n
+        and "cross_attn.k_proj" not in n
+        and "cross_attn.v_proj" not in n
+        and "encoder_attn.k_proj" not in n
+        and "encoder_attn.v_proj" not in n
+        and not n.startswith(("language_model.encoder.", "language_model.shared."))
+        and "EncDecAttention.k." not in n
+        and "EncDecAttention.v." not in n
+        and "encoder_decoder_attention.attention.key" not in n
+        and "encoder_decoder_attention.attention.value" not in n
+        and "relative_attention_bias" not in n
+    )
 
 
 @pytest.mark.parametrize(("family", "preset"), _all_presets())
@@ -223,12 +374,16 @@ def test_roofline_weight_bytes_match_the_transformers_language_model(family, pre
 
     from mmserve.testing import FAMILIES
 
-    config = getattr(importlib.import_module(FAMILIES[family].split(":")[0]), f"{family}_config")(preset)
+    config = getattr(importlib.import_module(FAMILIES[family].split(":")[0]), f"{family}_config")(
+        preset
+    )
     config.save_pretrained(tmp_path)
     with torch.device("meta"):  # shapes only: the 7B presets cost no memory
         model = getattr(transformers, config.architectures[0])(config)
     for dtype, nbytes in (("float32", 4), ("float16", 2)):
-        assert lm_shape(str(tmp_path), dtype).weight_bytes == _lm_bytes(model, nbytes, vlm=True), dtype
+        assert lm_shape(str(tmp_path), dtype).weight_bytes == _lm_bytes(model, nbytes, vlm=True), (
+            dtype
+        )
 
 
 def test_roofline_counts_quantized_decoder_matrices_at_their_stored_bytes(tiny_llava_dir):
@@ -238,16 +393,42 @@ def test_roofline_counts_quantized_decoder_matrices_at_their_stored_bytes(tiny_l
 
     llm = LLM(tiny_llava_dir, device="cpu", dtype="float32", quantization="fp8")
     elements = sum(m.weight.numel() for _, m in decoder_linears(llm.engine.model))
-    plain, fp8, int8, int4 = (lm_shape(tiny_llava_dir, "float32", quantization=q).weight_bytes
-                              for q in (None, "fp8", "int8", "int4"))
+    plain, fp8, int8, int4 = (
+        lm_shape(tiny_llava_dir, "float32", quantization=q).weight_bytes
+        for q in (None, "fp8", "int8", "int4")
+    )
     assert plain - fp8 == plain - int8 == elements * (4 - 1)
     assert plain - int4 == elements * (4 - 0.5)
 
 
-def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(tiny_llava_dir, tmp_path):
-    rc = main(["latency", "--model", tiny_llava_dir, "--device", "cpu", "--batch-sizes", "1", "--input-len", "8",
-               "--output-len", "2", "--warmup", "0", "--iters", "1", "--baseline", "none", "--tensor-parallel-size",
-               "2", "--enforce-eager", *_outputs(tmp_path)])
+def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(
+    tiny_llava_dir, tmp_path
+):
+    rc = main(
+        [
+            "latency",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--baseline",
+            "none",
+            "--tensor-parallel-size",
+            "2",
+            "--enforce-eager",
+            *_outputs(tmp_path),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["errors"] == [] and result["config"]["tensor_parallel_size"] == 2
@@ -257,19 +438,33 @@ def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(tiny_
     # each GPU reads half of the decoder's matrices and KV heads; norms, embeddings and the LM head whole
     one, two = (lm_shape(tiny_llava_dir, "float32", tp=t) for t in (1, 2))
     q, kv = one.heads * one.head_dim, one.kv_heads * one.head_dim
-    elements = one.layers * (2 * one.hidden * q + 2 * one.hidden * kv + 3 * one.hidden * one.intermediate)
+    elements = one.layers * (
+        2 * one.hidden * q + 2 * one.hidden * kv + 3 * one.hidden * one.intermediate
+    )
     assert one.weight_bytes - two.weight_bytes == elements * one.dtype_bytes // 2
     assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token
 
 
-@pytest.mark.parametrize("variant", [{"do_layer_norm_before": False},       # post-LN, no final norm
-                                     {"word_embed_proj_dim": 24, "tie_word_embeddings": False}])  # project_in/out
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"do_layer_norm_before": False},  # post-LN, no final norm
+        {"word_embed_proj_dim": 24, "tie_word_embeddings": False},
+    ],
+)  # project_in/out
 def test_roofline_weight_bytes_of_opt_variants(variant, tmp_path):
     import torch
     import transformers
 
-    config = transformers.OPTConfig(vocab_size=96, hidden_size=36, num_hidden_layers=2, num_attention_heads=2,
-                                    ffn_dim=52, max_position_embeddings=64, **variant)
+    config = transformers.OPTConfig(
+        vocab_size=96,
+        hidden_size=36,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=52,
+        max_position_embeddings=64,
+        **variant,
+    )
     config.save_pretrained(tmp_path)
     with torch.device("meta"):
         model = transformers.OPTForCausalLM(config)
@@ -277,12 +472,29 @@ def test_roofline_weight_bytes_of_opt_variants(variant, tmp_path):
 
 
 def test_markdown_file_gets_each_run_appended(tmp_path):
-    result = {"bench": "throughput", "schema": "mmserve-bench/1", "errors": [],
-              "env": {"date": "d", "command": "mmserve bench throughput x", "device": "cpu"},
-              "model": {"preset": "tiny", "dtype": "float32", "text_tokens": 4},
-              "config": {"num_requests": 1, "output_len": 2, "max_num_seqs": 1, "hf_batch_size": 1, "rate": math.inf},
-              "results": {"mmserve": {"num_requests": 1, "elapsed_s": 1.0, "requests_per_s": 1.0,
-                                      "output_tok_s": 2.0, "total_tok_s": 6.0}}}
+    result = {
+        "bench": "throughput",
+        "schema": "mmserve-bench/1",
+        "errors": [],
+        "env": {"date": "d", "command": "mmserve bench throughput x", "device": "cpu"},
+        "model": {"preset": "tiny", "dtype": "float32", "text_tokens": 4},
+        "config": {
+            "num_requests": 1,
+            "output_len": 2,
+            "max_num_seqs": 1,
+            "hf_batch_size": 1,
+            "rate": math.inf,
+        },
+        "results": {
+            "mmserve": {
+                "num_requests": 1,
+                "elapsed_s": 1.0,
+                "requests_per_s": 1.0,
+                "output_tok_s": 2.0,
+                "total_tok_s": 6.0,
+            }
+        },
+    }
     md_path, out = tmp_path / "b.md", tmp_path / "r.json"
     write_outputs(result, str(out), str(md_path), None)
     write_outputs(result, str(out), str(md_path), None)
@@ -302,6 +514,7 @@ def test_bench_refuses_bad_settings_without_a_traceback(capsys):
 
 # ---- serve: a real `mmserve serve` on 127.0.0.1 -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bench_server(tiny_llava_dir, tmp_path_factory):
     from tests.server.conftest import start_server
@@ -311,13 +524,40 @@ def bench_server(tiny_llava_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("protocol", ["triton-http", "triton-grpc", "openai"])
-def test_serve_bench_sweeps_rate_and_concurrency_against_a_real_server(bench_server, tiny_llava_dir, tmp_path,
-                                                                       protocol):
+def test_serve_bench_sweeps_rate_and_concurrency_against_a_real_server(
+    bench_server, tiny_llava_dir, tmp_path, protocol
+):
     url = bench_server.grpc_url if protocol == "triton-grpc" else bench_server.http_url
     baseline = ["--baseline", "hf", "--model", tiny_llava_dir] if protocol == "openai" else []
-    rc = main(["serve", "--url", url, "--protocol", protocol, "--device", "cpu", "--request-rates", "20,inf",
-               "--concurrency", "2", "--num-requests", "4", "--input-len", "8", "--output-len", "4", "--warmup", "1",
-               "--max-duration", "60", "--request-timeout", "60", *baseline, *_outputs(tmp_path)])
+    rc = main(
+        [
+            "serve",
+            "--url",
+            url,
+            "--protocol",
+            protocol,
+            "--device",
+            "cpu",
+            "--request-rates",
+            "20,inf",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--warmup",
+            "1",
+            "--max-duration",
+            "60",
+            "--request-timeout",
+            "60",
+            *baseline,
+            *_outputs(tmp_path),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     _check_env_and_files(tmp_path, result, "serve", "| point | engine |")
@@ -342,16 +582,45 @@ def test_the_cli_imports_no_server_package():
     tritonclient."""
     import subprocess
     import sys
-    code = ("import sys, mmserve.entrypoints.cli, mmserve.entrypoints.server_config; "
-            "print([m for m in ('grpc', 'fastapi', 'uvicorn', 'tritonclient') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+    code = (
+        "import sys, mmserve.entrypoints.cli, mmserve.entrypoints.server_config; "
+        "print([m for m in ('grpc', 'fastapi', 'uvicorn', 'tritonclient') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
 def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
-    rc = main(["serve", "--url", bench_server.http_url, "--protocol", "triton-http", "--device", "cpu",
-               "--request-rates", "2", "--concurrency", "", "--num-requests", "50", "--input-len", "4",
-               "--output-len", "2", "--warmup", "0", "--max-duration", "1", "--out", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "serve",
+            "--url",
+            bench_server.http_url,
+            "--protocol",
+            "triton-http",
+            "--device",
+            "cpu",
+            "--request-rates",
+            "2",
+            "--concurrency",
+            "",
+            "--num-requests",
+            "50",
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--warmup",
+            "0",
+            "--max-duration",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     row = _strict_json(tmp_path / "r.json")["results"]["rate_sweep"][0]
     assert row["truncated"] and row["mmserve"]["completed"] + row["mmserve"]["failed"] < 50
@@ -360,13 +629,40 @@ def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
 def test_throughput_bench_can_sample_in_both_engines(tiny_llava_dir, tmp_path, capsys):
     """--temperature / --top-p / --top-k reach mmserve's SamplingParams and transformers' generate (top_k 0 is
     off there too, not its default 50); the record and the markdown say how the tokens were drawn."""
-    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
-               "--output-len", "4", "--hf-batch-size", "2", "--warmup", "0", "--temperature", "0.8",
-               "--top-p", "0.9", "--top-k", "5", *_outputs(tmp_path)])
+    rc = main(
+        [
+            "throughput",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "4",
+            "--hf-batch-size",
+            "2",
+            "--warmup",
+            "0",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            *_outputs(tmp_path),
+        ]
+    )
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["errors"] == []
-    assert (result["config"]["temperature"], result["config"]["top_p"], result["config"]["top_k"]) == (0.8, 0.9, 5)
+    assert (
+        result["config"]["temperature"],
+        result["config"]["top_p"],
+        result["config"]["top_k"],
+    ) == (0.8, 0.9, 5)
     for engine in ("mmserve", "hf"):
         assert result["results"][engine]["output_tokens"] == 12
     assert "sampled at temperature 0.8, top-p 0.9, top-k 5" in (tmp_path / "b.md").read_text()
@@ -376,25 +672,71 @@ def test_throughput_bench_can_sample_in_both_engines(tiny_llava_dir, tmp_path, c
 
 
 def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_dir, tmp_path):
-    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "4", "--input-len", "40",
-               "--output-len", "2", "--hf-batch-size", "2", "--warmup", "0", "--same-image",
-               "--max-num-seqs", "1", *_outputs(tmp_path)])   # one at a time: each finds the last one's blocks
+    rc = main(
+        [
+            "throughput",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "40",
+            "--output-len",
+            "2",
+            "--hf-batch-size",
+            "2",
+            "--warmup",
+            "0",
+            "--same-image",
+            "--max-num-seqs",
+            "1",
+            *_outputs(tmp_path),
+        ]
+    )  # one at a time: each finds the last one's blocks
     assert rc == 0
     result = _strict_json(tmp_path / "r.json")
     assert result["config"]["same_image"] is True
     assert result["model"]["distinct_texts"] == 4 and result["model"]["text_tokens"] == 40
     res = result["results"]
     assert res["mmserve"]["prompt_tokens"] == res["hf"]["prompt_tokens"]
-    assert res["mmserve"]["cached_prompt_tokens"] > 0   # the image's blocks came from the prefix cache
+    assert (
+        res["mmserve"]["cached_prompt_tokens"] > 0
+    )  # the image's blocks came from the prefix cache
     assert "one image shared by all requests, 4 distinct texts" in (tmp_path / "b.md").read_text()
     # distinct images (the default): nothing to reuse, not even in a second timed round
-    rc = main(["throughput", "--model", tiny_llava_dir, "--device", "cpu", "--num-requests", "3", "--input-len", "12",
-               "--output-len", "2", "--baseline", "none", "--warmup", "0", "--iters", "2",
-               "--out", str(tmp_path / "d.json"), "--markdown", str(tmp_path / "d.md")])
+    rc = main(
+        [
+            "throughput",
+            "--model",
+            tiny_llava_dir,
+            "--device",
+            "cpu",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "2",
+            "--baseline",
+            "none",
+            "--warmup",
+            "0",
+            "--iters",
+            "2",
+            "--out",
+            str(tmp_path / "d.json"),
+            "--markdown",
+            str(tmp_path / "d.md"),
+        ]
+    )
     mm = _strict_json(tmp_path / "d.json")["results"]["mmserve"]
     assert rc == 0 and mm["cached_prompt_tokens"] == 0
     # every timed round is kept; the reported one is the best of them
-    assert len(mm["output_tok_s_every_round"]) == 2 and mm["output_tok_s"] == max(mm["output_tok_s_every_round"])
+    assert len(mm["output_tok_s_every_round"]) == 2 and mm["output_tok_s"] == max(
+        mm["output_tok_s_every_round"]
+    )
     assert "in each of its 2 timed rounds" in (tmp_path / "d.md").read_text()
 
 
@@ -404,9 +746,15 @@ def test_throughput_rounds_draw_new_images():
     from mmserve.multimodal.hashing import hash_image
 
     for same_image in (False, True):
-        cfg = ThroughputConfig(source=ModelSource(preset="tiny"), device="cpu", dtype="float32", num_requests=3,
-                               iters=2, same_image=same_image)
+        cfg = ThroughputConfig(
+            source=ModelSource(preset="tiny"),
+            device="cpu",
+            dtype="float32",
+            num_requests=3,
+            iters=2,
+            same_image=same_image,
+        )
         rounds = [[hash_image(im) for im in images] for images in _image_rounds(cfg, 16)]
         assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)
-        assert not set(rounds[0]) & set(rounds[1])           # no picture of round 1 again in round 2
+        assert not set(rounds[0]) & set(rounds[1])  # no picture of round 1 again in round 2
         assert len(set(rounds[0])) == (1 if same_image else 3)

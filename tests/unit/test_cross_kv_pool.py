@@ -2,6 +2,7 @@
 encoder tokens and their layout before encoding them, the KV budget gives up that fraction for the pool, the
 scheduler runs only as many requests with pictures as their blocks fit in it and takes the blocks back on every
 path (finish, abort, preemption), and a request larger than the whole pool is refused naming its images."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,14 @@ from mmserve.worker.cross_kv import CrossKVPool
 MAKERS = {
     "mllama": (lambda d: make_mllama_checkpoint(d, preset="tiny", seed=0), "<|image|>What is it?"),
     "nougat": (lambda d: make_nougat_checkpoint(d, preset="tiny", seed=0), ""),
-    "blip2_t5": (lambda d: make_blip2_checkpoint(d, preset="tiny-t5", seed=0), "Question: what? Answer:"),
-    "pix2struct": (lambda d: make_pix2struct_checkpoint(d, preset="tiny", seed=0, progress=False), "Which year?"),
+    "blip2_t5": (
+        lambda d: make_blip2_checkpoint(d, preset="tiny-t5", seed=0),
+        "Question: what? Answer:",
+    ),
+    "pix2struct": (
+        lambda d: make_pix2struct_checkpoint(d, preset="tiny", seed=0, progress=False),
+        "Which year?",
+    ),
 }
 
 
@@ -36,7 +43,9 @@ def test_each_family_knows_its_encoder_tokens_before_encoding(family, family_dir
     model = llm.engine.model
     layout = model.cross_kv_layout()
     for size in ((40, 30), (64, 64), (90, 50)):
-        items = llm.engine.inputs.process({"prompt": MAKERS[family][1], "images": [make_test_image(1, size)]}).mm_items
+        items = llm.engine.inputs.process(
+            {"prompt": MAKERS[family][1], "images": [make_test_image(1, size)]}
+        ).mm_items
         states = [model.cross_kv(s) for s in model.get_mm_embeddings(items)]
         assert [model.cross_kv_tokens(it) for it in items] == [len(s) for s in states], size
         for s in states:
@@ -48,12 +57,18 @@ def test_the_kv_budget_gives_up_the_fraction_for_the_pool(family_dirs):
     runner = plain.engine.runner
     budget = int(0.01 * 2**30 * 0.5)
     assert runner.cross_kv_budget == budget
-    assert runner.cross_kv.num_blocks == CrossKVPool.blocks_for(runner.cross_kv.layout, runner.dtype, budget,
-                                                                runner.block_size)
+    assert runner.cross_kv.num_blocks == CrossKVPool.blocks_for(
+        runner.cross_kv.layout, runner.dtype, budget, runner.block_size
+    )
     assert plain.engine.scheduler.cross_blocks.num_free == runner.cross_kv.num_blocks
     assert plain.engine.kv.num_blocks == int((0.01 * 2**30 - budget) // runner.kv_bytes_per_block())
-    quarter = LLM(family_dirs["nougat"], device="cpu", dtype="float32", kv_cache_size_gb=0.01,
-                  cross_kv_cache_fraction=0.25)
+    quarter = LLM(
+        family_dirs["nougat"],
+        device="cpu",
+        dtype="float32",
+        kv_cache_size_gb=0.01,
+        cross_kv_cache_fraction=0.25,
+    )
     assert quarter.engine.runner.cross_kv_budget == int(0.01 * 2**30 * 0.25)
     # a fixed KV pool: the cross pool gets fraction / (1 - fraction) of its bytes
     fixed = LLM(family_dirs["nougat"], device="cpu", dtype="float32", num_kv_blocks=64)
@@ -83,15 +98,26 @@ def test_requests_wait_for_room_in_the_pool_and_match_an_unbounded_run(family_di
     free = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=256)
     want = [o.outputs[0].token_ids for o in free.generate(prompts, params)]
     engine = LLM(model_dir, device="cpu", dtype="float32").engine
-    one = max(engine.runner.cross_kv.num_blocks_of(engine.model.cross_kv_tokens(engine.inputs.process(p).mm_items[0]))
-              for p in prompts)
-    engine.scheduler.cross_blocks = blocks = CrossBlockAllocator(2 * one)   # two at a time
+    one = max(
+        engine.runner.cross_kv.num_blocks_of(
+            engine.model.cross_kv_tokens(engine.inputs.process(p).mm_items[0])
+        )
+        for p in prompts
+    )
+    engine.scheduler.cross_blocks = blocks = CrossBlockAllocator(2 * one)  # two at a time
     outs, most = _run(engine, prompts, params)
     assert most == 2 and [outs[str(i)] for i in range(6)] == want
     assert blocks.num_free == 2 * one
     # an abort mid-run and preemptions in a tight KV pool give every block back too
-    tight = LLM(model_dir, device="cpu", dtype="float32", block_size=4, num_kv_blocks=8, enable_prefix_caching=False,
-                cross_kv_cache_fraction=0.9).engine
+    tight = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=8,
+        enable_prefix_caching=False,
+        cross_kv_cache_fraction=0.9,
+    ).engine
     long = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
     for i, p in enumerate(prompts[:4]):
         tight.add_request(str(i), p, long)
@@ -109,9 +135,13 @@ def test_requests_wait_for_room_in_the_pool_and_match_an_unbounded_run(family_di
 def test_a_request_larger_than_the_pool_is_refused(family_dirs):
     engine = LLM(family_dirs["pix2struct"], device="cpu", dtype="float32").engine
     prompt = {"prompt": MAKERS["pix2struct"][1], "images": [make_test_image(0, (40, 30))]}
-    need = engine.runner.cross_kv.num_blocks_of(engine.model.cross_kv_tokens(engine.inputs.process(prompt).mm_items[0]))
+    need = engine.runner.cross_kv.num_blocks_of(
+        engine.model.cross_kv_tokens(engine.inputs.process(prompt).mm_items[0])
+    )
     runner = engine.runner
-    runner.cross_kv = CrossKVPool(runner.cross_kv.layout, runner.dtype, need - 1, runner.block_size, runner.device)
+    runner.cross_kv = CrossKVPool(
+        runner.cross_kv.layout, runner.dtype, need - 1, runner.block_size, runner.device
+    )
     with pytest.raises(ValueError, match=r"images: their encoder keys/values \(\d+ tokens"):
         engine.add_request("big", prompt, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -123,7 +153,10 @@ def test_a_step_admitting_many_pictures_encodes_them_a_few_at_a_time(family_dirs
     model_dir, text = family_dirs["mllama"], MAKERS["mllama"][1]
     prompts = [{"prompt": text, "images": [make_test_image(i, (40 + 7 * i, 30))]} for i in range(5)]
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
-    want = [o.outputs[0].token_ids for o in LLM(model_dir, device="cpu", dtype="float32").generate(prompts, params)]
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(model_dir, device="cpu", dtype="float32").generate(prompts, params)
+    ]
     engine = LLM(model_dir, device="cpu", dtype="float32").engine
     runner = engine.runner
     runner.cross_encode_batch = 2
@@ -141,11 +174,19 @@ def test_which_decode_steps_a_cross_graph_can_take():
     from mmserve.worker.request_inputs import cross_decode_inputs
 
     def seq(start=10, media=True, written=True, decode_len=40, blocks=(7, 3, 9, 1, 4)):
-        req = SimpleNamespace(mm_items=[object()] if media else [], cross_kv_written=written, num_prompt_tokens=10,
-                              cross_decode_len=decode_len, cross_block_ids=list(blocks))
+        req = SimpleNamespace(
+            mm_items=[object()] if media else [],
+            cross_kv_written=written,
+            num_prompt_tokens=10,
+            cross_decode_len=decode_len,
+            cross_block_ids=list(blocks),
+        )
         return SimpleNamespace(request=req, start=start)
 
-    assert cross_decode_inputs([seq(), seq(start=12, decode_len=16)], 4, 16) == ([[7, 3, 9], [7]], [40, 16])
+    assert cross_decode_inputs([seq(), seq(start=12, decode_len=16)], 4, 16) == (
+        [[7, 3, 9], [7]],
+        [40, 16],
+    )
     for odd in (seq(media=False), seq(start=9), seq(written=False), seq(decode_len=65)):
         assert cross_decode_inputs([seq(), odd], 4, 16) is None
 
@@ -163,10 +204,12 @@ def test_the_pool_holds_the_encoder_output_in_the_model_dtype_with_fp8_weights(f
     want = engine.model.get_mm_embeddings(engine.inputs.process(prompt).mm_items)[0]
     if req.cross_kv_order is not None:
         want = want[req.cross_kv_order]
-    want = engine.model.cross_kv(want)   # Mllama's encoder output is the image states; the others' their keys/values
+    want = engine.model.cross_kv(
+        want
+    )  # Mllama's encoder output is the image states; the others' their keys/values
     blocks = torch.tensor(req.cross_block_ids)
     for layer, cache in enumerate(pool.caches):
-        kv = cache[:, blocks].flatten(1, 2)[:, :len(want)]
+        kv = cache[:, blocks].flatten(1, 2)[:, : len(want)]
         assert torch.equal(kv[0], want[:, layer, 0]) and torch.equal(kv[1], want[:, layer, 1])
     while engine.has_unfinished():
         engine.step()
@@ -177,7 +220,10 @@ def test_an_exact_repeat_loads_its_prompt_end_and_encodes_on_its_first_decode(fa
     encoder run then); its pictures are encoded into its pool blocks on its first decode step, and it answers
     as the first one did."""
     llm = LLM(family_dirs["mllama"], device="cpu", dtype="float32")
-    prompt = {"prompt": MAKERS["mllama"][1] + " and why" * 12, "images": [make_test_image(3, (60, 50))]}
+    prompt = {
+        "prompt": MAKERS["mllama"][1] + " and why" * 12,
+        "images": [make_test_image(3, (60, 50))],
+    }
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
     first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

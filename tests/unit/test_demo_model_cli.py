@@ -1,5 +1,6 @@
 """`mmserve demo-model`: the real command writes a checkpoint that transformers loads, with the family, preset
 and seed asked for; bad families / presets / arguments fail with the reason."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    return subprocess.run(
+        [sys.executable, "-m", "mmserve.entrypoints.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
 
 
 def test_demo_model_subprocess_writes_a_tiny_llava_that_transformers_loads(tmp_path):
@@ -28,14 +35,27 @@ def test_demo_model_subprocess_writes_a_tiny_llava_that_transformers_loads(tmp_p
     proc = _cli("demo-model", str(out), "--family", "llava", "--preset", "tiny", "--seed", "3")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
-    assert "%|" not in proc.stderr                       # no progress bar: stderr is a pipe
+    assert "%|" not in proc.stderr  # no progress bar: stderr is a pipe
 
     config = AutoConfig.from_pretrained(out)
     want = llava_config("tiny")
-    assert isinstance(config, LlavaConfig) and config.architectures == ["LlavaForConditionalGeneration"]
-    for got, exp in ((config.text_config, want.text_config), (config.vision_config, want.vision_config)):
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                    "num_key_value_heads", "image_size", "patch_size"):
+    assert isinstance(config, LlavaConfig) and config.architectures == [
+        "LlavaForConditionalGeneration"
+    ]
+    for got, exp in (
+        (config.text_config, want.text_config),
+        (config.vision_config, want.vision_config),
+    ):
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+            "num_key_value_heads",
+            "image_size",
+            "patch_size",
+        ):
             assert getattr(got, key, None) == getattr(exp, key, None), key
 
     model, info = LlavaForConditionalGeneration.from_pretrained(out, output_loading_info=True)
@@ -56,7 +76,7 @@ def test_demo_model_subprocess_writes_a_tiny_llava_that_transformers_loads(tmp_p
 
 def test_demo_model_subprocess_unknown_family_fails_naming_it_and_the_known_ones(tmp_path):
     proc = _cli("demo-model", str(tmp_path / "x"), "--family", "gpt5")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr     # a usage error, not a crash
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # a usage error, not a crash
     assert "unknown model family 'gpt5'" in proc.stderr and "qwen2_vl" in proc.stderr
     assert not (tmp_path / "x").exists()
 
@@ -77,12 +97,14 @@ def test_demo_model_unknown_preset_and_bad_arguments(tmp_path, capsys):
         main(["demo-model", str(tmp_path / "f"), "--family", "nope"])
     assert exc.value.code == 2 and "unknown model family 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
-        main(["demo-model"])                              # OUT is required
+        main(["demo-model"])  # OUT is required
     assert exc.value.code == 2 and "out_dir" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["demo-model", str(tmp_path / "s"), "--seed", "three"])
     assert exc.value.code == 2 and "--seed" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["demo-model", str(tmp_path / "u"), "--text-layers", "1"])
-    assert exc.value.code == 2 and "unrecognized arguments: --text-layers 1" in capsys.readouterr().err
+    assert (
+        exc.value.code == 2 and "unrecognized arguments: --text-layers 1" in capsys.readouterr().err
+    )
     assert not any(tmp_path.iterdir())

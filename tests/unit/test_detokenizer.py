@@ -1,4 +1,5 @@
 """IncrementalDetokenizer on a tiny byte-level BPE: equality with full decode, no split-char U+FFFD, stops."""
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,11 @@ def tok():
 
 def _byte_symbols() -> dict[int, str]:
     """GPT-2 byte-level alphabet: byte value -> the printable char standing for it in the vocab."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -40,7 +45,7 @@ def chunked_ids(tok, text: str, rng: random.Random | None = None) -> list[int]:
     ids, i = [], 0
     while i < len(data):
         n = rng.randint(1, 4) if rng else 1
-        piece = "".join(BYTE_SYMBOLS[b] for b in data[i:i + n])
+        piece = "".join(BYTE_SYMBOLS[b] for b in data[i : i + n])
         if n > 1 and piece in vocab:
             ids.append(vocab[piece])
             i += n
@@ -50,7 +55,9 @@ def chunked_ids(tok, text: str, rng: random.Random | None = None) -> list[int]:
     return ids
 
 
-def stream(tok, ids: list[int], params: SamplingParams, flush: bool = True) -> tuple[IncrementalDetokenizer, list[str]]:
+def stream(
+    tok, ids: list[int], params: SamplingParams, flush: bool = True
+) -> tuple[IncrementalDetokenizer, list[str]]:
     """Push ids until a stop matches; checks that `.text` only grows, by exactly the returned deltas."""
     det = IncrementalDetokenizer(tok, [1, 5, 6], params)
     deltas: list[str] = []
@@ -98,7 +105,11 @@ def test_extend_then_flush_gives_the_streamed_text(tok, skip_special: bool):
         det.push(ids[0])
         det.extend(ids[1:])
         det.flush()
-        assert det.text == stream(tok, ids, params)[0].text == tok.decode(ids, skip_special_tokens=skip_special)
+        assert (
+            det.text
+            == stream(tok, ids, params)[0].text
+            == tok.decode(ids, skip_special_tokens=skip_special)
+        )
     with pytest.raises(RuntimeError):
         IncrementalDetokenizer(tok, [], SamplingParams(stop=["x"])).extend([1])
 
@@ -123,7 +134,12 @@ def test_no_replacement_char_in_deltas_for_split_characters(tok):
 def test_special_tokens_between_split_bytes(tok):
     data = "日".encode()
     vocab = tok.get_vocab()
-    ids = [vocab[BYTE_SYMBOLS[data[0]]], tok.eos_token_id, vocab[BYTE_SYMBOLS[data[1]]], vocab[BYTE_SYMBOLS[data[2]]]]
+    ids = [
+        vocab[BYTE_SYMBOLS[data[0]]],
+        tok.eos_token_id,
+        vocab[BYTE_SYMBOLS[data[1]]],
+        vocab[BYTE_SYMBOLS[data[2]]],
+    ]
     det, deltas = stream(tok, ids, SamplingParams())
     assert det.text == tok.decode(ids, skip_special_tokens=True) == "日"
     assert all("\ufffd" not in d for d in deltas)
@@ -174,7 +190,9 @@ def test_stop_string_in_encoded_tokens(tok):
 
 def test_include_stop_str_in_output(tok):
     ids = chunked_ids(tok, "Hello world! 日本語 is fun", random.Random(5))
-    det, deltas = stream(tok, ids, SamplingParams(stop=["d! 日本"], include_stop_str_in_output=True))
+    det, deltas = stream(
+        tok, ids, SamplingParams(stop=["d! 日本"], include_stop_str_in_output=True)
+    )
     assert det.check_stop() == "d! 日本"
     assert det.text == "".join(deltas) == "Hello world! 日本"
 
@@ -191,7 +209,7 @@ def test_partial_stop_released_by_flush(tok):
     det = IncrementalDetokenizer(tok, [], SamplingParams(stop=["abc", "日本語"]))
     for t in chunked_ids(tok, "x日本a"):
         det.push(t)
-    assert det.text == "x日本"   # "日本" was ruled out by "a", "a" may still start "abc"
+    assert det.text == "x日本"  # "日本" was ruled out by "a", "a" may still start "abc"
     assert det.flush() == "a" and det.text == "x日本a" and det.finished
 
 
@@ -211,12 +229,15 @@ def test_earliest_ending_stop_wins_independent_of_tokenization(tok):
 
 def test_rust_decode_shortcut_only_without_space_cleanup(tok):
     from mmserve.engine.detokenizer import _fast_decode
+
     ids = chunked_ids(tok, "café 日本 x , y .")
     fast = _fast_decode(tok)
-    assert fast == tok._tokenizer.decode   # the test tokenizer has no clean-up: the Rust decode is used
+    assert (
+        fast == tok._tokenizer.decode
+    )  # the test tokenizer has no clean-up: the Rust decode is used
     assert fast(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
     tok.clean_up_tokenization_spaces = True
     try:
-        assert _fast_decode(tok) == tok.decode   # clean-up rewrites spaces: keep the wrapper
+        assert _fast_decode(tok) == tok.decode  # clean-up rewrites spaces: keep the wrapper
     finally:
         tok.clean_up_tokenization_spaces = False

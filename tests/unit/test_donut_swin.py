@@ -1,4 +1,5 @@
 """DonutSwinTower against transformers' DonutSwinModel on tiny random configs (norms and position biases random)."""
+
 from __future__ import annotations
 
 import copy
@@ -9,14 +10,29 @@ from transformers import DonutSwinConfig, DonutSwinModel
 
 from mmserve.models.donut_swin import DonutSwinTower
 
-TOL = dict(rtol=1e-5, atol=4e-5)      # fp32: outputs reach ~25 after three stages, so rounding reaches ~1.6e-5
-TOL_FP64 = dict(rtol=1e-10, atol=1e-10)   # fp64: the same arithmetic, so this shows the math is HF's exactly
-IMAGE = (56, 42)   # 42 is no multiple of the patch (4): the image is padded to 44 -> a 14 x 11 patch grid
+TOL = dict(
+    rtol=1e-5, atol=4e-5
+)  # fp32: outputs reach ~25 after three stages, so rounding reaches ~1.6e-5
+TOL_FP64 = dict(
+    rtol=1e-10, atol=1e-10
+)  # fp64: the same arithmetic, so this shows the math is HF's exactly
+IMAGE = (
+    56,
+    42,
+)  # 42 is no multiple of the patch (4): the image is padded to 44 -> a 14 x 11 patch grid
 
 
 def tiny_config(window: int, depths: list[int], heads: list[int]) -> DonutSwinConfig:
-    return DonutSwinConfig(image_size=list(IMAGE), patch_size=4, embed_dim=16, depths=depths, num_heads=heads,
-                           window_size=window, layer_norm_eps=1e-6, drop_path_rate=0.1)
+    return DonutSwinConfig(
+        image_size=list(IMAGE),
+        patch_size=4,
+        embed_dim=16,
+        depths=depths,
+        num_heads=heads,
+        window_size=window,
+        layer_norm_eps=1e-6,
+        drop_path_rate=0.1,
+    )
 
 
 # window 4: grids 14x11 (padded to 16x12) -> merge of an odd width -> 7x6 (padded to 8x8); both stages shift by 2
@@ -30,7 +46,9 @@ LAST_STAGE_BELOW_WINDOW = dict(window=4, depths=[2, 2, 2], heads=[2, 4, 8])
 def random_hf(config: DonutSwinConfig, seed: int = 0) -> DonutSwinModel:
     torch.manual_seed(seed)
     model = DonutSwinModel(config).eval()
-    with torch.no_grad():   # norms init to 1 / 0 and bias tables to 0: randomize everything so every path matters
+    with (
+        torch.no_grad()
+    ):  # norms init to 1 / 0 and bias tables to 0: randomize everything so every path matters
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
@@ -43,7 +61,7 @@ def random_hf(config: DonutSwinConfig, seed: int = 0) -> DonutSwinModel:
 
 def ours_from(hf: DonutSwinModel) -> DonutSwinTower:
     tower = DonutSwinTower(hf.config)
-    tower.load_weights(hf.state_dict().items())   # relative_position_index buffers included: skipped
+    tower.load_weights(hf.state_dict().items())  # relative_position_index buffers included: skipped
     return tower.eval()
 
 
@@ -51,7 +69,9 @@ def images(n: int, size: tuple[int, int] = IMAGE, seed: int = 1) -> torch.Tensor
     return torch.randn(n, 3, *size, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", params=[SHIFTED, LAST_STAGE_AT_WINDOW], ids=["shifted", "last_stage_at_window"])
+@pytest.fixture(
+    scope="module", params=[SHIFTED, LAST_STAGE_AT_WINDOW], ids=["shifted", "last_stage_at_window"]
+)
 def pair(request):
     hf = random_hf(tiny_config(**request.param))
     return hf, ours_from(hf)
@@ -103,7 +123,7 @@ def test_map_smaller_than_window_is_refused_like_transformers():
     ours = ours_from(hf)
     pixels = images(1)
     with torch.no_grad():
-        with pytest.raises(RuntimeError):   # HF's bias table keeps the 4x4 window: a shape mismatch
+        with pytest.raises(RuntimeError):  # HF's bias table keeps the 4x4 window: a shape mismatch
             hf(pixel_values=pixels)
         with pytest.raises(ValueError, match="smaller than the 4x4 window"):
             ours(pixels)
@@ -114,7 +134,7 @@ def test_batched_images_are_independent(pair):
     pixels = images(3)
     with torch.no_grad():
         together = ours(pixels)
-        alone = torch.cat([ours(pixels[i:i + 1]) for i in range(3)])
+        alone = torch.cat([ours(pixels[i : i + 1]) for i in range(3)])
     torch.testing.assert_close(together, alone, **TOL)
 
 

@@ -1,5 +1,6 @@
 """Token buckets of the prefill and piecewise CUDA graphs: every step size up to the budget has one, padding stays
 bounded, and budgets past 2048 tokens get graphs too."""
+
 from __future__ import annotations
 
 import bisect
@@ -17,5 +18,5 @@ def test_every_step_size_up_to_the_budget_has_a_bucket(budget):
     for n in range(1, buckets[-1] + 1):
         b = buckets[bisect.bisect_left(buckets, n)]
         assert n <= b
-        if n > 64:   # above the small buckets a chunk is padded by less than half its size
+        if n > 64:  # above the small buckets a chunk is padded by less than half its size
             assert b < n * 1.5, (n, b)

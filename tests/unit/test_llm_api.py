@@ -1,4 +1,5 @@
 """The offline API end to end on the tiny LLaVA: input forms, chat, sampling options, and bad input."""
+
 from __future__ import annotations
 
 import json
@@ -28,31 +29,49 @@ def test_every_image_source_gives_the_same_answer(llm, tmp_path):
     path = tmp_path / "img.png"
     path.write_bytes(image_to_png_bytes(img))
     llm.engine.inputs.media = type(llm.engine.inputs.media)(allowed_local_media_path=str(tmp_path))
-    sources = [img, str(path), path, image_to_data_uri(img), image_to_png_bytes(img), np.asarray(img)]
+    sources = [
+        img,
+        str(path),
+        path,
+        image_to_data_uri(img),
+        image_to_png_bytes(img),
+        np.asarray(img),
+    ]
     answers = [_ids(llm, {"prompt": PROMPT, "images": [s]}) for s in sources]
     assert all(a == answers[0] for a in answers)
 
 
 def test_text_only_prompt_and_finish_reasons(llm):
-    out = llm.generate("USER: hello there ASSISTANT:", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "USER: hello there ASSISTANT:",
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
     eos = llm.tokenizer.eos_token_id
     # forcing EOS through end_id-style override: pick the first greedy token as the "eos"
     first = out.outputs[0].token_ids[0]
-    out = llm.generate("USER: hello there ASSISTANT:", SamplingParams(max_tokens=5, temperature=0, eos_token_id=first),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "USER: hello there ASSISTANT:",
+        SamplingParams(max_tokens=5, temperature=0, eos_token_id=first),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].token_ids == [first] and out.outputs[0].finish_reason == "stop"
     assert eos is not None
 
 
 def test_stop_string_truncates_text(llm):
-    full = llm.generate({"prompt": PROMPT, "images": [make_test_image(1)]}, GREEDY, use_tqdm=False)[0]
+    full = llm.generate({"prompt": PROMPT, "images": [make_test_image(1)]}, GREEDY, use_tqdm=False)[
+        0
+    ]
     text = full.outputs[0].text
     stop = text[3:6]
     assert stop and text.index(stop) == 3
-    out = llm.generate({"prompt": PROMPT, "images": [make_test_image(1)]},
-                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt": PROMPT, "images": [make_test_image(1)]},
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].text == text[:3]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
@@ -60,18 +79,33 @@ def test_stop_string_truncates_text(llm):
 def test_seeded_sampling_is_reproducible_inside_any_batch(llm):
     p = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
     alone = _ids(llm, "USER: tell me a story ASSISTANT:", p)
-    batch = llm.generate(["USER: other ASSISTANT:", "USER: tell me a story ASSISTANT:", "USER: x ASSISTANT:"],
-                         [SamplingParams(max_tokens=7, temperature=1.0), p, SamplingParams(max_tokens=3)],
-                         use_tqdm=False)
+    batch = llm.generate(
+        ["USER: other ASSISTANT:", "USER: tell me a story ASSISTANT:", "USER: x ASSISTANT:"],
+        [SamplingParams(max_tokens=7, temperature=1.0), p, SamplingParams(max_tokens=3)],
+        use_tqdm=False,
+    )
     assert batch[1].outputs[0].token_ids == alone
-    assert _ids(llm, "USER: tell me a story ASSISTANT:", SamplingParams(max_tokens=10, temperature=1.0, seed=99,
-                                                                          ignore_eos=True)) != alone
+    assert (
+        _ids(
+            llm,
+            "USER: tell me a story ASSISTANT:",
+            SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True),
+        )
+        != alone
+    )
 
 
 def test_chat_applies_template_with_image_parts(llm):
     img = make_test_image(3)
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_to_data_uri(img)}},
-                                             {"type": "text", "text": "What is this?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_to_data_uri(img)}},
+                {"type": "text", "text": "What is this?"},
+            ],
+        }
+    ]
     chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     assert chat.prompt == PROMPT
     assert chat.outputs[0].token_ids == _ids(llm, {"prompt": PROMPT, "images": [img]})
@@ -87,15 +121,26 @@ def test_abort_frees_blocks(llm):
     assert engine.kv.usage == 0 and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("prompt, error, match", [
-    ({"prompt": PROMPT, "images": []}, ValueError, "1 <image> placeholder.*0 image"),
-    ({"prompt": "USER: hi ASSISTANT:", "images": [make_test_image(0)]}, ValueError, "0 <image> placeholder.*1 image"),
-    ({"prompt": PROMPT, "images": [b"not an image"]}, ValueError, "cannot be decoded as an image"),
-    ({"prompt": PROMPT, "images": ["data:image/png;base64,@@@"]}, ValueError, "base64"),
-    ({"prompt": "word " * 600}, ValueError, "prompt has .* tokens"),
-    ({"prompt": 42}, TypeError, "prompt must be a string"),
-    ({"prompt": "hi", "bogus": 1}, ValueError, "unknown prompt keys"),
-])
+@pytest.mark.parametrize(
+    "prompt, error, match",
+    [
+        ({"prompt": PROMPT, "images": []}, ValueError, "1 <image> placeholder.*0 image"),
+        (
+            {"prompt": "USER: hi ASSISTANT:", "images": [make_test_image(0)]},
+            ValueError,
+            "0 <image> placeholder.*1 image",
+        ),
+        (
+            {"prompt": PROMPT, "images": [b"not an image"]},
+            ValueError,
+            "cannot be decoded as an image",
+        ),
+        ({"prompt": PROMPT, "images": ["data:image/png;base64,@@@"]}, ValueError, "base64"),
+        ({"prompt": "word " * 600}, ValueError, "prompt has .* tokens"),
+        ({"prompt": 42}, TypeError, "prompt must be a string"),
+        ({"prompt": "hi", "bogus": 1}, ValueError, "unknown prompt keys"),
+    ],
+)
 def test_bad_input_raises_and_engine_stays_usable(llm, prompt, error, match):
     with pytest.raises(error, match=match):
         llm.generate([prompt], GREEDY, use_tqdm=False)
@@ -132,19 +177,30 @@ def test_engine_steps_while_later_prompts_are_still_preprocessed(llm, monkeypatc
 
     monkeypatch.setattr(llm.engine.inputs, "process", slow_process)
     monkeypatch.setattr(llm.engine, "step", step_and_signal)
-    prompts = [{"prompt": f"USER: <image>\n{word} ASSISTANT:", "images": [make_test_image(i)]}
-               for i, word in enumerate(["first", "second", "later", "later"])]
+    prompts = [
+        {"prompt": f"USER: <image>\n{word} ASSISTANT:", "images": [make_test_image(i)]}
+        for i, word in enumerate(["first", "second", "later", "later"])
+    ]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert waited == [True, True]
     assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * 4
     assert [o.prompt for o in outs] == [p["prompt"] for p in prompts]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 0}, "n must be an integer"), ({"logprobs": 50}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"n": 0}, "n must be an integer"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
 def test_invalid_sampling_values_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -156,12 +212,20 @@ def test_stop_lists_over_the_limits_raise_naming_the_flag(llm, tiny_llava_dir):
     many = [f"~{i:03d}" for i in range(65)]
     with pytest.raises(ValueError, match=r"^stop: 65 entries, more than --max-stop-sequences=64$"):
         llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, stop=many), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^bad_token_sequences: 4097 token ids in all, more than "
-                                         r"--max-stop-sequence-chars=4096$"):
-        llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, bad_token_sequences=[[5] * 4097]),
-                     use_tqdm=False)
+    with pytest.raises(
+        ValueError,
+        match=r"^bad_token_sequences: 4097 token ids in all, more than "
+        r"--max-stop-sequence-chars=4096$",
+    ):
+        llm.generate(
+            "USER: hi ASSISTANT:",
+            SamplingParams(max_tokens=2, bad_token_sequences=[[5] * 4097]),
+            use_tqdm=False,
+        )
     assert not llm.engine.has_unfinished() and llm.engine.kv.usage == 0
-    out = llm.generate("USER: hi ASSISTANT:", SamplingParams(max_tokens=2, stop=many[:64]), use_tqdm=False)[0]
+    out = llm.generate(
+        "USER: hi ASSISTANT:", SamplingParams(max_tokens=2, stop=many[:64]), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids
     with pytest.raises(ValueError, match="max_stop_sequence_chars must be an integer >= 1"):
         LLM(tiny_llava_dir, device="cpu", max_stop_sequence_chars=0)
@@ -177,13 +241,18 @@ def test_bad_config_values(tiny_llava_dir, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["FancyVisionModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="FancyVisionModel.*supported architectures: .*LlavaForConditionalGeneration"):
+    with pytest.raises(
+        ValueError,
+        match="FancyVisionModel.*supported architectures: .*LlavaForConditionalGeneration",
+    ):
         LLM(str(bad), device="cpu")
 
 
 def test_non_streaming_requests_are_reported_only_when_finished(llm):
     engine = llm.engine
-    engine.add_processed("quiet", engine.inputs.process("USER: hi ASSISTANT:"), GREEDY, stream=False)
+    engine.add_processed(
+        "quiet", engine.inputs.process("USER: hi ASSISTANT:"), GREEDY, stream=False
+    )
     engine.add_request("loud", "USER: hi ASSISTANT:", GREEDY)
     seen: dict[str, list[bool]] = {"quiet": [], "loud": []}
     while engine.has_unfinished():
@@ -197,14 +266,16 @@ def test_exact_repeat_of_text_and_picture_reuses_the_processed_inputs(llm):
     inputs = llm.engine.inputs
     first = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)]})
     again = inputs.process({"prompt": PROMPT, "images": [image_to_png_bytes(make_test_image(11))]})
-    assert again is first                                  # same text, same picture by content
+    assert again is first  # same text, same picture by content
     other = inputs.process({"prompt": PROMPT, "images": [make_test_image(12)]})
     assert other is not first and other.mm_items[0].content_hash != first.mm_items[0].content_hash
     with_id = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)], "image_ids": [7]})
     assert with_id is not first and with_id.mm_items[0].content_hash == "id:7"
-    outs = llm.generate([{"prompt": PROMPT, "images": [make_test_image(11)]}] * 2, GREEDY, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt": PROMPT, "images": [make_test_image(11)]}] * 2, GREEDY, use_tqdm=False
+    )
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
-    inputs.clear_recent()                                  # forgotten: the repeat runs the processor again
+    inputs.clear_recent()  # forgotten: the repeat runs the processor again
     fresh = inputs.process({"prompt": PROMPT, "images": [make_test_image(11)]})
     assert fresh is not first and fresh.prompt_token_ids == first.prompt_token_ids
 
@@ -216,11 +287,11 @@ def test_steps_over_the_host_time_limit_are_logged(llm, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
         llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert "slow step" not in caplog.text
-    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)   # every launched step is over the limit
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)  # every launched step is over the limit
     with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
         llm.generate(["USER: hello ASSISTANT:"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert "slow step: prefill of" in caplog.text and "on the host" in caplog.text
-    caplog.clear()   # the same shapes again: logged once a minute at most, saying it is not a first use
+    caplog.clear()  # the same shapes again: logged once a minute at most, saying it is not a first use
     with caplog.at_level("WARNING", logger="mmserve.engine.engine"):
         llm.generate(["USER: hello ASSISTANT:"] * 3, SamplingParams(max_tokens=8), use_tqdm=False)
     repeats = [r.message for r in caplog.records if "again for this shape" in r.message]
@@ -234,16 +305,28 @@ def test_generation_config_eos_ids_all_end_a_request(tiny_llava_dir, tmp_path):
     free = LLM(tiny_llava_dir, device="cpu", num_kv_blocks=64, block_size=8)
     ids = _ids(free, prompt)
     third = ids[2]
-    assert third not in ids[:2] and ids[5] not in ids[:5] and free.tokenizer.eos_token_id not in ids[:6]
+    assert (
+        third not in ids[:2]
+        and ids[5] not in ids[:5]
+        and free.tokenizer.eos_token_id not in ids[:6]
+    )
     model = tmp_path / "model"
     shutil.copytree(tiny_llava_dir, model)
     config = json.loads((model / "generation_config.json").read_text())
     config["eos_token_id"] = [free.tokenizer.eos_token_id, third]
     (model / "generation_config.json").write_text(json.dumps(config))
     llm = LLM(str(model), device="cpu", num_kv_blocks=64, block_size=8)
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.token_ids == ids[:3] and out.finish_reason == "stop" and out.stop_reason is None
-    held = llm.generate([prompt], SamplingParams(max_tokens=12, min_tokens=4, temperature=0.0), use_tqdm=False)
+    held = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, min_tokens=4, temperature=0.0), use_tqdm=False
+    )
     assert third not in held[0].outputs[0].token_ids[:4]
-    own = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, eos_token_id=ids[5]), use_tqdm=False)
-    assert own[0].outputs[0].token_ids == ids[:6]   # end_id alone ends it: the configured ids do not
+    own = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=12, temperature=0.0, eos_token_id=ids[5]),
+        use_tqdm=False,
+    )
+    assert own[0].outputs[0].token_ids == ids[:6]  # end_id alone ends it: the configured ids do not

@@ -1,4 +1,5 @@
 """Media loading (mmserve.multimodal.inputs) and image hashing against real files and a local HTTP server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,17 @@ from PIL import Image
 
 from mmserve.multimodal import inputs
 from mmserve.multimodal.hashing import hash_bytes, hash_image
-from mmserve.multimodal.inputs import (MediaConfig, MediaError, aload_image, aload_images, aload_video_bytes,
-                                       is_public_address, load_image, load_images, load_video_bytes)
+from mmserve.multimodal.inputs import (
+    MediaConfig,
+    MediaError,
+    aload_image,
+    aload_images,
+    aload_video_bytes,
+    is_public_address,
+    load_image,
+    load_images,
+    load_video_bytes,
+)
 
 PRIVATE_OK = MediaConfig(allow_private_urls=True)
 
@@ -41,10 +51,19 @@ def _pixels(img: Image.Image) -> list[tuple[int, ...]]:
 
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height but carries no pixel data."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
 
 
 PIXELS = np.random.default_rng(0).integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
@@ -74,7 +93,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/redirect-loop":
             self._send(302, headers={"Location": "/redirect-loop", "Content-Length": "0"})
         elif self.path == "/redirect-private":
-            self._send(302, headers={"Location": f"http://127.0.0.2:{port}/img.png", "Content-Length": "0"})
+            self._send(
+                302, headers={"Location": f"http://127.0.0.2:{port}/img.png", "Content-Length": "0"}
+            )
         elif self.path == "/host":
             self._send(200, self.headers["Host"].encode())
         elif self.path == "/big":
@@ -130,11 +151,19 @@ def test_every_source_kind_gives_the_same_hash(media_root, server):
     torch = pytest.importorskip("torch")
     config = MediaConfig(allowed_local_media_path=str(media_root), allow_private_urls=True)
     sources = {
-        "pil": PICTURE, "png bytes": PNG, "bytearray": bytearray(PNG), "memoryview": memoryview(PNG),
-        "data uri": _data_uri(PNG), "path": media_root / "pic.png", "str path": str(media_root / "pic.png"),
-        "relative path": "pic.png", "file url": (media_root / "pic.png").as_uri(),
-        "array HWC": PIXELS, "array CHW": PIXELS.transpose(2, 0, 1).copy(),
-        "tensor HWC": torch.from_numpy(PIXELS), "tensor CHW": torch.from_numpy(PIXELS).permute(2, 0, 1),
+        "pil": PICTURE,
+        "png bytes": PNG,
+        "bytearray": bytearray(PNG),
+        "memoryview": memoryview(PNG),
+        "data uri": _data_uri(PNG),
+        "path": media_root / "pic.png",
+        "str path": str(media_root / "pic.png"),
+        "relative path": "pic.png",
+        "file url": (media_root / "pic.png").as_uri(),
+        "array HWC": PIXELS,
+        "array CHW": PIXELS.transpose(2, 0, 1).copy(),
+        "tensor HWC": torch.from_numpy(PIXELS),
+        "tensor CHW": torch.from_numpy(PIXELS).permute(2, 0, 1),
         "http url": f"{server}/img.png",
     }
     expected = hash_image(PICTURE)
@@ -186,8 +215,10 @@ def test_exif_orientation_is_applied():
     assert load_image(buf.getvalue()).size == (20, 40)
 
 
-@pytest.mark.parametrize("data", [b"not an image", PNG[: len(PNG) // 2],
-                                  b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"])
+@pytest.mark.parametrize(
+    "data",
+    [b"not an image", PNG[: len(PNG) // 2], b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"],
+)
 def test_undecodable_bytes(data):
     with pytest.raises(MediaError, match="image: .*cannot be decoded as an image"):
         load_image(data)
@@ -204,7 +235,11 @@ def test_bad_arrays():
 
 def test_pixel_cap_checked_before_decoding():
     small = MediaConfig(max_image_pixels=50)
-    for source in (_png(Image.new("RGB", (10, 10))), np.zeros((10, 10, 3), np.uint8), Image.new("RGB", (10, 10))):
+    for source in (
+        _png(Image.new("RGB", (10, 10))),
+        np.zeros((10, 10, 3), np.uint8),
+        Image.new("RGB", (10, 10)),
+    ):
         with pytest.raises(MediaError, match="max_image_pixels=50"):
             load_image(source, small)
     # headers only: decoding these would need gigabytes, so passing means the header was checked first
@@ -217,8 +252,12 @@ def test_pixel_cap_checked_before_decoding():
 def test_aspect_ratio_checked_before_decoding():
     """A 400000x1 picture is 1.2 KB as a PNG and under the pixel cap, but a processor that scales its short edge
     to 336 px would make 135 GB of it: refused from the header, before any pixel is decoded or resized."""
-    for source in (_png_header(400000, 1), _png_header(1, 400000), np.zeros((1, 300, 3), np.uint8),
-                   Image.new("RGB", (201, 1))):
+    for source in (
+        _png_header(400000, 1),
+        _png_header(1, 400000),
+        np.zeros((1, 300, 3), np.uint8),
+        Image.new("RGB", (201, 1)),
+    ):
         with pytest.raises(MediaError, match="aspect ratio above max_image_aspect_ratio=200"):
             load_image(source)
     assert load_image(Image.new("RGB", (200, 1))).size == (200, 1)
@@ -268,7 +307,11 @@ def test_config_is_validated(tmp_path):
 
 
 def test_local_paths_refused_by_default(media_root):
-    for source in (media_root / "pic.png", str(media_root / "pic.png"), (media_root / "pic.png").as_uri()):
+    for source in (
+        media_root / "pic.png",
+        str(media_root / "pic.png"),
+        (media_root / "pic.png").as_uri(),
+    ):
         with pytest.raises(MediaError, match="local file paths are disabled"):
             load_image(source)
 
@@ -276,8 +319,14 @@ def test_local_paths_refused_by_default(media_root):
 def test_local_path_escapes_refused(media_root, tmp_path):
     config = MediaConfig(allowed_local_media_path=str(media_root))
     (media_root / "link.png").symlink_to(tmp_path / "secret.png")
-    escapes = [str(media_root / ".." / "secret.png"), "../secret.png", str(tmp_path / "secret.png"),
-               "link.png", (media_root / "link.png").as_uri(), "file://" + str(media_root) + "/../secret.png"]
+    escapes = [
+        str(media_root / ".." / "secret.png"),
+        "../secret.png",
+        str(tmp_path / "secret.png"),
+        "link.png",
+        (media_root / "link.png").as_uri(),
+        "file://" + str(media_root) + "/../secret.png",
+    ]
     for source in escapes:
         with pytest.raises(MediaError, match="outside allowed_local_media_path"):
             load_image(source, config)
@@ -288,7 +337,9 @@ def test_local_path_escapes_refused(media_root, tmp_path):
     with pytest.raises(MediaError, match="cannot open"):
         load_image("nope.png", config)
     with pytest.raises(MediaError, match="max_media_bytes"):
-        load_image("pic.png", MediaConfig(allowed_local_media_path=str(media_root), max_media_bytes=10))
+        load_image(
+            "pic.png", MediaConfig(allowed_local_media_path=str(media_root), max_media_bytes=10)
+        )
 
 
 def test_fifo_does_not_hang(media_root):
@@ -300,20 +351,42 @@ def test_fifo_does_not_hang(media_root):
 # ----------------------------------------------------------------------------- URLs
 
 
-@pytest.mark.parametrize("address, public", [
-    ("8.8.8.8", True), ("2001:4860:4860::8888", True), ("64:ff9b::808:808", True),
-    ("127.0.0.1", False), ("10.1.2.3", False), ("192.168.0.1", False), ("172.16.0.1", False),
-    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("239.1.1.1", False),
-    ("255.255.255.255", False), ("::1", False), ("fe80::1", False), ("fc00::1", False), ("::", False),
-    ("ff02::1", False), ("::ffff:127.0.0.1", False), ("2002:7f00:1::1", False), ("64:ff9b::a00:1", False),
-])
+@pytest.mark.parametrize(
+    "address, public",
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("64:ff9b::808:808", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("192.168.0.1", False),
+        ("172.16.0.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("239.1.1.1", False),
+        ("255.255.255.255", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fc00::1", False),
+        ("::", False),
+        ("ff02::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("2002:7f00:1::1", False),
+        ("64:ff9b::a00:1", False),
+    ],
+)
 def test_is_public_address(address, public):
     assert is_public_address(ipaddress.ip_address(address)) is public
 
 
 def test_private_urls_refused_by_default(server):
     port = server.rsplit(":", 1)[1]
-    for url in (f"{server}/img.png", f"http://localhost:{port}/img.png", f"http://[::1]:{port}/img.png"):
+    for url in (
+        f"{server}/img.png",
+        f"http://localhost:{port}/img.png",
+        f"http://[::1]:{port}/img.png",
+    ):
         with pytest.raises(MediaError, match="private/loopback"):
             load_image(url)
     with pytest.raises(MediaError, match="private/loopback"):
@@ -343,9 +416,14 @@ def test_connects_to_checked_addresses_only(server, monkeypatch):
     # connecting to the checked address while the Host header keeps the name
     port = server.rsplit(":", 1)[1]
     real = socket.getaddrinfo
-    fake = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in ("127.0.0.2", "127.0.0.1")]
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *rest, **kw: fake if host == "multi.test"
-                        else real(host, *rest, **kw))
+    fake = [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in ("127.0.0.2", "127.0.0.1")
+    ]
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda host, *rest, **kw: fake if host == "multi.test" else real(host, *rest, **kw),
+    )
     url, host = f"http://multi.test:{port}/host", f"multi.test:{port}".encode()
     assert load_video_bytes(url, PRIVATE_OK) == host
     assert asyncio.run(aload_video_bytes(url, PRIVATE_OK)) == host
@@ -360,8 +438,12 @@ def test_download_byte_cap(server):
     SENT["endless"] = 0
     start = time.monotonic()
     with pytest.raises(MediaError, match="max_media_bytes"):
-        load_video_bytes(f"{server}/endless", MediaConfig(allow_private_urls=True, max_media_bytes=256 * 1024))
-    assert time.monotonic() - start < 5 and SENT["endless"] < 64 * 2**20  # aborted, not read to the end
+        load_video_bytes(
+            f"{server}/endless", MediaConfig(allow_private_urls=True, max_media_bytes=256 * 1024)
+        )
+    assert (
+        time.monotonic() - start < 5 and SENT["endless"] < 64 * 2**20
+    )  # aborted, not read to the end
     assert load_video_bytes(f"{server}/big", PRIVATE_OK) == BIG
 
 
@@ -389,12 +471,16 @@ def test_connection_refused():
 
 def test_async_loading(server):
     async def main():
-        images = await aload_images([f"{server}/img.png", PNG, _data_uri(PNG), f"{server}/redirect"], PRIVATE_OK)
+        images = await aload_images(
+            [f"{server}/img.png", PNG, _data_uri(PNG), f"{server}/redirect"], PRIVATE_OK
+        )
         assert {hash_image(img) for img in images} == {hash_image(PICTURE)}
         with pytest.raises(MediaError, match=r"^images\[1\]: .*HTTP 404"):
             await aload_images([PNG, f"{server}/missing"], PRIVATE_OK)
         with pytest.raises(MediaError, match="max_media_bytes"):
-            await aload_video_bytes(f"{server}/endless", MediaConfig(allow_private_urls=True, max_media_bytes=65536))
+            await aload_video_bytes(
+                f"{server}/endless", MediaConfig(allow_private_urls=True, max_media_bytes=65536)
+            )
         with pytest.raises(MediaError, match="max_images_per_request"):
             await aload_images([PNG] * 17)
 
@@ -407,7 +493,9 @@ def test_async_loading(server):
                 ticks += 1
 
         task = asyncio.create_task(ticker())
-        await aload_image(f"{server}/slow", PRIVATE_OK)  # the server stalls 0.6 s; the loop must keep running
+        await aload_image(
+            f"{server}/slow", PRIVATE_OK
+        )  # the server stalls 0.6 s; the loop must keep running
         task.cancel()
         assert ticks >= 20
 

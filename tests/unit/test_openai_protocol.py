@@ -1,5 +1,6 @@
 """OpenAI request models and the pure parts of `n`: content parts map onto the InputProcessor's chat format, `n`
 is checked, choices get their seeds, usage counts the prompt once, and merged streams interleave and close."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,28 +8,37 @@ import asyncio
 import pydantic
 import pytest
 
-from mmserve.entrypoints.streams import merge
+from mmserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mmserve.entrypoints.openai_protocol import ChatMessage, CompletionRequest
 from mmserve.entrypoints.openai_requests import MAX_CHOICES, num_choices
 from mmserve.entrypoints.openai_responses import OpenAIError, usage_of
-from mmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mmserve.entrypoints.streams import merge
 from mmserve.sampling_params import SamplingParams, choice_params
 
 
 def test_text_image_and_video_parts_become_template_parts():
-    msg = ChatMessage.model_validate({"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-        {"type": "image_url", "image_url": "http://127.0.0.1/x.png"},
-        {"type": "text", "text": "compare"}]})
+    msg = ChatMessage.model_validate(
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                {"type": "image_url", "image_url": "http://127.0.0.1/x.png"},
+                {"type": "text", "text": "compare"},
+            ],
+        }
+    )
     assert msg.to_template()["content"] == [
         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}},
-        {"type": "text", "text": "compare"}]
+        {"type": "text", "text": "compare"},
+    ]
 
 
 def test_unknown_part_type_is_rejected():
     with pytest.raises(pydantic.ValidationError):
-        ChatMessage.model_validate({"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]})
+        ChatMessage.model_validate(
+            {"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]}
+        )
 
 
 @pytest.mark.parametrize("n, expected", [(None, 1), (1, 1), (MAX_CHOICES, MAX_CHOICES)])
@@ -59,14 +69,22 @@ def test_choice_i_is_seeded_seed_plus_i_and_unseeded_choices_stay_unseeded():
 
 
 def _output(prompt_len: int, tokens: int, cached: int) -> RequestOutput:
-    return RequestOutput("r", None, list(range(prompt_len)), [CompletionOutput(0, "", list(range(tokens)))], True,
-                         RequestMetrics(0.0, num_cached_tokens=cached))
+    return RequestOutput(
+        "r",
+        None,
+        list(range(prompt_len)),
+        [CompletionOutput(0, "", list(range(tokens)))],
+        True,
+        RequestMetrics(0.0, num_cached_tokens=cached),
+    )
 
 
 def test_usage_counts_the_prompt_once_and_sums_the_choices():
     usage = usage_of([_output(7, 3, 0), _output(7, 5, 7), _output(7, 1, 7)])
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (7, 9, 16)
-    assert usage.prompt_tokens_details.cached_tokens == 0   # the prompt was computed once, by one choice
+    assert (
+        usage.prompt_tokens_details.cached_tokens == 0
+    )  # the prompt was computed once, by one choice
 
 
 async def _items(name: str, delays: list[float], log: list[str], fail_at: int | None = None):
@@ -130,10 +148,23 @@ def test_guides_compile_off_the_event_loop_and_bad_ones_name_their_field():
         if "bad" in guide:
             raise ValueError(f"guided_decoding_guide: cannot compile {guide!r}")
 
-    state = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(
-        grammars=SimpleNamespace(compile=compile_guide), max_model_len=64)))
-    params = asyncio.run(completion_params(CompletionRequest(model="m", prompt="x", guided_regex="[0-9]+"), state))
-    assert params.guided_decoding_type == "regex" and threads and threads[0] is not threading.main_thread()
+    state = SimpleNamespace(
+        engine=SimpleNamespace(
+            engine=SimpleNamespace(
+                grammars=SimpleNamespace(compile=compile_guide), max_model_len=64
+            )
+        )
+    )
+    params = asyncio.run(
+        completion_params(CompletionRequest(model="m", prompt="x", guided_regex="[0-9]+"), state)
+    )
+    assert (
+        params.guided_decoding_type == "regex"
+        and threads
+        and threads[0] is not threading.main_thread()
+    )
     with pytest.raises(OpenAIError) as err:
-        asyncio.run(completion_params(CompletionRequest(model="m", prompt="x", guided_regex="bad("), state))
+        asyncio.run(
+            completion_params(CompletionRequest(model="m", prompt="x", guided_regex="bad("), state)
+        )
     assert err.value.status == 400 and err.value.param == "guided_regex"

@@ -1,4 +1,5 @@
 """The placeholder expansion shortcut gives exactly the HF processor's inputs, for every placeholder family."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,16 @@ FAMILIES = {
     "llava_next": "<image>",
     "llava_onevision": "<image>",
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "pixtral": "[IMG]",   # expansions are rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
+    "pixtral": "[IMG]",  # expansions are rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
 }
 SIZES = [(48, 40), (40, 48), (64, 32), (48, 40)]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_dir(request, tmp_path_factory):
-    return request.param, str(make_checkpoint(request.param, tmp_path_factory.mktemp(request.param)))
+    return request.param, str(
+        make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    )
 
 
 def _processor(model_dir: str) -> InputProcessor:
@@ -33,14 +36,17 @@ def _processor(model_dir: str) -> InputProcessor:
 
 
 def _prompts(ph: str) -> list[dict]:
-    img = lambda seed, size: make_test_image(seed, size)   # noqa: E731
+    img = lambda seed, size: make_test_image(seed, size)  # noqa: E731
     return [
         {"prompt": f"USER: {ph}\nWhat is this? ASSISTANT:", "images": [img(1, SIZES[0])]},
         {"prompt": f"USER: {ph}\nand again, other words ASSISTANT:", "images": [img(2, SIZES[1])]},
         {"prompt": f"{ph} first, then {ph} second", "images": [img(3, SIZES[2]), img(4, SIZES[0])]},
         {"prompt": f"{ph}{ph} adjacent", "images": [img(5, SIZES[0]), img(6, SIZES[1])]},
         {"prompt": f"café 日本 🙂 {ph} trailing text", "images": [img(7, SIZES[3])]},
-        {"prompt": f"{ph}", "images": [img(8, (33, 57))]},   # a size not learned yet: the processor runs
+        {
+            "prompt": f"{ph}",
+            "images": [img(8, (33, 57))],
+        },  # a size not learned yet: the processor runs
         {"prompt": f"{ph}{ph} adjacent again", "images": [img(9, SIZES[2]), img(10, SIZES[0])]},
     ]
 
@@ -49,7 +55,12 @@ def _same(a, b) -> None:
     assert a.prompt_token_ids == b.prompt_token_ids
     assert len(a.mm_items) == len(b.mm_items)
     for x, y in zip(a.mm_items, b.mm_items):
-        assert (x.modality, x.offset, x.length, x.content_hash) == (y.modality, y.offset, y.length, y.content_hash)
+        assert (x.modality, x.offset, x.length, x.content_hash) == (
+            y.modality,
+            y.offset,
+            y.length,
+            y.content_hash,
+        )
         assert x.data.keys() == y.data.keys()
         for key in x.data:
             assert torch.equal(x.data[key], y.data[key]), key
@@ -64,8 +75,11 @@ def test_shortcut_gives_the_processors_inputs(family_dir, monkeypatch):
     assert fast._expansion is not None
     calls = []
     real_call = type(fast.processor).__call__
-    monkeypatch.setattr(type(fast.processor), "__call__",
-                        lambda self, *a, **k: calls.append(self is fast.processor) or real_call(self, *a, **k))
+    monkeypatch.setattr(
+        type(fast.processor),
+        "__call__",
+        lambda self, *a, **k: calls.append(self is fast.processor) or real_call(self, *a, **k),
+    )
     prompts = _prompts(FAMILIES[family])
     for prompt in prompts:
         _same(fast.process(prompt), oracle.process(prompt))
@@ -82,7 +96,10 @@ def test_shortcut_gives_the_processors_inputs(family_dir, monkeypatch):
 
 def test_runs_of_placeholders():
     assert expansion_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], frozenset({9})) == [(9, 9), (9,), (9, 9, 9)]
-    assert expansion_runs([1, 9, 9, 8, 9, 9, 7, 2, 9, 7], frozenset({7, 8, 9})) == [(9, 9, 8, 9, 9, 7), (9, 7)]
+    assert expansion_runs([1, 9, 9, 8, 9, 9, 7, 2, 9, 7], frozenset({7, 8, 9})) == [
+        (9, 9, 8, 9, 9, 7),
+        (9, 7),
+    ]
     assert expansion_runs([1, 2], frozenset({9})) == []
 
 
@@ -95,33 +112,60 @@ class _Tokenizer:
 
 def _enc(ids: list[int], **extra) -> dict:
     t = torch.tensor([ids])
-    return {"input_ids": t, "attention_mask": torch.ones_like(t), "pixel_values": torch.zeros(1, 3, 2, 2), **extra}
+    return {
+        "input_ids": t,
+        "attention_mask": torch.ones_like(t),
+        "pixel_values": torch.zeros(1, 3, 2, 2),
+        **extra,
+    }
 
 
 def test_verified_against_the_first_run_then_expands():
     exp = PlaceholderExpansion(_Tokenizer(), 9)
     assert exp.expansions_for([(4, 4)]) is None
-    exp.learn([(4, 4)], _enc([2, 9, 9, 9, 5]), "ab IMG hello", lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)})
+    exp.learn(
+        [(4, 4)],
+        _enc([2, 9, 9, 9, 5]),
+        "ab IMG hello",
+        lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)},
+    )
     assert exp.verified is True and exp.expansions_for([(4, 4)]) == [(9, 9, 9)]
     assert exp.expansions_for([(5, 4)]) is None
-    enc = exp.encode("IMG xyz IMG", [(9, 9, 9)] * 2, lambda: {"pixel_values": torch.ones(2, 3, 2, 2)})
+    enc = exp.encode(
+        "IMG xyz IMG", [(9, 9, 9)] * 2, lambda: {"pixel_values": torch.ones(2, 3, 2, 2)}
+    )
     assert enc["input_ids"].tolist() == [[9, 9, 9, 3, 9, 9, 9]]
     ran = []
-    assert exp.encode("no image here", [(9, 9, 9)], lambda: ran.append(1) or {}) is None   # one per image
-    assert ran == []   # ... and the image processor is not run for nothing
+    assert (
+        exp.encode("no image here", [(9, 9, 9)], lambda: ran.append(1) or {}) is None
+    )  # one per image
+    assert ran == []  # ... and the image processor is not run for nothing
 
 
-@pytest.mark.parametrize("enc, outputs, text", [
-    (_enc([2, 9, 9, 5], image_sizes=torch.tensor([[4, 4]])), {"pixel_values": torch.zeros(1, 3, 2, 2)}, "ab IMG hello"),
-    (_enc([2, 9, 9, 5]), {"pixel_values": torch.ones(1, 3, 2, 2)}, "ab IMG hello"),
-    (_enc([2, 9, 9, 5]), {"pixel_values": torch.zeros(1, 3, 2, 2)}, "abc IMG hello"),
-], ids=["extra-key", "pixels-differ", "tokens-differ"])
+@pytest.mark.parametrize(
+    "enc, outputs, text",
+    [
+        (
+            _enc([2, 9, 9, 5], image_sizes=torch.tensor([[4, 4]])),
+            {"pixel_values": torch.zeros(1, 3, 2, 2)},
+            "ab IMG hello",
+        ),
+        (_enc([2, 9, 9, 5]), {"pixel_values": torch.ones(1, 3, 2, 2)}, "ab IMG hello"),
+        (_enc([2, 9, 9, 5]), {"pixel_values": torch.zeros(1, 3, 2, 2)}, "abc IMG hello"),
+    ],
+    ids=["extra-key", "pixels-differ", "tokens-differ"],
+)
 def test_any_difference_from_the_processor_turns_it_off(enc, outputs, text):
     exp = PlaceholderExpansion(_Tokenizer(), 9)
     exp.learn([(4, 4)], enc, text, lambda: outputs)
     assert exp.verified is False and exp.expansions_for([(4, 4)]) is None
-    exp.learn([(4, 4)], _enc([2, 9, 9, 5]), "ab IMG hello", lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)})
-    assert exp.verified is False   # off for good
+    exp.learn(
+        [(4, 4)],
+        _enc([2, 9, 9, 5]),
+        "ab IMG hello",
+        lambda: {"pixel_values": torch.zeros(1, 3, 2, 2)},
+    )
+    assert exp.verified is False  # off for good
 
 
 def test_one_size_with_two_counts_turns_it_off():
@@ -133,24 +177,45 @@ def test_one_size_with_two_counts_turns_it_off():
     assert exp.verified is False and exp.expansions_for([(4, 4)]) is None
 
 
-def test_another_question_on_a_recent_picture_reuses_the_image_processors_outputs(family_dir, monkeypatch):
+def test_another_question_on_a_recent_picture_reuses_the_image_processors_outputs(
+    family_dir, monkeypatch
+):
     family, model_dir = family_dir
     ph = FAMILIES[family]
     fast, oracle = _processor(model_dir), _processor(model_dir)
     oracle._expansion = None
-    first = {"prompt": f"USER: {ph}\nWhat is this? ASSISTANT:", "images": [make_test_image(21, SIZES[0])]}
+    first = {
+        "prompt": f"USER: {ph}\nWhat is this? ASSISTANT:",
+        "images": [make_test_image(21, SIZES[0])],
+    }
     _same(fast.process(first), oracle.process(first))
-    _same(fast.process(first | {"prompt": f"{ph} warm"}), oracle.process(first | {"prompt": f"{ph} warm"}))
+    _same(
+        fast.process(first | {"prompt": f"{ph} warm"}),
+        oracle.process(first | {"prompt": f"{ph} warm"}),
+    )
     calls = []
     image_processor = type(fast.processor.image_processor)
     real_call = image_processor.__call__
-    monkeypatch.setattr(image_processor, "__call__",
-                        lambda self, *a, **k: calls.append(self is fast.processor.image_processor) or real_call(self, *a, **k))
+    monkeypatch.setattr(
+        image_processor,
+        "__call__",
+        lambda self, *a, **k: (
+            calls.append(self is fast.processor.image_processor) or real_call(self, *a, **k)
+        ),
+    )
     # the same picture (a new object, same content) with new text, and with a client-given id
-    for prompt in ({"prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:", "images": [make_test_image(21, SIZES[0])]},
-                   {"prompt": f"{ph} once more", "images": [make_test_image(21, SIZES[0])], "image_ids": [7]}):
+    for prompt in (
+        {
+            "prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:",
+            "images": [make_test_image(21, SIZES[0])],
+        },
+        {"prompt": f"{ph} once more", "images": [make_test_image(21, SIZES[0])], "image_ids": [7]},
+    ):
         _same(fast.process(prompt), oracle.process(prompt))
     assert calls.count(True) == 0, calls
-    other = {"prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:", "images": [make_test_image(22, SIZES[0])]}
+    other = {
+        "prompt": f"USER: {ph}\nAnd its colour? ASSISTANT:",
+        "images": [make_test_image(22, SIZES[0])],
+    }
     _same(fast.process(other), oracle.process(other))
     assert calls.count(True) == 1, calls

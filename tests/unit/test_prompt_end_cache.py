@@ -1,18 +1,22 @@
 """PromptEndCache (digest -> slot, LRU) and the prompt digest it is keyed by; the scheduler's use of both."""
+
 from __future__ import annotations
 
 import torch
 
 from mmserve.config import SchedulerConfig
+from mmserve.core.multimodal import MultiModalItem
 from mmserve.engine.kv_cache import KVCacheManager
 from mmserve.engine.prompt_end_cache import PromptEndCache
-from mmserve.engine.request import MultiModalItem, Request
+from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
 from mmserve.sampling_params import SamplingParams
 
 
 def _req(rid: str, tokens: list[int], images: list[tuple[int, int, str]] = ()) -> Request:
-    items = [MultiModalItem("image", {"pixel_values": torch.zeros(1)}, off, n, h) for off, n, h in images]
+    items = [
+        MultiModalItem("image", {"pixel_values": torch.zeros(1)}, off, n, h) for off, n, h in images
+    ]
     return Request(rid, None, tokens, SamplingParams(max_tokens=4), items)
 
 
@@ -20,11 +24,11 @@ def test_slots_are_reused_for_the_same_prompt_and_evicted_least_recently_used_fi
     cache = PromptEndCache(2)
     a, b = cache.claim(b"a"), cache.claim(b"b")
     assert {a, b} == {0, 1}
-    assert cache.claim(b"a") == a            # the same prompt again: its own slot
-    assert cache.lookup(b"b") == b           # b is now the most recently used
+    assert cache.claim(b"a") == a  # the same prompt again: its own slot
+    assert cache.lookup(b"b") == b  # b is now the most recently used
     c = cache.claim(b"c")
     assert c == a and cache.lookup(b"a") is None and cache.lookup(b"b") == b
-    cache.forget(b"c")                       # a failed launch: the slot is free again, c unknown
+    cache.forget(b"c")  # a failed launch: the slot is free again, c unknown
     assert cache.lookup(b"c") is None
     assert cache.claim(b"d") == c and cache.lookup(b"b") == b
 
@@ -34,12 +38,12 @@ def test_the_digest_covers_every_prompt_token_and_picture_and_no_block_shares_it
     base = list(range(1, 11))
     digest = kv.prompt_digest(_req("a", base))
     assert digest == kv.prompt_digest(_req("b", base))
-    assert digest != kv.prompt_digest(_req("c", base[:-1] + [99]))      # the last token
-    assert digest != kv.prompt_digest(_req("d", [99] + base[1:]))        # the first (through the chain)
-    assert digest != kv.prompt_digest(_req("e", base[:-1]))              # a prefix of it
-    with_image = kv.prompt_digest(_req("f", base, [(8, 2, "img1")]))     # picture in the partial block
+    assert digest != kv.prompt_digest(_req("c", base[:-1] + [99]))  # the last token
+    assert digest != kv.prompt_digest(_req("d", [99] + base[1:]))  # the first (through the chain)
+    assert digest != kv.prompt_digest(_req("e", base[:-1]))  # a prefix of it
+    with_image = kv.prompt_digest(_req("f", base, [(8, 2, "img1")]))  # picture in the partial block
     assert with_image not in (digest, kv.prompt_digest(_req("g", base, [(8, 2, "img2")])))
-    aligned = _req("h", base[:8])                                         # no partial block
+    aligned = _req("h", base[:8])  # no partial block
     assert kv.prompt_digest(aligned) not in aligned.block_hashes
 
 
@@ -69,18 +73,25 @@ def test_scheduler_stores_a_completed_prompt_and_loads_it_for_a_repeat_last_in_t
     s.add(_req("b", [50, 51, 52]))
     s.add(_req("a2", list(range(1, 11))))
     out = s.schedule()
-    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 1), ("b", 3), ("a2", 0)]
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [
+        ("a", 1),
+        ("b", 3),
+        ("a2", 0),
+    ]
     load = out.scheduled[-1]
     assert load.samples and load.load_prompt_end == first.store_prompt_end and load.start == 8
     assert out.computed == out.scheduled[:2] and out.kind == "mixed"
-    assert out.scheduled[0].store_prompt_end is None                      # a decode stores nothing
+    assert out.scheduled[0].store_prompt_end is None  # a decode stores nothing
     for x in out.scheduled:
         x.request.num_computed_tokens = x.end
         x.request.output_token_ids.append(7)
     out = s.schedule()
     # the repeat's next step: the prompt's uncached tail (positions 8, 9) and its first token
-    assert [(x.request.request_id, x.start, x.num_tokens) for x in out.scheduled if x.request.request_id == "a2"] \
-        == [("a2", 8, 3)]
+    assert [
+        (x.request.request_id, x.start, x.num_tokens)
+        for x in out.scheduled
+        if x.request.request_id == "a2"
+    ] == [("a2", 8, 3)]
     assert all(x.store_prompt_end is None for x in out.scheduled)
 
 
@@ -88,8 +99,10 @@ def test_a_partial_prefix_hit_computes_the_prompt():
     s = _sched()
     s.add(_req("a", list(range(1, 11))))
     _finish_step(s)
-    s.kv.free(s.running.pop())   # a's blocks are free, the tail first in the LRU queue: cached until evicted
-    taken = s.kv.pool.take(s.kv.pool.num_free - 1)   # evicts all of a's blocks but the first
+    s.kv.free(
+        s.running.pop()
+    )  # a's blocks are free, the tail first in the LRU queue: cached until evicted
+    taken = s.kv.pool.take(s.kv.pool.num_free - 1)  # evicts all of a's blocks but the first
     s.kv.pool.release(taken)
     s.add(_req("a2", list(range(1, 11))))
     [x] = s.schedule().scheduled
@@ -110,8 +123,14 @@ def test_a_twin_of_a_prompt_in_progress_waits_and_lets_others_pass():
         s.kv.cache_computed_blocks(x.request)
         x.request.output_token_ids.append(7)
     out = s.schedule()
-    loads = [(x.request.request_id, x.num_tokens, x.load_prompt_end) for x in out.scheduled if x.num_tokens == 0]
-    assert [(rid, n) for rid, n, _ in loads] == [("a2", 0), ("a3", 0)] and all(l is not None for *_, l in loads)
+    loads = [
+        (x.request.request_id, x.num_tokens, x.load_prompt_end)
+        for x in out.scheduled
+        if x.num_tokens == 0
+    ]
+    assert [(rid, n) for rid, n, _ in loads] == [("a2", 0), ("a3", 0)] and all(
+        l is not None for *_, l in loads
+    )
     assert not s.waiting
 
 

@@ -1,4 +1,5 @@
 """Sampler: masks, penalties and logprobs against hand-written references; seeded reproducibility."""
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,20 @@ CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
 
-def make_batch(params: list[SamplingParams], vocab: int, outputs=None, prompts=None, seeds_gen=True,
-               eos=None, bad=None) -> SamplingBatch:
+def make_batch(
+    params: list[SamplingParams],
+    vocab: int,
+    outputs=None,
+    prompts=None,
+    seeds_gen=True,
+    eos=None,
+    bad=None,
+) -> SamplingBatch:
     n = len(params)
-    gens = [torch.Generator().manual_seed(p.seed) if seeds_gen and p.seed is not None else None for p in params]
+    gens = [
+        torch.Generator().manual_seed(p.seed) if seeds_gen and p.seed is not None else None
+        for p in params
+    ]
     return SamplingBatch.build(
         params,
         prompt_token_ids=prompts or [[] for _ in range(n)],
@@ -44,8 +55,12 @@ def finite_mask(t: torch.Tensor) -> list[list[bool]]:
 def test_greedy_rows_take_argmax_in_mixed_batch():
     torch.manual_seed(0)
     logits = torch.randn(4, 32)
-    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=0.7),
-              SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, top_p=0.1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=1, temperature=0.7),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, top_p=0.1),
+    ]
     out = Sampler()(logits, make_batch(params, 32))
     assert out.token_ids.dtype == torch.int64 and out.token_ids.shape == (4,)
     assert out.token_ids[[0, 1, 3]].tolist() == logits.argmax(-1)[[0, 1, 3]].tolist()
@@ -55,7 +70,7 @@ def test_greedy_rows_take_argmax_in_mixed_batch():
 def test_all_greedy_half_precision_and_padded_vocab():
     logits = torch.zeros(2, 10, dtype=torch.bfloat16)
     logits[0, 3] = 5.0
-    logits[1, 8] = 9.0   # column >= vocab_size: padded lm_head, never sampled
+    logits[1, 8] = 9.0  # column >= vocab_size: padded lm_head, never sampled
     logits[1, 6] = 1.0
     out = Sampler()(logits, make_batch([SamplingParams(temperature=0.0)] * 2, vocab=8))
     assert out.token_ids.tolist() == [3, 6]
@@ -66,23 +81,41 @@ def test_plain_greedy_batches_skip_the_per_row_lists_and_the_fp32_copy():
     as given; any row with something to apply (a penalty, a pending min_tokens, logprobs) takes the full path."""
     torch.manual_seed(3)
     logits = torch.randn(5, 40, dtype=torch.float16) * 4
-    logits[:, 37:] = 100.0   # padded lm_head columns beyond the vocabulary
-    plain = [SamplingParams(temperature=0.0, max_tokens=5), SamplingParams(temperature=1e-9),
-             SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])] + [SamplingParams(temperature=0.0)] * 2
-    outputs = [[1], [], [7, 8], [], [2, 2, 2]]   # row 2 has reached min_tokens
+    logits[:, 37:] = 100.0  # padded lm_head columns beyond the vocabulary
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=5),
+        SamplingParams(temperature=1e-9),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]),
+    ] + [SamplingParams(temperature=0.0)] * 2
+    outputs = [[1], [], [7, 8], [], [2, 2, 2]]  # row 2 has reached min_tokens
     batch = make_batch(plain, 37, outputs=outputs)
-    assert batch.all_greedy and batch.mask_rows is None and not batch.has_penalties and batch.max_num_logprobs is None
+    assert (
+        batch.all_greedy
+        and batch.mask_rows is None
+        and not batch.has_penalties
+        and batch.max_num_logprobs is None
+    )
     out = Sampler()(logits, batch)
     assert out.token_ids.tolist() == logits.float()[:, :37].argmax(-1).tolist()
-    for odd in (SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[5]),
-                SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, logprobs=2)):
+    for odd in (
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, logprobs=2),
+    ):
         mixed = make_batch(plain[:4] + [odd], 37, outputs=outputs)
-        assert mixed.mask_rows is not None or mixed.has_penalties or mixed.max_num_logprobs is not None
+        assert (
+            mixed.mask_rows is not None or mixed.has_penalties or mixed.max_num_logprobs is not None
+        )
 
 
 def test_no_optional_tensors_without_need():
     batch = make_batch([SamplingParams(), SamplingParams(temperature=0.0)], 16)
-    assert batch.temperature is None and batch.top_k is None and batch.top_p is None and batch.min_p is None
+    assert (
+        batch.temperature is None
+        and batch.top_k is None
+        and batch.top_p is None
+        and batch.min_p is None
+    )
     assert batch.prompt_ids is None and batch.output_ids is None and not batch.has_penalties
     assert batch.mask_rows is None and batch.max_num_logprobs is None and batch.seeded == []
 
@@ -90,13 +123,17 @@ def test_no_optional_tensors_without_need():
 # ---------------------------------------------------------------------------------------------- seeding
 
 
-def _run_steps(params: list[SamplingParams], logits_steps: list[torch.Tensor], rows: list[int]) -> list[int]:
+def _run_steps(
+    params: list[SamplingParams], logits_steps: list[torch.Tensor], rows: list[int]
+) -> list[int]:
     """Sample several steps with one generator per seeded request (seeded once, like the engine does)."""
     gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
     n = len(params)
     ids = []
     for logits in logits_steps:
-        batch = SamplingBatch.build(params, [[]] * n, [[]] * n, gens, [None] * n, [[]] * n, logits.shape[1], CPU)
+        batch = SamplingBatch.build(
+            params, [[]] * n, [[]] * n, gens, [None] * n, [[]] * n, logits.shape[1], CPU
+        )
         ids.append(Sampler()(logits[rows], batch).token_ids)
     return ids
 
@@ -108,10 +145,15 @@ def test_seeded_row_reproducible_across_batch_composition():
     alone = [t[0].item() for t in _run_steps([seeded], steps, [0])]
     again = [t[0].item() for t in _run_steps([seeded], steps, [0])]
     others = [SamplingParams(), SamplingParams(seed=99, top_k=5), SamplingParams(temperature=0.0)]
-    mixed = [t[2].item() for t in _run_steps([others[0], others[1], seeded, others[2]], steps, [1, 2, 0, 3])]
+    mixed = [
+        t[2].item()
+        for t in _run_steps([others[0], others[1], seeded, others[2]], steps, [1, 2, 0, 3])
+    ]
     assert alone == again == mixed
-    other_seed = [t[0].item() for t in _run_steps([SamplingParams(seed=4321, temperature=1.3, top_p=0.9)],
-                                                  steps, [0])]
+    other_seed = [
+        t[0].item()
+        for t in _run_steps([SamplingParams(seed=4321, temperature=1.3, top_p=0.9)], steps, [0])
+    ]
     assert other_seed != alone
 
 
@@ -152,10 +194,19 @@ def test_top_k_top_p_min_p_match_reference(with_top_p: bool):
     torch.manual_seed(2)
     vocab = 40
     logits = torch.randn(7, vocab) * 2
-    settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (1, 1.0, 0.0), (0, 1.0, 0.2), (12, 1.0, 0.05),
-                (vocab, 1.0, 0.0), (-1, 1.0, 0.5)]
+    settings = [
+        (0, 1.0, 0.0),
+        (5, 1.0, 0.0),
+        (1, 1.0, 0.0),
+        (0, 1.0, 0.2),
+        (12, 1.0, 0.05),
+        (vocab, 1.0, 0.0),
+        (-1, 1.0, 0.5),
+    ]
     if with_top_p:
-        settings = [(k, p, mp) for (k, _, mp), p in zip(settings, [0.5, 0.9, 1.0, 0.3, 0.8, 0.99, 0.95])]
+        settings = [
+            (k, p, mp) for (k, _, mp), p in zip(settings, [0.5, 0.9, 1.0, 0.3, 0.8, 0.99, 0.95])
+        ]
     top_k = torch.tensor([s[0] for s in settings])
     top_p = torch.tensor([s[1] for s in settings]) if with_top_p else None
     min_p = torch.tensor([s[2] for s in settings])
@@ -184,14 +235,19 @@ def test_top_k_only_path_without_host_max():
 
 
 def test_penalties_match_formulas():
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
-                           [1.0, 1.0, -2.0, 4.0, -0.5, 2.0]])
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [1.0, 1.0, -2.0, 4.0, -0.5, 2.0]])
     prompt = [[0, 1], [5]]
     output = [[2, 2, 3], [3, 5, 5, 5]]
     rep, pres, freq = [2.0, 0.5], [0.3, -0.2], [0.1, 0.4]
     pad = lambda rows: torch.tensor([r + [-1] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
-    got = apply_penalties(logits.clone(), pad(prompt), pad(output), torch.tensor(rep), torch.tensor(pres),
-                          torch.tensor(freq))
+    got = apply_penalties(
+        logits.clone(),
+        pad(prompt),
+        pad(output),
+        torch.tensor(rep),
+        torch.tensor(pres),
+        torch.tensor(freq),
+    )
     expected = logits.clone()
     for b in range(2):
         for v in range(6):
@@ -206,12 +262,14 @@ def test_penalties_match_formulas():
 
 def test_penalties_in_sampler_only_for_rows_that_ask():
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0], [3.0, 2.9, 0.0, 0.0]])
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0),
-              SamplingParams(temperature=0.0, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
     batch = make_batch(params, 4, outputs=[[0], [0]], prompts=[[3], [3]])
     assert batch.presence_penalty is None and batch.frequency_penalty is None
     out = Sampler()(logits, batch)
-    assert out.token_ids.tolist() == [1, 0]   # row 0: 3/1.5 = 2 < 2.9
+    assert out.token_ids.tolist() == [1, 0]  # row 0: 3/1.5 = 2 < 2.9
     penalised = torch.tensor([2.0, 2.9, 0.0, 0.0])  # id 3 (prompt, logit 0): 0 * 1.5 = 0
     assert torch.allclose(out.logprobs[0], penalised.log_softmax(-1)[1])
 
@@ -234,12 +292,17 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     sampler = Sampler()
     out = sampler(logits, make_batch([p], 8, outputs=[[0, 1]], eos=[2]))
     assert out.token_ids.tolist() == [6] and out.logprobs.isfinite().all()
-    lp_batch = make_batch([SamplingParams(min_tokens=3, stop_token_ids=[5], logprobs=8)], 8, outputs=[[0]],
-                          eos=[2])
+    lp_batch = make_batch(
+        [SamplingParams(min_tokens=3, stop_token_ids=[5], logprobs=8)], 8, outputs=[[0]], eos=[2]
+    )
     lp = sampler(logits, lp_batch)
-    masked = {i for i, v in zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist()) if v == NEG_INF}
+    masked = {
+        i for i, v in zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist()) if v == NEG_INF
+    }
     assert masked == {2, 5}
-    assert sampler(logits, make_batch([p], 8, outputs=[[0, 1, 3]], eos=[2])).token_ids.tolist() == [2]
+    assert sampler(logits, make_batch([p], 8, outputs=[[0, 1, 3]], eos=[2])).token_ids.tolist() == [
+        2
+    ]
     # eos from params when the engine gives none; ignore_eos keeps eos sampleable
     q = SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=2)
     assert sampler(logits, make_batch([q], 8, outputs=[[0]])).token_ids.tolist() == [5]
@@ -262,8 +325,11 @@ def test_bad_words_single_and_multi_token():
 def test_logprobs_are_log_softmax_before_temperature_and_sorted():
     torch.manual_seed(3)
     logits = torch.randn(3, 30)
-    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=5.0, top_k=3, logprobs=5),
-              SamplingParams(temperature=0.5)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=5.0, top_k=3, logprobs=5),
+        SamplingParams(temperature=0.5),
+    ]
     out = Sampler()(logits, make_batch(params, 30))
     ref = logits.log_softmax(-1)
     assert out.top_logprobs.shape == (3, 5) and out.top_token_ids.shape == (3, 5)
@@ -279,7 +345,9 @@ def test_logprobs_are_log_softmax_before_temperature_and_sorted():
 
 
 def test_logprobs_zero_requested_gives_empty_top():
-    out = Sampler()(torch.randn(2, 9), make_batch([SamplingParams(logprobs=0), SamplingParams()], 9))
+    out = Sampler()(
+        torch.randn(2, 9), make_batch([SamplingParams(logprobs=0), SamplingParams()], 9)
+    )
     assert out.logprobs.shape == (2,) and out.top_logprobs.shape == (2, 0)
 
 
@@ -335,11 +403,17 @@ def test_cpu_batches_leave_the_fused_samplers_seeds_out_and_keep_the_global_rng(
 
 def test_logit_bias_is_added_first_masks_still_win_and_logprobs_see_it():
     vocab = 6
-    logits = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 9.0, 9.0]] * 4)   # a padded head: 8 columns
-    params = [SamplingParams(temperature=0, logit_bias={4: 3.0}),                  # 4 overtakes 1
-              SamplingParams(temperature=0),                                        # untouched
-              SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[4], logit_bias={4: 50.0}, logprobs=2),
-              SamplingParams(temperature=0.7, seed=3, logit_bias={5: 100.0})]       # sampled: 5 all but surely
+    logits = torch.tensor(
+        [[0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 9.0, 9.0]] * 4
+    )  # a padded head: 8 columns
+    params = [
+        SamplingParams(temperature=0, logit_bias={4: 3.0}),  # 4 overtakes 1
+        SamplingParams(temperature=0),  # untouched
+        SamplingParams(
+            temperature=0, min_tokens=1, stop_token_ids=[4], logit_bias={4: 50.0}, logprobs=2
+        ),
+        SamplingParams(temperature=0.7, seed=3, logit_bias={5: 100.0}),
+    ]  # sampled: 5 all but surely
     batch = make_batch(params, vocab)
     assert (batch.bias_rows.tolist(), batch.bias_ids.tolist()) == ([0, 2, 3], [4, 4, 5])
     out = Sampler(fused=False)(logits, batch)
@@ -348,9 +422,13 @@ def test_logit_bias_is_added_first_masks_still_win_and_logprobs_see_it():
     want = torch.log_softmax(torch.tensor([0.0, 2.0, 1.0, 0.0, NEG_INF, 0.0]), 0)
     assert out.top_token_ids[2].tolist() == [1, 2]
     torch.testing.assert_close(out.top_logprobs[2], want[[1, 2]])
-    biased = Sampler(fused=False)(logits[:1], make_batch([SamplingParams(temperature=0, logprobs=1,
-                                                                           logit_bias={2: 1.5})], vocab))
-    torch.testing.assert_close(biased.logprobs, torch.log_softmax(torch.tensor([0.0, 2, 2.5, 0, 0, 0]), 0)[[2]])
+    biased = Sampler(fused=False)(
+        logits[:1],
+        make_batch([SamplingParams(temperature=0, logprobs=1, logit_bias={2: 1.5})], vocab),
+    )
+    torch.testing.assert_close(
+        biased.logprobs, torch.log_softmax(torch.tensor([0.0, 2, 2.5, 0, 0, 0]), 0)[[2]]
+    )
 
 
 def test_logit_bias_is_checked_by_sampling_params():

@@ -1,5 +1,6 @@
 """worker/step_batch.flatten: a step's chunks as flat token lists (ids, positions, slots, offsets), the rows whose
 input token the previous step sampled on the device, and which sequences sample."""
+
 from __future__ import annotations
 
 import types
@@ -7,26 +8,32 @@ import types
 import pytest
 import torch
 
-from mmserve.engine.request import MultiModalItem, Request
-from mmserve.engine.scheduler import ScheduledRequest
+from mmserve.core.multimodal import MultiModalItem
+from mmserve.core.step import ScheduledRequest
+from mmserve.engine.request import Request
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.step_batch import flatten
 
 BS = 4
 
 
-def _request(rid: str, prompt: list[int], outputs: list[int] = (), pending: bool = False, row: int = -1) -> Request:
+def _request(
+    rid: str, prompt: list[int], outputs: list[int] = (), pending: bool = False, row: int = -1
+) -> Request:
     req = Request(rid, None, prompt, SamplingParams(max_tokens=8))
     req.output_token_ids = list(outputs)
-    if pending:   # the last output is a placeholder the previous step sampled into `row`
+    if pending:  # the last output is a placeholder the previous step sampled into `row`
         req.add_pending(row)
     return req
 
 
 def test_chunks_lay_out_ids_positions_slots_and_offsets():
-    a = _request("a", [10, 11, 12, 13, 14, 15])           # prompt chunk [2, 6), blocks 7, 3
-    b = _request("b", [20, 21, 22], outputs=[23])          # a decode of its 4th token, block 5
-    seqs = [ScheduledRequest(b, 3, 1, [5], samples=True), ScheduledRequest(a, 2, 4, [7, 3], samples=True)]
+    a = _request("a", [10, 11, 12, 13, 14, 15])  # prompt chunk [2, 6), blocks 7, 3
+    b = _request("b", [20, 21, 22], outputs=[23])  # a decode of its 4th token, block 5
+    seqs = [
+        ScheduledRequest(b, 3, 1, [5], samples=True),
+        ScheduledRequest(a, 2, 4, [7, 3], samples=True),
+    ]
     batch = flatten(seqs, None, BS, torch.device("cpu"), mrope=False)
     assert batch.input_ids == [23, 12, 13, 14, 15]
     assert batch.positions.tolist() == [3, 2, 3, 4, 5]
@@ -40,11 +47,16 @@ def test_placeholder_inputs_come_from_the_previous_steps_samples_on_the_device()
     a = _request("a", [1, 2], outputs=[3], pending=True, row=2)
     b = _request("b", [4, 5], outputs=[6])
     prev = types.SimpleNamespace(tokens=torch.tensor([70, 71, 72, 73]))
-    seqs = [ScheduledRequest(b, 2, 1, [0], samples=True), ScheduledRequest(a, 3, 1, [1], samples=False)]
+    seqs = [
+        ScheduledRequest(b, 2, 1, [0], samples=True),
+        ScheduledRequest(a, 3, 1, [1], samples=False),
+    ]
     batch = flatten(seqs, prev, BS, torch.device("cpu"), mrope=False)
-    assert batch.input_ids == [6, -1]   # PLACEHOLDER on the host
+    assert batch.input_ids == [6, -1]  # PLACEHOLDER on the host
     rows, ids = batch.fill
-    assert rows.tolist() == [1] and ids.tolist() == [72]    # a's input token is prev's row 2, at flat row 1
+    assert rows.tolist() == [1] and ids.tolist() == [
+        72
+    ]  # a's input token is prev's row 2, at flat row 1
     assert batch.sampling == [0] and batch.one_token_each
     with pytest.raises(RuntimeError, match="a: its input tokens are not known yet"):
         flatten(seqs, None, BS, torch.device("cpu"), mrope=False)

@@ -1,27 +1,35 @@
-"""engine/stop_matcher.py against brute-force references on random texts and patterns (overlapping ones, patterns
+"""core/stop_matcher.py against brute-force references on random texts and patterns (overlapping ones, patterns
 that are prefixes or suffixes of others, repeats), and RequestLimits' checks."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from mmserve.engine.stop_matcher import Automaton, StopStringMatcher, TokenSequenceMatcher
+from mmserve.core.stop_matcher import Automaton, StopStringMatcher, TokenSequenceMatcher
 from mmserve.sampling_params import RequestLimits, SamplingParams
 
 
 def _patterns(rng: random.Random, alphabet: str, count: int) -> list[str]:
     pats = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(count)]
-    pats += [p[:rng.randint(1, len(p))] for p in rng.sample(pats, min(2, len(pats)))]   # prefixes of others
-    pats += [p[rng.randint(0, len(p) - 1):] for p in rng.sample(pats, min(2, len(pats)))]   # suffixes of others
-    pats.append(rng.choice(pats))   # a repeat
+    pats += [
+        p[: rng.randint(1, len(p))] for p in rng.sample(pats, min(2, len(pats)))
+    ]  # prefixes of others
+    pats += [
+        p[rng.randint(0, len(p) - 1) :] for p in rng.sample(pats, min(2, len(pats)))
+    ]  # suffixes of others
+    pats.append(rng.choice(pats))  # a repeat
     rng.shuffle(pats)
     return pats
 
 
 def _pending(text: str, pats: list[str]) -> int:
     """Longest suffix of text that is a prefix of some pattern (brute force)."""
-    return max((n for n in range(len(text) + 1) for p in pats if text.endswith(p[:n]) and n <= len(p)), default=0)
+    return max(
+        (n for n in range(len(text) + 1) for p in pats if text.endswith(p[:n]) and n <= len(p)),
+        default=0,
+    )
 
 
 def _longest_ending(text: str, pats: list[str]) -> str | None:
@@ -69,7 +77,7 @@ def test_stop_strings_fed_in_random_pieces(seed):
     matcher = StopStringMatcher(pats)
     fed, got = 0, None
     while fed < len(text) and got is None:
-        piece = text[fed:fed + rng.randint(1, 6)]
+        piece = text[fed : fed + rng.randint(1, 6)]
         hit = matcher.feed(piece)
         if hit is not None:
             got = (hit[0], fed + hit[1])
@@ -81,9 +89,9 @@ def test_stop_strings_fed_in_random_pieces(seed):
 
 
 def test_stop_string_ties_and_overlaps():
-    m = StopStringMatcher(["bcd", "abcd", "c"])   # "c" ends first
+    m = StopStringMatcher(["bcd", "abcd", "c"])  # "c" ends first
     assert m.feed("xabcd") == ("c", 4)
-    m = StopStringMatcher(["bcd", "abcd"])        # same end: the longer
+    m = StopStringMatcher(["bcd", "abcd"])  # same end: the longer
     assert m.feed("xab") is None and m.pending == 2
     assert m.feed("cd") == ("abcd", 2)
     m = StopStringMatcher(["aab"])
@@ -100,12 +108,16 @@ def test_token_sequences_match_brute_force(seed):
     assert matcher.longest == max(map(len, seqs))
     out: list[int] = []
     for _ in range(50):
-        banned = {s[-1] for s in seqs if len(s) - 1 <= len(out) and out[len(out) - len(s) + 1:] == s[:-1]}
+        banned = {
+            s[-1] for s in seqs if len(s) - 1 <= len(out) and out[len(out) - len(s) + 1 :] == s[:-1]
+        }
         assert matcher.banned_next() == banned
         tok = rng.randint(0, 3)
         out.append(tok)
         ended = matcher.feed(tok)
-        assert ended == matcher.ended == any(out[-len(s):] == s for s in seqs if len(s) <= len(out))
+        assert (
+            ended == matcher.ended == any(out[-len(s) :] == s for s in seqs if len(s) <= len(out))
+        )
 
 
 def test_empty_lists_and_patterns():
@@ -117,15 +129,30 @@ def test_empty_lists_and_patterns():
 
 def test_request_limits_name_the_list_the_count_and_the_flag():
     limits = RequestLimits(max_stop_sequences=3, max_stop_sequence_chars=10)
-    limits.check(SamplingParams(stop=["a"] * 3, bad_words=["abcde", "fghij"], stop_token_sequences=[[1] * 10]))
+    limits.check(
+        SamplingParams(
+            stop=["a"] * 3, bad_words=["abcde", "fghij"], stop_token_sequences=[[1] * 10]
+        )
+    )
     cases = [
         (dict(stop=["a"] * 4), "stop: 4 entries, more than --max-stop-sequences=3"),
-        (dict(stop=["abcdef", "ghijk"]), "stop: 11 characters in all, more than --max-stop-sequence-chars=10"),
+        (
+            dict(stop=["abcdef", "ghijk"]),
+            "stop: 11 characters in all, more than --max-stop-sequence-chars=10",
+        ),
         (dict(bad_words=["x"] * 5), "bad_words: 5 entries, more than --max-stop-sequences=3"),
-        (dict(stop_token_ids=[1, 2, 3, 4]), "stop_token_ids: 4 entries, more than --max-stop-sequences=3"),
-        (dict(stop_token_sequences=[[1] * 11]),
-         "stop_token_sequences: 11 token ids in all, more than --max-stop-sequence-chars=10"),
-        (dict(bad_token_sequences=[[1]] * 4), "bad_token_sequences: 4 entries, more than --max-stop-sequences=3"),
+        (
+            dict(stop_token_ids=[1, 2, 3, 4]),
+            "stop_token_ids: 4 entries, more than --max-stop-sequences=3",
+        ),
+        (
+            dict(stop_token_sequences=[[1] * 11]),
+            "stop_token_sequences: 11 token ids in all, more than --max-stop-sequence-chars=10",
+        ),
+        (
+            dict(bad_token_sequences=[[1]] * 4),
+            "bad_token_sequences: 4 entries, more than --max-stop-sequences=3",
+        ),
     ]
     for kw, message in cases:
         with pytest.raises(ValueError) as err:

@@ -5,6 +5,7 @@ sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayer
 cross-attention over a staggered batch (each rank's own keys/values in its pool); preempted requests recompute
 (Mllama re-encoding its pictures) and still give one process's tokens; every rank's activation profile runs the
 same layers. The family table and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
+
 from __future__ import annotations
 
 import math
@@ -29,17 +30,35 @@ FAMILIES = {
     "qwen2_vl": (make_qwen2_vl_checkpoint, lambda i: _QWEN.format(f"what is {i}?"), (56, 84)),
     "blip2": (make_blip2_checkpoint, lambda i: f"Question: what is {i}? Answer:", None),
     "fuyu": (make_fuyu_checkpoint, lambda i: f"What is number {i} here?", (40, 30)),
-    "llava_next": (make_llava_next_checkpoint, lambda i: f"[INST] <image>\ntell me about {i} [/INST]", (50, 70)),
-    "llava_onevision": (make_llava_onevision_checkpoint,
-                        lambda i: f"<|im_start|>user <image>\nwhat is {i}<|im_end|>\n<|im_start|>assistant\n",
-                        (50, 70)),
-    "pixtral": (make_pixtral_checkpoint, lambda i: f"[INST][IMG]tell me about {i}[/INST]", (40, 56)),
+    "llava_next": (
+        make_llava_next_checkpoint,
+        lambda i: f"[INST] <image>\ntell me about {i} [/INST]",
+        (50, 70),
+    ),
+    "llava_onevision": (
+        make_llava_onevision_checkpoint,
+        lambda i: f"<|im_start|>user <image>\nwhat is {i}<|im_end|>\n<|im_start|>assistant\n",
+        (50, 70),
+    ),
+    "pixtral": (
+        make_pixtral_checkpoint,
+        lambda i: f"[INST][IMG]tell me about {i}[/INST]",
+        (40, 56),
+    ),
     "kosmos2": (make_kosmos2_checkpoint, lambda i: f"<grounding> An image of {i}", None),
 }
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+        ],
+    ),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -47,19 +66,23 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 def test_two_shards_give_one_process_tokens(family, tmp_path, device):
     make, text, size = FAMILIES[family]
     model_dir = str(make(tmp_path / family, preset="tiny", seed=0))
-    prompts = [{"prompt": text(i), "images": [make_test_image(3 * i + 1, size) if size else make_test_image(3 * i + 1)]}
-               for i in range(2)]
-    kw = dict(device=device, dtype="float32", max_num_seqs=4)   # few CUDA graphs to capture
+    prompts = [
+        {
+            "prompt": text(i),
+            "images": [make_test_image(3 * i + 1, size) if size else make_test_image(3 * i + 1)],
+        }
+        for i in range(2)
+    ]
+    kw = dict(device=device, dtype="float32", max_num_seqs=4)  # few CUDA graphs to capture
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         two = llm.generate(prompts, GREEDY, use_tqdm=False)
     one = LLM(model_dir, **kw).generate(prompts, GREEDY, use_tqdm=False)
-    tol = 1e-4 if device == "cpu" else 2e-3   # GPU kernels sum the split features in another order
+    tol = 1e-4 if device == "cpu" else 2e-3  # GPU kernels sum the split features in another order
     for a, b in zip(two, one):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in lb.items():
                 assert math.isclose(la[tok].logprob, lp.logprob, abs_tol=tol)
-
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -71,12 +94,23 @@ def test_mllama_cross_attention_over_two_shards(tmp_path, device):
     pool block comes back."""
     from mmserve.testing.mllama import make_mllama_checkpoint
     from tests.parity.hf_oracle import run_staggered
+
     model_dir = str(make_mllama_checkpoint(tmp_path / "mllama", preset="tiny", seed=0))
-    texts = ["first <|image|> then <|image|> compare them", "Look at this: <|image|> what is it?",
-             "A plain question without a picture", "<|image|><|image|> both, then text", "again <|image|> here"]
-    images = [[make_test_image(5 * i + k, (48, 40) if k % 2 else (60, 30)) for k in range(t.count("<|image|>"))]
-              for i, t in enumerate(texts)]
-    images[4] = [images[1][0]]   # the same picture again: its states come from the encoder cache
+    texts = [
+        "first <|image|> then <|image|> compare them",
+        "Look at this: <|image|> what is it?",
+        "A plain question without a picture",
+        "<|image|><|image|> both, then text",
+        "again <|image|> here",
+    ]
+    images = [
+        [
+            make_test_image(5 * i + k, (48, 40) if k % 2 else (60, 30))
+            for k in range(t.count("<|image|>"))
+        ]
+        for i, t in enumerate(texts)
+    ]
+    images[4] = [images[1][0]]  # the same picture again: its states come from the encoder cache
     prompts = [{"prompt": "<|begin_of_text|>" + t, "images": im} for t, im in zip(texts, images)]
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=24, block_size=4)
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
@@ -98,13 +132,21 @@ def test_preempted_requests_recompute_over_two_shards(family, tmp_path):
     pictures re-encoded and their states broadcast again), and two shards still give one process's tokens."""
     from mmserve.testing.llava import make_llava_checkpoint
     from mmserve.testing.mllama import make_mllama_checkpoint
-    make, text = {"llava": (make_llava_checkpoint, "USER: <image>\nq{} go on ASSISTANT:"),
-                  "mllama": (make_mllama_checkpoint, "<|begin_of_text|>q{} <|image|> go on")}[family]
+
+    make, text = {
+        "llava": (make_llava_checkpoint, "USER: <image>\nq{} go on ASSISTANT:"),
+        "mllama": (make_mllama_checkpoint, "<|begin_of_text|>q{} <|image|> go on"),
+    }[family]
     model_dir = str(make(tmp_path / family, preset="tiny", seed=0))
     prompts = [{"prompt": text.format(i), "images": [make_test_image(20 + i)]} for i in range(4)]
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
-    kw = dict(device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False,
-              num_kv_blocks=24 if family == "llava" else 16)   # a few preemptions each
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        enable_prefix_caching=False,
+        num_kv_blocks=24 if family == "llava" else 16,
+    )  # a few preemptions each
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         two = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.stats()["num_preemptions"] > 0
@@ -119,8 +161,14 @@ def test_every_rank_profiles_the_same_layers(tmp_path):
     all-reduces pair up. On GPUs they did not, and startup hung; here the profile's forward runs on the CPU
     (where no memory is profiled), and afterwards the ranks still give one process's tokens."""
     from mmserve.testing.mllama import make_mllama_checkpoint
+
     model_dir = str(make_mllama_checkpoint(tmp_path / "mllama", preset="tiny", seed=0))
-    prompts = [{"prompt": "<|begin_of_text|>Look at this: <|image|> what is it?", "images": [make_test_image(3)]}]
+    prompts = [
+        {
+            "prompt": "<|begin_of_text|>Look at this: <|image|> what is it?",
+            "images": [make_test_image(3)],
+        }
+    ]
     kw = dict(device="cpu", dtype="float32")
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         engine = llm.engine
@@ -128,7 +176,9 @@ def test_every_rank_profiles_the_same_layers(tmp_path):
         assert workers[1] is not None and workers[1][1] == engine.model.cross_kv_tokens(here[0])
         caches = list(engine.runner.kv_caches)
         engine._on_every_rank("profile_prefill", (32, *here), (32, *workers))
-        assert all(a is b for a, b in zip(engine.runner.kv_caches, caches, strict=True))   # its own cache is back
+        assert all(
+            a is b for a, b in zip(engine.runner.kv_caches, caches, strict=True)
+        )  # its own cache is back
         assert engine.runner.attn_layers[0].kv_cache is caches[0]
         two = llm.generate(prompts, GREEDY, use_tqdm=False)
     one = LLM(model_dir, **kw).generate(prompts, GREEDY, use_tqdm=False)

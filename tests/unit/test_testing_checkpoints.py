@@ -38,18 +38,31 @@ def loaded(tiny_dir: Path):
     return model, AutoProcessor.from_pretrained(tiny_dir)
 
 
-
-
 def test_files_and_config(tiny_dir: Path, loaded) -> None:
     names = {p.name for p in tiny_dir.iterdir()}
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-              "preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "chat_template.jinja",
+    ):
         assert f in names
     model, processor = loaded
     tok = processor.tokenizer
     cfg = model.config
-    assert cfg.image_token_index == tok.convert_tokens_to_ids("<image>") == tok.image_token_id == 400
-    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2, 401)
+    assert (
+        cfg.image_token_index == tok.convert_tokens_to_ids("<image>") == tok.image_token_id == 400
+    )
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        0,
+        1,
+        2,
+        401,
+    )
     assert len(tok) == 402 and cfg.text_config.vocab_size == 408  # model vocab > tokenizer
     t = cfg.text_config
     heads = (t.num_attention_heads, t.num_key_value_heads, t.head_dim)
@@ -70,7 +83,9 @@ def test_every_weight_loaded_from_file(tiny_dir: Path, loaded) -> None:
 
 def test_processor_expands_image_tokens(loaded) -> None:
     model, processor = loaded
-    inputs = processor(text="USER: <image>\nhi ASSISTANT:", images=[make_test_image(0)], return_tensors="pt")
+    inputs = processor(
+        text="USER: <image>\nhi ASSISTANT:", images=[make_test_image(0)], return_tensors="pt"
+    )
     ids = inputs["input_ids"][0]
     assert ids[0].item() == processor.tokenizer.bos_token_id
     assert (ids == model.config.image_token_index).sum().item() == TINY_IMAGE_TOKENS
@@ -84,8 +99,12 @@ def test_generate_two_images(loaded) -> None:
     inputs = processor(text=prompt, images=images, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        swapped = model.generate(**processor(text=prompt, images=images[::-1], return_tensors="pt"),
-                                 max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        swapped = model.generate(
+            **processor(text=prompt, images=images[::-1], return_tensors="pt"),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+        )
     n = inputs["input_ids"].shape[1]
     assert out.shape == (1, n + 8)
     assert not torch.equal(out[0, n:], swapped[0, n:])  # the images matter
@@ -103,8 +122,13 @@ def test_seed_determinism(tmp_path: Path) -> None:
 def test_sharded_fp16_transformers_layout(tmp_path: Path) -> None:
     from transformers import LlavaForConditionalGeneration
 
-    d = make_llava_checkpoint(tmp_path / "s", preset="tiny-mha", dtype="float16", layout="transformers",
-                              max_shard_bytes=40_000)
+    d = make_llava_checkpoint(
+        tmp_path / "s",
+        preset="tiny-mha",
+        dtype="float16",
+        layout="transformers",
+        max_shard_bytes=40_000,
+    )
     index = json.loads((d / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and not (d / "model.safetensors").exists()
@@ -122,9 +146,15 @@ def test_tiny_mha_full_strategy(tmp_path: Path) -> None:
     d = make_llava_checkpoint(tmp_path / "m", preset="tiny-mha", text_layers=1, vision_layers=1)
     processor = AutoProcessor.from_pretrained(d)
     cfg = json.loads((d / "config.json").read_text())
-    assert cfg["text_config"]["num_key_value_heads"] == cfg["text_config"]["num_attention_heads"] == 4
-    ids = processor(text="USER: <image>\nhi ASSISTANT:", images=[make_test_image(5)], return_tensors="pt")["input_ids"]
-    assert (ids == cfg["image_token_index"]).sum().item() == TINY_IMAGE_TOKENS + 1  # "full" keeps CLS
+    assert (
+        cfg["text_config"]["num_key_value_heads"] == cfg["text_config"]["num_attention_heads"] == 4
+    )
+    ids = processor(
+        text="USER: <image>\nhi ASSISTANT:", images=[make_test_image(5)], return_tensors="pt"
+    )["input_ids"]
+    assert (
+        ids == cfg["image_token_index"]
+    ).sum().item() == TINY_IMAGE_TOKENS + 1  # "full" keeps CLS
 
 
 def test_tokenizer_round_trip_and_specials(tiny_dir: Path) -> None:
@@ -136,9 +166,16 @@ def test_tokenizer_round_trip_and_specials(tiny_dir: Path) -> None:
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text
     vocab = tok.get_vocab()
-    assert len(tok.tokenize(" 日本")) == 1 and len(tok.tokenize(" 🙂")) == 1  # multi-byte merges exist
+    assert (
+        len(tok.tokenize(" 日本")) == 1 and len(tok.tokenize(" 🙂")) == 1
+    )  # multi-byte merges exist
     for special in ("<image>", "<s>", "</s>", "<pad>"):
-        assert tok(f"a{special}b", add_special_tokens=False).input_ids.count(tok.convert_tokens_to_ids(special)) == 1
+        assert (
+            tok(f"a{special}b", add_special_tokens=False).input_ids.count(
+                tok.convert_tokens_to_ids(special)
+            )
+            == 1
+        )
     fresh = build_bpe_tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
     assert fresh.get_vocab() == vocab
 
@@ -150,14 +187,21 @@ def test_chat_template(tiny_dir: Path) -> None:
     uri = image_to_data_uri(make_test_image(0))
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                     {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "What is this?"},
+            ],
+        },
         {"role": "assistant", "content": "A square."},
         {"role": "user", "content": "And the colour?"},
     ]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompt == ("Be brief. USER: <image>\nWhat is this? ASSISTANT: A square.</s>"
-                      "USER: And the colour? ASSISTANT:")
+    assert prompt == (
+        "Be brief. USER: <image>\nWhat is this? ASSISTANT: A square.</s>"
+        "USER: And the colour? ASSISTANT:"
+    )
     single = tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True)
     assert single == "USER: <image>\nWhat is this? ASSISTANT:"
     assert not tok.apply_chat_template(messages[1:2], tokenize=False).endswith("ASSISTANT:")
@@ -166,11 +210,25 @@ def test_chat_template(tiny_dir: Path) -> None:
 def test_llava_7b_config_shapes() -> None:
     cfg = llava_config("llava-1.5-7b")
     v, t = cfg.vision_config, cfg.text_config
-    assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size) == (1024, 24, 16, 4096)
+    assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads, v.intermediate_size) == (
+        1024,
+        24,
+        16,
+        4096,
+    )
     assert (v.image_size, v.patch_size, v.hidden_act) == (336, 14, "quick_gelu")
-    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads) == (4096, 32, 32, 32)
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads) == (
+        4096,
+        32,
+        32,
+        32,
+    )
     assert (t.intermediate_size, t.vocab_size, t.max_position_embeddings) == (11008, 32064, 4096)
-    assert cfg.image_token_index == 32000 and cfg.image_seq_length == 576 and cfg.projector_hidden_act == "gelu"
+    assert (
+        cfg.image_token_index == 32000
+        and cfg.image_seq_length == 576
+        and cfg.projector_hidden_act == "gelu"
+    )
     assert str(cfg.dtype).endswith("float16")
 
 

@@ -1,5 +1,6 @@
 """How every CUDA graph in mmserve is captured (decode, prefill, piecewise and vision-encoder graphs in
 worker/, the kernel timer in kernels/fastest.py): with Python's garbage collector paused."""
+
 from __future__ import annotations
 
 import gc
@@ -23,7 +24,9 @@ def gc_paused() -> Iterator[None]:
 
 
 @contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global") -> Iterator[None]:
+def graph_capture(
+    graph: torch.cuda.CUDAGraph, pool, capture_error_mode: str = "global"
+) -> Iterator[None]:
     """torch.cuda.graph with Python's garbage collector paused (gc_paused)."""
     with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
         yield

@@ -15,6 +15,7 @@ What the state answers:
 - the tokens that would complete a pattern next (bad token sequences) are the children of the state and of its
   failure chain that end a pattern (`Automaton.completions`, precomputed per state on first use).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -35,7 +36,7 @@ class Automaton:
         self.patterns = list(patterns)
         goto: list[dict[Hashable, int]] = [{}]
         depth = [0]
-        ends = [-1]   # the pattern the state spells, if any (the first of equal ones)
+        ends = [-1]  # the pattern the state spells, if any (the first of equal ones)
         for index, pattern in enumerate(self.patterns):
             state = 0
             for symbol in pattern:
@@ -51,7 +52,9 @@ class Automaton:
                 ends[state] = index
         fail = [0] * len(goto)
         match = [-1] * len(goto)
-        queue = deque(goto[0].values())   # breadth first: a failure link points to a shallower, finished state
+        queue = deque(
+            goto[0].values()
+        )  # breadth first: a failure link points to a shallower, finished state
         while queue:
             state = queue.popleft()
             match[state] = ends[state] if ends[state] >= 0 else match[fail[state]]
@@ -85,12 +88,14 @@ class Automaton:
     def _build_completions(self) -> list[frozenset]:
         goto, fail, ends = self.goto, self.fail, self.ends
         out: list[frozenset] = [frozenset()] * len(goto)
-        queue = deque([0])   # breadth first, as the failure links
+        queue = deque([0])  # breadth first, as the failure links
         while queue:
             state = queue.popleft()
             inherited = out[fail[state]] if state else frozenset()
             own = frozenset(symbol for symbol, child in goto[state].items() if ends[child] >= 0)
-            out[state] = own | inherited if own else inherited   # states without completions share their link's set
+            out[state] = (
+                own | inherited if own else inherited
+            )  # states without completions share their link's set
             queue.extend(goto[state].values())
         return out
 
@@ -116,7 +121,7 @@ class StopStringMatcher:
         goto, fail, match = auto.goto, auto.fail, auto.match
         state = self.state
         for i, ch in enumerate(text):
-            while True:   # Automaton.step, inlined: this runs once per generated character
+            while True:  # Automaton.step, inlined: this runs once per generated character
                 nxt = goto[state].get(ch)
                 if nxt is not None:
                     state = nxt

@@ -3,6 +3,7 @@
 Outputs are cumulative: each RequestOutput of a stream carries all text and tokens so far;
 `delta_*` helpers in the frontends take the difference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ class Logprob:
     """Log-probability of one token id, with its decoded text."""
 
     logprob: float
-    rank: int | None = None          # 1 = most likely
+    rank: int | None = None  # 1 = most likely
     decoded_token: str | None = None
 
 
@@ -26,7 +27,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # one dict per generated token: {token_id: Logprob} with the chosen id and the top-k ids
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -40,7 +41,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -63,5 +64,6 @@ class RequestOutput:
 def one_output(outs: list[RequestOutput]) -> RequestOutput:
     """Several requests of one prompt (each one sequence) as one output whose completions are theirs, in order
     (SamplingParams.n offline, Triton num_return_sequences)."""
-    return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=i)
-                                                 for i, o in enumerate(outs)])
+    return dataclasses.replace(
+        outs[0], outputs=[dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    )

@@ -5,6 +5,7 @@ stream, which would stall the host behind the step already running on the GPU (a
 Staging through pinned memory from torch's caching host allocator (which keeps a block until its copy
 has run) lets the copy be queued like a kernel.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -29,13 +30,17 @@ def host_tensor(values: Sequence | torch.Tensor, dtype: torch.dtype) -> torch.Te
         return torch.tensor(values, dtype=dtype)
     if isinstance(values[0], (list, tuple)):
         flat = array(code, chain.from_iterable(values))
-        if not flat or len(flat) != len(values) * len(values[0]):   # empty rows; ragged: torch.tensor says why
+        if not flat or len(flat) != len(values) * len(
+            values[0]
+        ):  # empty rows; ragged: torch.tensor says why
             return torch.tensor(values, dtype=dtype)
         return torch.frombuffer(flat, dtype=dtype).view(len(values), -1)
     return torch.frombuffer(array(code, values), dtype=dtype)
 
 
-def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(
+    values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """A list (or CPU tensor) as a tensor of `dtype` on `device`, queued without a host sync on CUDA."""
     t = host_tensor(values, dtype)
     if device.type == "cuda":
@@ -49,3 +54,8 @@ def copy_into(dst: torch.Tensor, values: Sequence | torch.Tensor) -> None:
     if dst.is_cuda:
         t = t.pin_memory()
     dst.copy_(t.view(dst.shape), non_blocking=dst.is_cuda)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
