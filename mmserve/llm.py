@@ -11,7 +11,7 @@ from tqdm import tqdm
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.core.outputs import RequestOutput, one_output
 from mmserve.engine.engine import Engine
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.sampling_params import RequestLimits, SamplingParams, choice_params
 
 # prompts preprocessed ahead of the engine's waiting queue: enough to keep a step's token budget fed while

@@ -26,7 +26,7 @@ from mmserve.engine.step_stats import StepStats
 from mmserve.lora import LoRAManager
 from mmserve.lora.trtllm_format import adapter_from_trtllm
 from mmserve.models.loader import load_hf_config, load_model
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.multimodal.processors import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.launched_step import LaunchedStep

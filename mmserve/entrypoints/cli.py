@@ -263,7 +263,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from mmserve.engine.engine import Engine
     from mmserve.entrypoints.state import ServerState
     from mmserve.entrypoints.triton_prompts import model_type_of
-    from mmserve.multimodal.inputs import MediaConfig
+    from mmserve.multimodal.media_limits import MediaConfig
 
     if args.model is None:
         from mmserve.testing import default_model_dir

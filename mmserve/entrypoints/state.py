@@ -17,7 +17,7 @@ from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.entrypoints.triton_metrics import TritonCollector
 from mmserve.entrypoints.triton_statistics import TritonStatistics
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.sampling_params import SamplingParams
 
 TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")

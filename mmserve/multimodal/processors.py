@@ -18,7 +18,8 @@ from transformers import AutoProcessor
 
 from mmserve.core.multimodal import MultiModalItem, ProcessedInputs
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
-from mmserve.multimodal.inputs import MediaConfig, check_picture_size, load_images, load_video_bytes
+from mmserve.multimodal.inputs import load_images, load_video_bytes
+from mmserve.multimodal.media_limits import MediaConfig, check_picture_size
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
 from mmserve.multimodal.prompt_table import prompt_table_items
 from mmserve.multimodal.video import decode_video

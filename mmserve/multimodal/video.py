@@ -10,7 +10,7 @@ from typing import Any
 import av
 import numpy as np
 
-from mmserve.multimodal.inputs import MediaConfig, MediaError, check_picture_size
+from mmserve.multimodal.media_limits import MediaConfig, MediaError, check_picture_size
 
 # Demuxers allowed to parse user bytes. Playlist-style ones (hls, concat, ...) would open further
 # files or URLs; "none" as the protocol whitelist names no protocol, so no nested open can succeed.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.testing import make_test_image
 from mmserve.testing.pix2struct import DEPLOT_PROMPT, make_pix2struct_checkpoint, vqa_inputs
 from tests.parity.hf_oracle import TOL, _load, assert_matches_oracle, run_staggered

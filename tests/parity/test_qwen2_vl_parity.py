@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.multimodal.processors import InputProcessor
 from mmserve.multimodal.video import decode_video
 from mmserve.testing import make_test_image

@@ -181,7 +181,7 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
     from mmserve.entrypoints.http_server import build_app
     from mmserve.entrypoints.server_config import ServerConfig
     from mmserve.entrypoints.state import ServerState
-    from mmserve.multimodal.inputs import MediaConfig
+    from mmserve.multimodal.media_limits import MediaConfig
 
     media = MediaConfig()
     engine = Engine(

@@ -39,7 +39,7 @@ def _in_process_server(model_dir: str):
     from mmserve.entrypoints.http_server import build_app
     from mmserve.entrypoints.server_config import ServerConfig
     from mmserve.entrypoints.state import ServerState
-    from mmserve.multimodal.inputs import MediaConfig
+    from mmserve.multimodal.media_limits import MediaConfig
 
     media = MediaConfig()
     engine = Engine(EngineConfig(ModelConfig(model_dir, device="cpu")), media)

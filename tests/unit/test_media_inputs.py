@@ -18,19 +18,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.multimodal import inputs
+from mmserve.multimodal import fetch
+from mmserve.multimodal.fetch import is_public_address
 from mmserve.multimodal.hashing import hash_bytes, hash_image
 from mmserve.multimodal.inputs import (
-    MediaConfig,
-    MediaError,
     aload_image,
     aload_images,
     aload_video_bytes,
-    is_public_address,
     load_image,
     load_images,
     load_video_bytes,
 )
+from mmserve.multimodal.media_limits import MediaConfig, MediaError
 
 PRIVATE_OK = MediaConfig(allow_private_urls=True)
 
@@ -405,7 +404,7 @@ def test_url_fetch_status_and_redirects(server):
 
 def test_every_redirect_hop_is_checked(server, monkeypatch):
     # pretend only 127.0.0.1 is public: the first hop passes, the redirect to 127.0.0.2 must not
-    monkeypatch.setattr(inputs, "is_public_address", lambda ip: str(ip) == "127.0.0.1")
+    monkeypatch.setattr(fetch, "is_public_address", lambda ip: str(ip) == "127.0.0.1")
     assert load_image(f"{server}/redirect").size == (7, 5)
     with pytest.raises(MediaError, match="127.0.0.2"):
         load_image(f"{server}/redirect-private")

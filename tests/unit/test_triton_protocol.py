@@ -24,7 +24,7 @@ from mmserve.entrypoints.triton_tensors import (
     serialize_bytes,
     to_raw,
 )
-from mmserve.multimodal.inputs import MediaConfig
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.testing import make_test_image
 
 STATE = SimpleNamespace(

@@ -12,7 +12,8 @@ from PIL import Image
 
 from mmserve.multimodal import video
 from mmserve.multimodal.hashing import hash_video
-from mmserve.multimodal.inputs import MediaConfig, MediaError, load_video_bytes
+from mmserve.multimodal.inputs import load_video_bytes
+from mmserve.multimodal.media_limits import MediaConfig, MediaError
 from mmserve.multimodal.video import decode_video, sample_frame_indices
 
 # distinct solid colours, far apart so lossy coding cannot confuse them
