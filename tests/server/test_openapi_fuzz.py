@@ -18,17 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from openapi_spec_validator import validate as validate_openapi
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.failures import FailureGroup
+from schemathesis.core.result import Ok
 
-schemathesis = pytest.importorskip("schemathesis")
-
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.core.failures import FailureGroup  # noqa: E402
-from schemathesis.core.result import Ok  # noqa: E402
-
-from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, TRTLLM_INPUTS  # noqa: E402
-from tests.server.conftest import start_server  # noqa: E402
+from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, TRTLLM_INPUTS
+from tests.server.conftest import start_server
 
 FUZZ_BUDGET_S = (
     60.0  # after this, remaining cases are not sent (the test stays well under 2 minutes)
@@ -217,8 +216,7 @@ def test_post_routes_publish_request_and_error_schemas(openapi):
 
 
 def test_openapi_document_is_valid_openapi_3_1(openapi):
-    validator = pytest.importorskip("openapi_spec_validator")
-    validator.validate(openapi)
+    validate_openapi(openapi)
 
 
 # ---- the fuzz pass --------------------------------------------------------------------------------------------
