@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mmserve.testing import make_llava_checkpoint
+
+
+def strict_json(text: str | bytes):
+    """json.loads that refuses NaN / Infinity, as strict JSON parsers (JavaScript, Go, Rust) do."""
+
+    def refuse(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def pytest_collection_modifyitems(config, items):

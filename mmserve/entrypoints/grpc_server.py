@@ -334,17 +334,7 @@ class RestrictedProtocols(grpc.aio.ServerInterceptor):
                 break
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(refuse, **kw)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(refuse, **kw)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(refuse_stream, **kw)
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+        return _with_behavior(handler, refuse_stream if handler.request_streaming else refuse)
 
 
 class UnexpectedErrors(grpc.aio.ServerInterceptor):
@@ -391,17 +381,30 @@ class UnexpectedErrors(grpc.aio.ServerInterceptor):
 
             return call
 
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        behavior = (
+            handler.unary_unary
+            or handler.unary_stream
+            or handler.stream_unary
+            or handler.stream_stream
         )
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+        return _with_behavior(
+            handler, streaming(behavior) if handler.response_streaming else unary(behavior)
+        )
+
+
+def _with_behavior(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """`handler` (its streaming kind and serializers) running `behavior` instead (the interceptors')."""
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 async def start_grpc_server(

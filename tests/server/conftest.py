@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import os
@@ -167,17 +168,21 @@ class InProcessServer:
     url: str
     engine: Engine  # the engine itself: has_unfinished(), kv.usage
     state: ServerState  # in_flight, config
+    grpc_url: str | None = None
 
 
 @contextlib.contextmanager
-def slow_server(model_dir: str, step_delay_s: float = 0.02):
-    """An in-process HTTP server whose engine steps take >= step_delay_s, so a long request runs for seconds
-    and a test can see what is still running (engine, KV blocks, in-flight count) after the client left."""
+def in_process_server(model_dir: str, step_delay_s: float = 0.0, grpc: bool = False):
+    """mmserve's HTTP (and with `grpc`, gRPC) server in this process, on one event loop in a thread as `mmserve
+    serve` runs them, so a test can see the engine and patch the code the servers run. With step_delay_s each engine
+    step takes at least that long, so a long request runs for seconds and a test can see what is still running
+    (engine, KV blocks, in-flight count) after the client left."""
     import uvicorn
 
     from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.grpc_server import start_grpc_server
     from mmserve.entrypoints.http_server import build_app
     from mmserve.entrypoints.server_config import ServerConfig
     from mmserve.entrypoints.state import ServerState
@@ -187,17 +192,18 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
     engine = Engine(
         EngineConfig(ModelConfig(model_dir, device="cpu"), CacheConfig(), SchedulerConfig()), media
     )
-    step = engine.step
+    if step_delay_s:
+        step = engine.step
 
-    def slow_step():
-        time.sleep(step_delay_s)
-        return step()
+        def slow_step():
+            time.sleep(step_delay_s)
+            return step()
 
-    engine.step = slow_step
-    port = free_port()
+        engine.step = slow_step
+    port, grpc_port = free_port(), free_port() if grpc else -1
     state = ServerState(
         AsyncEngine(engine),
-        ServerConfig(http_port=port, grpc_port=-1),
+        ServerConfig(http_port=port, grpc_port=grpc_port),
         media,
         model_dir,
         engine.hf_config.model_type,
@@ -205,16 +211,36 @@ def slow_server(model_dir: str, step_delay_s: float = 0.02):
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+
+    async def serve() -> None:
+        grpc_server = None
+        if grpc:
+            grpc_server, _ = await start_grpc_server(state, "127.0.0.1", grpc_port)
+        try:
+            await server.serve()
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()
+    deadline = time.time() + 60
     while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the in-process server did not start"
         time.sleep(0.05)
     try:
-        yield InProcessServer(f"http://127.0.0.1:{port}", engine, state)
+        yield InProcessServer(
+            f"http://127.0.0.1:{port}", engine, state, f"127.0.0.1:{grpc_port}" if grpc else None
+        )
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         state.engine.shutdown()
+
+
+def slow_server(model_dir: str, step_delay_s: float = 0.02):
+    """An in-process HTTP server whose engine steps take >= step_delay_s (in_process_server)."""
+    return in_process_server(model_dir, step_delay_s)
 
 
 def serve_with(model_dir: str, *flags: str) -> subprocess.CompletedProcess:

@@ -18,6 +18,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from mmserve.testing import image_to_data_uri, make_test_image
+from tests.conftest import strict_json
 from tests.server.conftest import serve_with, start_server
 
 THIN = Image.new("RGB", (400000, 1))  # 1.2 KB as a PNG; resized to a 336-px short edge it is 135 GB
@@ -28,15 +29,6 @@ def _png(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
-
-
-def _strict_json(text: str):
-    """json.loads that refuses NaN / Infinity, as strict JSON parsers (JavaScript, Go, Rust) do."""
-
-    def refuse(name: str):
-        raise ValueError(f"non-standard JSON constant {name}")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 class KeepAlive:
@@ -153,7 +145,7 @@ def test_masked_top_logprobs_are_finite_json(server, stream):
     if stream:
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        chunks = [_strict_json(e) for e in events[:-1]]
+        chunks = [strict_json(e) for e in events[:-1]]
         entries = [
             entry
             for c in chunks
@@ -161,7 +153,7 @@ def test_masked_top_logprobs_are_finite_json(server, stream):
             for entry in ((choice.get("logprobs") or {}).get("content") or [])
         ]
     else:
-        entries = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+        entries = strict_json(r.text)["choices"][0]["logprobs"]["content"]
     tops = [top["logprob"] for entry in entries for top in entry["top_logprobs"]]
     assert tops and all(isinstance(v, float) and math.isfinite(v) for v in tops), tops
     assert (

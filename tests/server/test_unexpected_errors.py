@@ -5,11 +5,8 @@ routes (OpenAI error object, Triton {"error": ...}), SSE streams (an error event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from mmserve.entrypoints import grpc_server, openai_api, tokenize_api, triton_http
-from tests.server.conftest import free_port
+from tests.server.conftest import in_process_server
 from tests.server.test_hostile_inputs import KeepAlive
 
 GOOD = {"text_input": "Is this fine?", "max_tokens": 4, "temperature": 0}
@@ -27,60 +24,10 @@ def _boom(*args, **kwargs):
     raise RuntimeError("injected fault")
 
 
-@contextlib.contextmanager
-def _in_process_server(model_dir: str):
-    """mmserve's HTTP and gRPC servers on one event loop in a thread, as `mmserve serve` runs them, so that a test
-    can patch the code they run."""
-    import uvicorn
-
-    from mmserve.config import EngineConfig, ModelConfig
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.engine import Engine
-    from mmserve.entrypoints.http_server import build_app
-    from mmserve.entrypoints.server_config import ServerConfig
-    from mmserve.entrypoints.state import ServerState
-    from mmserve.multimodal.media_limits import MediaConfig
-
-    media = MediaConfig()
-    engine = Engine(EngineConfig(ModelConfig(model_dir, device="cpu")), media)
-    http_port, grpc_port = free_port(), free_port()
-    state = ServerState(
-        AsyncEngine(engine),
-        ServerConfig(http_port=http_port, grpc_port=grpc_port),
-        media,
-        model_dir,
-        engine.hf_config.model_type,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(state), host="127.0.0.1", port=http_port, log_level="warning")
-    )
-
-    async def serve() -> None:
-        grpc, _ = await grpc_server.start_grpc_server(state, "127.0.0.1", grpc_port)
-        try:
-            await server.serve()
-        finally:
-            await grpc.stop(grace=1)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        state.engine.shutdown()
-        engine.close()
-
-
 @pytest.fixture(scope="module")
 def urls(tiny_llava_dir):
-    with _in_process_server(tiny_llava_dir) as both:
-        yield both
+    with in_process_server(tiny_llava_dir, grpc=True) as server:
+        yield server.url, server.grpc_url
 
 
 @pytest.fixture

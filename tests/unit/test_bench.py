@@ -6,7 +6,6 @@ Timings here only have to exist and be positive; their values are never checked 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,13 +16,7 @@ from mmserve.bench.report import write_outputs
 from mmserve.bench.roofline import lm_shape
 from mmserve.bench.serve import ServeConfig
 from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
-
-
-def _strict_json(path: Path) -> dict:
-    def no_constants(c: str):
-        raise ValueError(f"non-standard JSON constant {c}")
-
-    return json.loads(path.read_text(), parse_constant=no_constants)
+from tests.conftest import strict_json
 
 
 def _positive(x) -> bool:
@@ -80,7 +73,7 @@ def test_latency_bench_measures_mmserve_hf_and_roofline_per_batch_size(tiny_llav
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     _check_env_and_files(tmp_path, result, "latency", "| batch | TTFT ms mmserve |")
     assert _positive(result["bandwidth"]["gb_per_s"])
     assert result["model"]["text_tokens"] == 16
@@ -126,7 +119,7 @@ def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_ll
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     _check_env_and_files(tmp_path, result, "throughput", "| engine | requests |")
     res = result["results"]
     for engine in ("mmserve", "hf"):
@@ -205,7 +198,7 @@ def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     assert result["errors"] == []
     model = result["model"]
     assert (model["family"], model["preset"], model["architecture"]) == (family, "tiny", arch)
@@ -263,7 +256,7 @@ def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     assert result["errors"] == [] and result["model"]["family"] == family
     res = result["results"]
     for engine in ("mmserve", "hf"):
@@ -430,7 +423,7 @@ def test_latency_bench_with_two_shards_reports_them_and_a_per_gpu_roofline(
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     assert result["errors"] == [] and result["config"]["tensor_parallel_size"] == 2
     assert _positive(result["results"][0]["mmserve"]["decode_tok_s"])
     md = (tmp_path / "b.md").read_text()
@@ -499,7 +492,7 @@ def test_markdown_file_gets_each_run_appended(tmp_path):
     write_outputs(result, str(out), str(md_path), None)
     write_outputs(result, str(out), str(md_path), None)
     assert md_path.read_text().count("### `mmserve bench throughput`") == 2
-    assert _strict_json(out)["config"]["rate"] == "inf"
+    assert strict_json(out.read_text())["config"]["rate"] == "inf"
 
 
 def test_bench_refuses_bad_settings_without_a_traceback(capsys):
@@ -559,7 +552,7 @@ def test_serve_bench_sweeps_rate_and_concurrency_against_a_real_server(
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     _check_env_and_files(tmp_path, result, "serve", "| point | engine |")
     res = result["results"]
     assert [r["request_rate"] for r in res["rate_sweep"]] == [20.0, "inf"]
@@ -622,7 +615,7 @@ def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
         ]
     )
     assert rc == 0
-    row = _strict_json(tmp_path / "r.json")["results"]["rate_sweep"][0]
+    row = strict_json((tmp_path / "r.json").read_text())["results"]["rate_sweep"][0]
     assert row["truncated"] and row["mmserve"]["completed"] + row["mmserve"]["failed"] < 50
 
 
@@ -656,7 +649,7 @@ def test_throughput_bench_can_sample_in_both_engines(tiny_llava_dir, tmp_path, c
         ]
     )
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     assert result["errors"] == []
     assert (
         result["config"]["temperature"],
@@ -696,7 +689,7 @@ def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_di
         ]
     )  # one at a time: each finds the last one's blocks
     assert rc == 0
-    result = _strict_json(tmp_path / "r.json")
+    result = strict_json((tmp_path / "r.json").read_text())
     assert result["config"]["same_image"] is True
     assert result["model"]["distinct_texts"] == 4 and result["model"]["text_tokens"] == 40
     res = result["results"]
@@ -731,7 +724,7 @@ def test_throughput_bench_same_image_shares_the_image_not_the_text(tiny_llava_di
             str(tmp_path / "d.md"),
         ]
     )
-    mm = _strict_json(tmp_path / "d.json")["results"]["mmserve"]
+    mm = strict_json((tmp_path / "d.json").read_text())["results"]["mmserve"]
     assert rc == 0 and mm["cached_prompt_tokens"] == 0
     # every timed round is kept; the reported one is the best of them
     assert len(mm["output_tok_s_every_round"]) == 2 and mm["output_tok_s"] == max(

@@ -18,13 +18,7 @@ from mmserve.entrypoints.json_wire import (
     loads_object,
 )
 from mmserve.entrypoints.openai_protocol import CompletionLogprobs, TokenLogprob, TopLogprob
-
-
-def _strict(data: bytes | str):
-    def refuse(name: str):
-        raise ValueError(name)
-
-    return json.loads(data, parse_constant=refuse)
+from tests.conftest import strict_json
 
 
 def test_json_float_rule():
@@ -36,14 +30,14 @@ def test_json_float_rule():
 
 def test_dumps_writes_strict_json_for_any_document():
     doc = {"a": [1.0, float("-inf"), {"b": float("nan")}], "c": (float("inf"),), "d": "text"}
-    assert _strict(dumps(doc)) == {
+    assert strict_json(dumps(doc)) == {
         "a": [1.0, -FLOAT32_MAX, {"b": None}],
         "c": [FLOAT32_MAX],
         "d": "text",
     }
     assert dumps({"x": 1}) == b'{"x":1}'
     response = WireJSONResponse({"logprob": float("-inf")})
-    assert _strict(response.body) == {"logprob": -FLOAT32_MAX}
+    assert strict_json(response.body) == {"logprob": -FLOAT32_MAX}
 
 
 def test_openai_models_follow_the_same_rule_streamed_or_not():
@@ -55,24 +49,24 @@ def test_openai_models_follow_the_same_rule_streamed_or_not():
         json.dumps(entry.model_dump(mode="json"), allow_nan=False),
     ):
         assert (
-            _strict(text)["logprob"] == -FLOAT32_MAX
-            and _strict(text)["top_logprobs"][0]["logprob"] is None
+            strict_json(text)["logprob"] == -FLOAT32_MAX
+            and strict_json(text)["top_logprobs"][0]["logprob"] is None
         )
     logprobs = CompletionLogprobs(
         tokens=["a"], token_logprobs=[float("-inf")], top_logprobs=[{"a": float("inf")}]
     )
-    assert _strict(logprobs.model_dump_json())["top_logprobs"] == [{"a": FLOAT32_MAX}]
+    assert strict_json(logprobs.model_dump_json())["top_logprobs"] == [{"a": FLOAT32_MAX}]
     assert entry.model_dump()["logprob"] == float("-inf")  # in Python the value itself stays
 
 
 def test_triton_json_encodings_of_non_finite_tensors():
     logits = np.array([[0.5, -np.inf, np.nan]], np.float32)
-    body = _strict(triton_http._generate_json("ensemble", "", {"generation_logits": logits}))
+    body = strict_json(triton_http._generate_json("ensemble", "", {"generation_logits": logits}))
     assert body["generation_logits"] == [0.5, -FLOAT32_MAX, None]
     response = triton_http._infer_response(
         "ensemble", "", {"cum_log_probs": np.array([-np.inf], np.float32)}, {}, default_binary=False
     )
-    assert _strict(response.body)["outputs"][0]["data"] == [-FLOAT32_MAX]
+    assert strict_json(response.body)["outputs"][0]["data"] == [-FLOAT32_MAX]
     binary = triton_http._infer_response(
         "ensemble", "", {"cum_log_probs": np.array([-np.inf], np.float32)}, {}, default_binary=True
     )
