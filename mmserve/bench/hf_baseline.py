@@ -74,21 +74,18 @@ class HFBaseline:
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+        from mmserve.models.registry import get_model_class
+
+        self.ours = get_model_class(self.model.config)  # our class: the family's processor route
+        self.model_dir = model_dir
         self._torch = torch
 
     def _encode(self, prompts: list[str], images: list[Any]) -> Any:
         if getattr(self.model.config, "is_vqa", False):
-            # Pix2Struct VQA (Deplot): each question drawn on its picture, as mmserve draws it (same route, same font)
-            from mmserve.models.pix2struct import (
-                Pix2StructForConditionalGeneration,
-                builtin_font_bytes,
-            )
-
-            font = builtin_font_bytes()
+            # a VQA checkpoint (Deplot): each question drawn on its picture, as mmserve draws it (same route, font)
+            extra = self.ours.processor_kwargs(self.model_dir, self.model.config, None)
             parts = [
-                Pix2StructForConditionalGeneration.call_processor(
-                    self.processor, p, {"images": [image], "font_bytes": font}
-                )
+                self.ours.call_processor(self.processor, p, {"images": [image], **extra})
                 for p, image in zip(prompts, images)
             ]
             enc = {
@@ -114,9 +111,7 @@ class HFBaseline:
                 raise ValueError("an encoder-decoder bench batch needs prompts of one length")
             enc["decoder_input_ids"] = self._torch.tensor(ids)
             return {k: v.to(self.device) for k, v in enc.items()}
-        if (
-            self.model.config.model_type == "mllama"
-        ):  # its processor wants each prompt's pictures as a list
+        if self.ours.family.images_per_prompt_lists:
             images = [[image] for image in images]
         enc = self.processor(text=prompts, images=images, padding=True, return_tensors="pt")
         return enc.to(self.device)

@@ -10,63 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench.workload import now, sync, torch_dtype
+from mmserve.models.family import TextShape
 
 
 @dataclass(frozen=True)
-class LMShape:
-    """Sizes of the language model that a decode step reads (the vision tower is not run in decode).
+class LMShape(TextShape):
+    """The text model's sizes (`TextShape`, read by the module of its model type) with the bytes one GPU reads
+    per element; the vision tower is not run in decode."""
 
-    Llama-style decoders (llava's Llama/Mistral, Qwen2, Qwen2-VL's text model) keep the defaults but for
-    Qwen2's q/k/v biases; OPT (BLIP-2) has biases on every linear, a two-matrix ReLU MLP, LayerNorms with a
-    shift, and optionally a word-embedding width other than `hidden` (project_in/out, lm_head of that width).
-    Persimmon (Fuyu's text model) is OPT-like (biases everywhere, LayerNorms, a two-matrix relu2 MLP) plus
-    LayerNorms of q and k over `head_dim` (`qk_layernorm`). Kosmos-2's text model is OPT-like too (a two-matrix gelu
-    MLP, a tied lm_head) plus two sub-LayerNorms per layer: over the attention output before o and over the MLP's
-    inner width before fc2 (`sub_layer_norm`). MBart (Nougat's decoder, in a vision-encoder-decoder) is OPT-like too (a
-    two-matrix gelu MLP, an untied lm_head) plus a LayerNorm over the embeddings (`embed_norm`) and a cross-attention in
-    every layer (`cross_attention`). T5 (BLIP-2 Flan-T5's text model) counts its decoder stack only (the encoder runs
-    once per request): no biases, RMS norms (3 per layer and a final one), a cross-attention in every layer, a gated
-    (wi_0, wi_1, wo) or plain (wi, wo) MLP and the lm_head; its relative-position bias table (buckets x heads, in the
-    first layer) is left out as an embedding table (a few rows read per step).
-    """
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    dtype_bytes: int
-    mlp_matrices: int = 3  # gate/up/down (SwiGLU) or fc1/fc2
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    layer_norm: bool = False  # LayerNorm (scale + shift) instead of RMSNorm (scale)
-    final_norm: bool = True
-    embed_dim: int | None = (
-        None  # word-embedding width when it differs from hidden (OPT-350m style)
-    )
+    dtype_bytes: int = 2
     kv_dtype_bytes: int | None = (
         None  # bytes per cached K/V element when the cache is not in the model dtype
     )
     # bytes per decoder-layer matrix element when quantized (fp8, int8: 1; int4: 0.5; their per-row scales left out)
     linear_dtype_bytes: float | None = None
-    # Mllama: how many of `layers` are cross-attention layers (q and o over `heads`, q/k norms, two gates, the
-    # MLP; no KV cache of their own; their k/v projections run once per image, not per step, and are not
-    # counted; the images' cross keys/values they read per step are not modelled)
-    cross_layers: int = 0
-    qk_norm: bool = False  # a q and a k norm over head_dim per self-attention layer (Persimmon)
-    sub_layer_norm: bool = (
-        False  # LayerNorms over the attention output and the MLP's inner width (Kosmos-2)
-    )
-    # every layer also attends to the encoder's output (MBart): its LayerNorm, q and o over `heads` (with the self-
-    # attention's biases); its k/v projections of the encoder output run once per image, not per step, and are not
-    # counted (nor the cross keys/values it reads per step, as for Mllama's cross layers)
-    cross_attention: bool = False
-    embed_norm: bool = (
-        False  # a LayerNorm over the (scaled) embeddings before the first layer (MBart)
-    )
     tp: int = 1  # tensor-parallel ranks: each GPU reads 1/tp of the matrices and KV heads
 
     @property
@@ -120,11 +77,10 @@ class LMShape:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config.json: `text_config` (llava*, qwen2_vl, blip2's OPT), the `decoder` of a
-    vision-encoder-decoder (Nougat's MBart), else itself."""
-    if cfg.get("model_type") == "vision-encoder-decoder":
-        return cfg["decoder"]
-    return cfg.get("text_config") or cfg
+    """The language model's part of a config.json: its `text_config`, the `decoder` of a vision-encoder-decoder,
+    else itself."""
+    decoder = cfg.get("decoder")
+    return cfg.get("text_config") or (decoder if isinstance(decoder, dict) else None) or cfg
 
 
 _LINEAR_BYTES = {
@@ -148,140 +104,18 @@ def lm_shape(
 
     from mmserve.config import CacheConfig
     from mmserve.models.quantization import checkpoint_quantization
+    from mmserve.models.registry import text_shape
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = text_config(config)
-    if (
-        text.get("model_type") == "kosmos_2_text_model"
-    ):  # its config.json spells the sizes its own way
-        text = {
-            **text,
-            "hidden_size": text["embed_dim"],
-            "num_hidden_layers": text["layers"],
-            "num_attention_heads": text["attention_heads"],
-            "intermediate_size": text["ffn_dim"],
-        }
-    if (
-        text.get("model_type") == "mbart"
-    ):  # the decoder_* sizes (num_hidden_layers etc. alias the encoder's)
-        text = {
-            **text,
-            "hidden_size": text["d_model"],
-            "num_hidden_layers": text["decoder_layers"],
-            "num_attention_heads": text["decoder_attention_heads"],
-            "intermediate_size": text["decoder_ffn_dim"],
-        }
-    if text.get("model_type") == "t5":  # the decoder stack's sizes (num_layers is the encoder's)
-        text = {
-            **text,
-            "hidden_size": text["d_model"],
-            "num_attention_heads": text["num_heads"],
-            "head_dim": text["d_kv"],
-            "intermediate_size": text["d_ff"],
-            "num_hidden_layers": text.get("num_decoder_layers") or text["num_layers"],
-        }
-    if text.get("model_type") == "pix2struct_text_model":  # T5-style names, its own hidden_size
-        text = {
-            **text,
-            "num_attention_heads": text["num_heads"],
-            "head_dim": text["d_kv"],
-            "intermediate_size": text["d_ff"],
-            "num_hidden_layers": text["num_layers"],
-        }
-    heads = int(text["num_attention_heads"])
-    hidden = int(text["hidden_size"])
     model_dtype = torch_dtype(dtype)
     cache_dtype = CacheConfig(kv_cache_dtype=kv_cache_dtype).cache_dtype(model_dtype)
-    common = dict(
-        hidden=hidden,
-        layers=int(text["num_hidden_layers"]),
-        heads=heads,
-        vocab=int(text["vocab_size"]),
-        head_dim=int(text.get("head_dim") or hidden // heads),
+    return LMShape(
+        **asdict(text_shape(text_config(config))),
         dtype_bytes=torch.finfo(model_dtype).bits // 8,
         kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
         linear_dtype_bytes=_LINEAR_BYTES.get(quantization)
         or (1 if checkpoint_quantization(config.get("quantization_config")) == "fp8" else None),
         tp=tp,
-    )
-    if text.get("model_type") == "opt":
-        bias = bool(text.get("enable_bias", True))
-        return LMShape(
-            **common,
-            intermediate=int(text["ffn_dim"]),
-            kv_heads=heads,
-            mlp_matrices=2,
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bias,
-            layer_norm=True,
-            final_norm=bool(text.get("do_layer_norm_before", True))
-            and not text.get("_remove_final_layer_norm", False),
-            embed_dim=int(text.get("word_embed_proj_dim") or hidden),
-        )
-    if text.get("model_type") == "kosmos_2_text_model":
-        return LMShape(
-            **common,
-            intermediate=int(text["intermediate_size"]),
-            kv_heads=heads,
-            mlp_matrices=2,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            layer_norm=True,
-            sub_layer_norm=True,
-        )
-    if text.get("model_type") == "mbart":
-        return LMShape(
-            **common,
-            intermediate=int(text["intermediate_size"]),
-            kv_heads=heads,
-            mlp_matrices=2,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            layer_norm=True,
-            embed_norm=True,
-            cross_attention=bool(text.get("add_cross_attention", False)),
-        )
-    if text.get("model_type") == "t5":
-        gated = str(text.get("feed_forward_proj", "relu")).startswith("gated-")
-        return LMShape(
-            **common,
-            intermediate=int(text["intermediate_size"]),
-            kv_heads=heads,
-            mlp_matrices=3 if gated else 2,
-            cross_attention=True,
-        )
-    if text.get("model_type") == "pix2struct_text_model":  # always gated
-        return LMShape(
-            **common,
-            intermediate=int(text["intermediate_size"]),
-            kv_heads=heads,
-            mlp_matrices=3,
-            cross_attention=True,
-        )
-    if text.get("model_type") in ("persimmon", "fuyu"):  # "fuyu": adept/fuyu-8b's flat config.json
-        return LMShape(
-            **common,
-            intermediate=int(text["intermediate_size"]),
-            kv_heads=heads,
-            mlp_matrices=2,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            layer_norm=True,
-            qk_norm=bool(text.get("qk_layernorm", True)),
-        )
-    attention_bias = bool(text.get("attention_bias", False))
-    return LMShape(
-        **common,
-        intermediate=int(text["intermediate_size"]),
-        kv_heads=int(text.get("num_key_value_heads") or heads),
-        qkv_bias=attention_bias or "qwen2" in str(text.get("model_type", "")),
-        o_bias=attention_bias,
-        mlp_bias=bool(text.get("mlp_bias", False)),
-        cross_layers=len(text.get("cross_attention_layers") or ()),
     )
 
 

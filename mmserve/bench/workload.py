@@ -215,8 +215,8 @@ class PromptTemplate:
 
             config = AutoConfig.from_pretrained(model_dir)
             model_cls = get_model_class(config)
-            self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
-            if getattr(model_cls, "encoder_decoder", False):
+            self.placeholder_in_prompt = model_cls.family.placeholder_in_prompt
+            if model_cls.family.encoder_decoder:
                 self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(
                     config, self.tokenizer, text
                 )

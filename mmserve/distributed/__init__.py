@@ -2,7 +2,7 @@
 
 TP=1 needs none of it: every function here is the identity then. With `--tensor-parallel-size N` the engine's
 process is rank 0 (the driver: scheduling, preprocessing, vision encoders, sampling) and N - 1 worker processes
-(`distributed/workers.py`) hold the other shards of the language model; `layers/linear.py` shards by these numbers
+(`worker/tp_workers.py`) hold the other shards of the language model; `layers/linear.py` shards by these numbers
 and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on CUDA and gloo on the CPU.
 """
 

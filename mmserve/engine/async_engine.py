@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mmserve.core.outputs import RequestOutput
-from mmserve.distributed.workers import WorkerDied
 from mmserve.engine.engine import Engine
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.tp_workers import WorkerDied
 
 logger = logging.getLogger(__name__)
 

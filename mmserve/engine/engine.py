@@ -13,7 +13,6 @@ from mmserve.config import EngineConfig, resolve_device
 from mmserve.core.multimodal import ProcessedInputs
 from mmserve.core.outputs import Logprob, RequestOutput
 from mmserve.core.step import RunnerOutput, SchedulerOutput
-from mmserve.distributed.workers import TPWorkers, check_tensor_parallel, rank_device
 from mmserve.engine.cross_blocks import CrossBlockAllocator
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.guided import GrammarCache
@@ -32,6 +31,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.worker.launched_step import LaunchedStep
 from mmserve.worker.model_runner import ModelRunner
 from mmserve.worker.prompt_logprobs import entries as prompt_logprob_entries
+from mmserve.worker.tp_workers import TPWorkers, check_tensor_parallel, rank_device
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 0.5  # host time of one step above which it is logged
@@ -209,7 +209,7 @@ class Engine:
     def _blank_image_item(self):
         """A blank picture's encoder inputs, for warming up the encoder graphs and for the memory profile of the
         vision encoder (None: not on CUDA, or no image input)."""
-        if self.device.type != "cuda" or not hasattr(self.model, "get_mm_embeddings"):
+        if self.device.type != "cuda":
             return None
         try:
             return self.inputs.blank_image_item()

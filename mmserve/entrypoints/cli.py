@@ -262,7 +262,6 @@ async def _serve(args: argparse.Namespace) -> None:
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
     from mmserve.entrypoints.state import ServerState
-    from mmserve.entrypoints.triton_prompts import model_type_of
     from mmserve.multimodal.media_limits import MediaConfig
 
     if args.model is None:
@@ -315,7 +314,7 @@ async def _serve(args: argparse.Namespace) -> None:
         caps_line(engine)
     )  # what fills with traffic, and up to where
     state = ServerState(
-        AsyncEngine(engine), server_config, media, args.model, model_type_of(engine.hf_config)
+        AsyncEngine(engine), server_config, media, args.model, engine.model.family.name
     )
     settle_garbage_collector()
     from mmserve.entrypoints.http_server import build_app

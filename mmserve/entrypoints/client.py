@@ -23,28 +23,17 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from mmserve.models.family import FamilySpec
+from mmserve.models.registry import families
+
 DEFAULT_IMAGE = (
     "https://storage.googleapis.com/sfr-vision-language-research/LAVIS/assets/merlion.png"
 )
-# the seed's, then families mmserve serves beyond them (their pictures go as image_bytes_input too)
-MODEL_TYPES = (
-    "blip2",
-    "llava",
-    "vila",
-    "mllama",
-    "llava_onevision",
-    "qwen2_vl",
-    "pixtral",
-    "fuyu",
-    "kosmos-2",
-    "nougat",
-    "pix2struct",
-)
-PREPROCESSED_TYPES = (
-    "blip2",
-    "llava",
-    "vila",
-)  # the seed sends HF-processed FP16 `image_input` for these
+
+
+def client_families() -> dict[str, FamilySpec]:
+    """--model_type name -> the family it sends requests for (each family's spec says how: `spec.client`)."""
+    return {s.client.model_type: s for s in families() if s.client is not None}
 
 
 class ClientError(Exception):
@@ -122,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         "hf_lora_convert.py output): sent as lora_weights / lora_config, cached under --lora-task-id",
     )
     p.add_argument(
-        "--model_type", required=True, choices=MODEL_TYPES, help="selects the image encoding"
+        "--model_type",
+        required=True,
+        choices=sorted(client_families()),
+        help="selects the image encoding",
     )
     p.add_argument(
         "--hf_model_dir",
@@ -235,16 +227,17 @@ def _image_tensors(
     if not images:
         return []
     kind = args.model_type
-    if kind == "pixtral":
+    fmt = client_families()[kind].client
+    if fmt.padded_sizes:
         h, w = max(im.height for im in images), max(im.width for im in images)
         padded = np.zeros((len(images), h, w, 3), dtype=np.uint8)
         for i, im in enumerate(images):
             padded[i, : im.height, : im.width] = np.asarray(im)
         sizes = np.array([[[im.height, im.width] for im in images]], dtype=np.int64)
         return [("image_bytes_input", padded[None]), ("image_sizes_input", sizes)]
-    if kind in PREPROCESSED_TYPES and args.hf_model_dir is not None:
+    if fmt.preprocessed and args.hf_model_dir is not None:
         return [("image_input", _preprocessed(args, images))]
-    if kind in PREPROCESSED_TYPES:
+    if fmt.preprocessed:
         print(
             f"[INFO] no --hf_model_dir: sending raw image_bytes_input for {kind} (the server preprocesses); "
             "the seed would download the hub processor and send image_input",
@@ -265,17 +258,19 @@ def _image_tensors(
 def build_request(args: argparse.Namespace) -> Request:
     video = None
     images: list[Image.Image] = []
-    if args.video is not None and args.model_type not in ("vila", "pixtral"):
+    family = client_families()[args.model_type]
+    if args.video is not None and family.client.video:
         if not args.video_num_frames or args.video_num_frames < 1:
             raise ClientError("--video needs --video_num_frames >= 1")
         video = load_video(args.video, args.video_num_frames)
     elif args.image:
         images = [load_image(s.strip(), args.timeout) for s in args.image.split(",") if s.strip()]
     text = args.text
-    if args.model_type == "qwen2_vl":
-        images = [im.resize((504, 504)) for im in images]
-    if args.model_type == "mllama" and images and "<|image|>" not in text:
-        text = "<|image|>" + text
+    if family.client.resize is not None:
+        images = [im.resize(family.client.resize) for im in images]
+    prompt = family.prompt
+    if prompt is not None and prompt.prepend_images and images and prompt.image_token not in text:
+        text = prompt.image_token + text
 
     def scalar(value, dtype) -> np.ndarray:
         return np.array([[value]], dtype=dtype)
@@ -297,7 +292,7 @@ def build_request(args: argparse.Namespace) -> Request:
         raise ClientError(
             "--video needs --protocol grpc (the generate endpoint cannot carry video tensors)"
         )
-    elif args.hf_model_dir is not None and args.model_type in PREPROCESSED_TYPES:
+    elif args.hf_model_dir is not None and family.client.preprocessed:
         print(
             "[INFO] --protocol http sends images as image_url_input data URIs; --hf_model_dir preprocessing "
             "applies to grpc only",

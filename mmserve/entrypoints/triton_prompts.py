@@ -7,85 +7,19 @@ text as the full prompt and only adds placeholders the text lacks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-_VILA_SYSTEM = (
-    "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-    "helpful, detailed, and polite answers to the user's questions. USER: "
-)
-
-
-@dataclass(frozen=True)
-class PromptFormat:
-    image_token: (
-        str | None
-    )  # placeholder the HF processor expands; None: images are implicit (blip2)
-    pre_prompt: str = ""
-    post_prompt: str = ""
-    image_sep: str = ""  # between the image placeholders and the text when placeholders are added
-    prepend_images: bool = (
-        False  # placeholders go before the pre-prompt (blip2, mllama: text starts with them)
-    )
-    video_token: str | None = None  # None: the family takes no video
-
-
-# Keyed by HF config.model_type (and the seeds' --model_type spelling where it differs).
-FORMATS: dict[str, PromptFormat] = {
-    "blip2": PromptFormat(image_token=None),
-    "fuyu": PromptFormat(
-        image_token=None
-    ),  # its processor lays the picture's patch rows out before the text
-    "kosmos-2": PromptFormat(
-        image_token=None
-    ),  # its processor puts <image> and the image span first
-    "vision-encoder-decoder": PromptFormat(
-        image_token=None
-    ),  # Nougat: the text (often empty) starts the answer
-    "llava": PromptFormat("<image>", "USER:\n", " ASSISTANT:"),
-    "vila": PromptFormat("<image>", _VILA_SYSTEM, " ASSISTANT:", image_sep="\n"),
-    "llava_onevision": PromptFormat(
-        "<image>",
-        "<|im_start|>user ",
-        "<|im_end|><|im_start|>assistant\n",
-        image_sep="\n",
-        video_token="<video>",
-    ),
-    "llava_next": PromptFormat(
-        "<image>", "[INST] ", " [/INST]", image_sep="\n"
-    ),  # the Mistral-based v1.6
-    "mllama": PromptFormat("<|image|>", prepend_images=True),
-    "qwen2_vl": PromptFormat(
-        "<|vision_start|><|image_pad|><|vision_end|>",
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
-        "<|im_end|>\n<|im_start|>assistant\n",
-        video_token="<|vision_start|><|video_pad|><|vision_end|>",
-    ),
-    "pixtral": PromptFormat("[IMG]"),
-}
-FORMATS["blip-2"] = FORMATS["blip2"]
-FORMATS["llava_llama"] = FORMATS["vila"]  # VILA checkpoints' HF model_type
-FORMATS["nougat"] = FORMATS["vision-encoder-decoder"]
-FORMATS["pix2struct"] = FORMATS[
-    "vision-encoder-decoder"
-]  # Deplot: the text is the question drawn on the picture
-
-
-def model_type_of(hf_config) -> str:
-    """The prompt-format key of a checkpoint: its config.model_type, except where one model_type covers families
-    that prompt differently (a LLaVA config with Pixtral's tower is `pixtral`, as TensorRT-LLM's --model_type)."""
-    vision = getattr(getattr(hf_config, "vision_config", None), "model_type", "")
-    return (
-        "pixtral"
-        if hf_config.model_type == "llava" and vision == "pixtral"
-        else hf_config.model_type
-    )
+from mmserve.models.family import PromptFormat
+from mmserve.models.registry import family_for_model_type
 
 
 def format_for(
     model_type: str, image_token: str | None = "<image>", video_token: str | None = None
 ) -> PromptFormat:
-    """The family's format; an unknown family gets no pre/post prompt and its processor's placeholders."""
-    return FORMATS.get(model_type) or PromptFormat(image_token, video_token=video_token)
+    """The format of the family answering to `model_type` (its name, an HF config.model_type or a seeds'
+    --model_type); a family without one gets no pre/post prompt and its processor's placeholders."""
+    family = family_for_model_type(model_type)
+    if family is not None and family.prompt is not None:
+        return family.prompt
+    return PromptFormat(image_token, video_token=video_token)
 
 
 def _already_wrapped(text: str, fmt: PromptFormat) -> bool:

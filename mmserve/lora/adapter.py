@@ -122,13 +122,13 @@ def _resolve(
 ) -> tuple[str, object]:
     """(our module name, packed shard id or None) of a checkpoint linear layer of the language model."""
     name = hf_module + ".weight"
-    for old, new in getattr(model, "weight_renames", []):
+    for old, new in model.weight_renames:
         if name.startswith(old):
             name = new + name[len(old) :]
             break
     shard = None
     if name not in params:
-        for part, (fused, shard_id) in getattr(model.language_model, "packed_modules", {}).items():
+        for part, (fused, shard_id) in model.lora_packed_modules().items():
             if part in name and name.replace(part, fused) in params:
                 name, shard = name.replace(part, fused), shard_id
                 break
@@ -144,7 +144,7 @@ def _resolve(
             f"LoRA adapter {adapter!r}: {hf_module} is outside the language model's decoder layers; "
             "only those take LoRA here"
         )
-    if hasattr(model, "lora_target_ok") and not model.lora_target_ok(module_name):
+    if not model.lora_target_ok(module_name):
         raise ValueError(
             f"LoRA adapter {adapter!r}: {hf_module} is in a cross-attention layer; LoRA there is not "
             "supported"

@@ -116,7 +116,7 @@ def _module(model: nn.Module, layer: str, module_id: int, where: str) -> tuple[s
         name = f"{layer}.{sub}"
         if not _has(model, name):
             continue
-        if hasattr(model, "lora_target_ok") and not model.lora_target_ok(name):
+        if not model.lora_target_ok(name):
             raise ValueError(
                 f"{where}: the layer is a cross-attention layer; LoRA there is not supported"
             )

@@ -1,16 +1,16 @@
-"""The interface every multimodal family class (llava, llava_next, llava_onevision, qwen2_vl, blip2, mllama) offers.
+"""The interfaces a family class offers: :class:`MultiModalCausalLM`, and for families whose text attends the
+encoder through cross-attention :class:`CrossAttentionLM`, for encoder-decoders :class:`EncoderDecoderLM`.
 
-A family class wraps a vision encoder and a causal language model (``self.language_model``: our
-``LlamaForCausalLM`` or ``OPTForCausalLM``). Two parts of the server use it:
+A family class wraps a vision encoder and a language model (``self.language_model``) and carries its declared
+:class:`~mmserve.models.family.FamilySpec` as ``family``. Two parts of the server use it:
 
 * :class:`~mmserve.multimodal.processors.InputProcessor` (on the class, before any model exists):
   ``build_mm_items`` cuts the HF processor's output into one ``MultiModalItem`` per image / video;
-  ``mrope_positions`` (optional classmethod, only on M-RoPE families: its presence is what the
-  processor checks) gives the prompt's (t, h, w) positions; ``placeholder_in_prompt`` says whether
-  the prompt text carries the placeholder tokens or the HF processor inserts them itself.
+  ``mrope_positions`` (M-RoPE families) gives the prompt's (t, h, w) positions; ``processor_kwargs`` what every
+  processor call needs; encoder-decoders' ``decoder_prompt_ids`` / ``call_processor``.
 * the model runner (on the instance): ``get_mm_embeddings`` encodes items, ``embed_input_ids`` embeds
   the prompt (item embeddings are then written over the placeholders), ``forward`` runs the language
-  model, ``compute_logits`` gives logits; ``uses_mrope`` makes it pass positions as [3, T].
+  model, ``compute_logits`` gives logits; cross-attention families' ``cross_kv*`` size and fill their pool.
   The loader calls ``load_weights`` with the checkpoint's (name, tensor) pairs.
 """
 
@@ -18,41 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.core.multimodal import MultiModalItem
+from mmserve.models.family import TEXT_ONLY, FamilySpec
 
 
 class MultiModalCausalLM(nn.Module):
     """Base of the family classes: the text path delegates to ``self.language_model``.
 
     Subclasses set ``self.language_model`` in ``__init__`` and implement ``build_mm_items``,
-    ``get_mm_embeddings`` and ``load_weights``; M-RoPE families also set ``uses_mrope = True`` and
-    define the classmethod ``mrope_positions(hf_config, enc, ids) -> (positions [3, P], delta)``
-    (deliberately not defined here: the input processor looks for it with ``hasattr``).
+    ``get_mm_embeddings`` and ``load_weights``; M-RoPE families (spec ``mrope``) also ``mrope_positions``.
     """
 
     language_model: nn.Module
-    uses_mrope: bool = False  # the runner passes positions [3, T] (t, h, w) instead of [T]
-    placeholder_in_prompt: bool = (
-        True  # False: the HF processor inserts the placeholder tokens itself
-    )
-    # True: get_mm_embeddings of items with equal input shapes has no host syncs and no data-dependent
-    # shapes, so the runner may replay it from CUDA graphs (worker/encoder_graphs.py)
-    encoder_cuda_graphs: bool = False
-    # True: the text attends the encoder's outputs through cross-attention layers (Mllama) instead of having
-    # them written over placeholder tokens; the runner passes each step's sequences with media in
-    # ``AttentionMetadata.cross`` and keeps what get_mm_embeddings returned with the request
-    uses_cross_attention: bool = False
-    # True: an encoder-decoder (Nougat); the prompt is the decoder's (`decoder_prompt_ids(hf_config, tokenizer,
-    # text)`), the HF processor sees only the picture, and the decoder attends the encoder through cross-attention
-    encoder_decoder: bool = False
-    # cross-attention families: True when its decode steps can replay CUDA graphs (worker/cuda_graph.py)
-    cross_decode_graphs: bool = False
+    family: ClassVar[FamilySpec] = TEXT_ONLY  # set by models.family.register_family
     # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
     weight_renames: list[tuple[str, str]] = []
 
@@ -63,6 +47,22 @@ class MultiModalCausalLM(nn.Module):
         """One ``MultiModalItem`` per image / video of the prompt: its placeholder run in ``ids`` (offset,
         length), its encoder inputs taken from the HF processor output ``enc``, and its cache key."""
         raise NotImplementedError
+
+    @classmethod
+    def mrope_positions(cls, hf_config: Any, enc: Any, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """M-RoPE families: the prompt's positions [3, P] (t, h, w) and the delta of the positions after it."""
+        raise NotImplementedError
+
+    @classmethod
+    def processor_kwargs(
+        cls, model_dir: str, hf_config: Any, header_font_path: str | None
+    ) -> dict[str, Any]:
+        """Keyword arguments every HF processor call of this checkpoint needs (Pix2Struct VQA: its font)."""
+        return {}
+
+    def lora_packed_modules(self) -> dict[str, tuple[str, Any]]:
+        """The language model's fused linears: part name -> (fused module name, shard id)."""
+        return getattr(self.language_model, "packed_modules", {})
 
     def lora_target_ok(self, module_name: str) -> bool:
         """Whether a LoRA delta can apply to this linear of the language model row by row of the step's flat batch
@@ -76,6 +76,33 @@ class MultiModalCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the checkpoint's (name, tensor) pairs, renaming them to our module paths."""
         raise NotImplementedError
+
+    def drop_encoders(self) -> None:
+        """Free every submodule but the language model: a tensor-parallel worker runs the text path only (the
+        driver encodes the pictures and sends their embeddings merged into the prompt's)."""
+        for name, _ in list(self.named_children()):
+            if name != "language_model":
+                setattr(self, name, None)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states [T, text_hidden]; ``positions`` [T], or [3, T] (t, h, w) with M-RoPE ([T] = text only)."""
+        return self.language_model(inputs_embeds, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] of hidden states [N, text_hidden]."""
+        return self.language_model.compute_logits(hidden)
+
+
+class CrossAttentionLM(MultiModalCausalLM):
+    """A family whose text attends the encoder's outputs through cross-attention (spec attention "cross" or
+    "encoder_decoder"): the runner keeps each request's encoder keys/values in the cross-attention pool
+    (worker/cross_kv.py) and passes each step's sequences with media in ``AttentionMetadata.cross``."""
 
     def cross_kv_layout(self) -> CrossKVLayout:
         """Cross-attention families: what `cross_kv` returns per encoder token (its keys/values of every
@@ -100,26 +127,20 @@ class MultiModalCausalLM(nn.Module):
         order (None: as they are), the n its generated tokens attend first. Default: they attend all."""
         return None, sum(self.cross_kv_tokens(it) for it in items)
 
-    def drop_encoders(self) -> None:
-        """Free every submodule but the language model: a tensor-parallel worker runs the text path only (the
-        driver encodes the pictures and sends their embeddings merged into the prompt's)."""
-        for name, _ in list(self.named_children()):
-            if name != "language_model":
-                setattr(self, name, None)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, text_hidden] of ``input_ids`` [T]."""
-        return self.language_model.embed_input_ids(input_ids)
+class EncoderDecoderLM(CrossAttentionLM):
+    """An encoder-decoder (spec attention "encoder_decoder"): the prompt is the decoder's, the HF processor sees
+    the picture (and the text when the spec's ``encoder_reads_text``)."""
 
-    def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Hidden states [T, text_hidden]; ``positions`` [T], or [3, T] (t, h, w) with M-RoPE ([T] = text only)."""
-        return self.language_model(inputs_embeds, positions, meta)
+    @classmethod
+    def decoder_prompt_ids(cls, hf_config: Any, tokenizer: Any, text: str) -> list[int]:
+        """The decoder's prompt ids for the client's `text`."""
+        raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] of hidden states [N, text_hidden]."""
-        return self.language_model.compute_logits(hidden)
+    @classmethod
+    def call_processor(cls, processor: Any, text: str, kwargs: dict[str, Any]) -> Any:
+        """The HF processor's outputs for one picture and the text its encoder reads."""
+        return processor(text=text, return_tensors="pt", **kwargs)
 
 
 def check_single_image(image_keys: list[str], video_keys: list[str], required: bool) -> None:

@@ -15,7 +15,9 @@ from mmserve.layers.cross_attention import attend_batched
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPEncoderLayer
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.opt import OPTForCausalLM
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
@@ -186,6 +188,20 @@ class Blip2QFormerModel(nn.Module):
 
 
 # ---- the family -------------------------------------------------------------------------------
+BLIP2_PROMPT = PromptFormat(image_token=None)
+
+
+@register_family(
+    FamilySpec(
+        name="blip2",
+        architectures=("Blip2ForConditionalGeneration",),
+        model_types=("blip2", "blip-2"),
+        prompt=BLIP2_PROMPT,
+        client=ClientFormat("blip2", preprocessed=True),
+        placeholder_in_prompt=False,  # the HF processor inserts the image tokens itself
+        encoder_cuda_graphs=True,
+    )
+)
 class Blip2ForConditionalGeneration(MultiModalCausalLM):
     """One image -> `num_query_tokens` embeddings that replace the image tokens the processor put in
     front of the prompt. The Q-Former and query tokens stay in fp32 whatever the model dtype, as in
@@ -194,9 +210,6 @@ class Blip2ForConditionalGeneration(MultiModalCausalLM):
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-    encoder_cuda_graphs = True
-
-    placeholder_in_prompt = False  # the HF processor inserts the image tokens itself
 
     def __init__(self, config) -> None:
         super().__init__()

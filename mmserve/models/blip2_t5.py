@@ -14,21 +14,27 @@ import torch
 from torch import nn
 
 from mmserve.core.multimodal import MultiModalItem
-from mmserve.models.base import CrossKVLayout, check_single_image
-from mmserve.models.blip2 import Blip2ForConditionalGeneration, _used
+from mmserve.models.base import CrossKVLayout, EncoderDecoderLM, check_single_image
+from mmserve.models.blip2 import BLIP2_PROMPT, Blip2ForConditionalGeneration, _used
+from mmserve.models.family import FamilySpec
+from mmserve.models.registry import register_family
 from mmserve.models.t5 import T5LanguageModel
 from mmserve.models.weights import load_weights
 
 
-class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration):
-    uses_cross_attention = True
-    cross_decode_graphs = True
-    encoder_decoder = True
-    encoder_reads_text = (
-        True  # the processor's ids (query tokens + question) are the encoder's input
+@register_family(
+    FamilySpec(
+        name="blip2_t5",
+        architectures=("Blip2ForConditionalGeneration",),
+        config_matches=lambda cfg: getattr(cfg.text_config, "model_type", "") == "t5",
+        prompt=BLIP2_PROMPT,
+        attention="encoder_decoder",
+        placeholder_in_prompt=False,
+        encoder_reads_text=True,  # the processor's ids (query tokens + question) are the encoder's input
+        cross_decode_graphs=True,
     )
-    encoder_cuda_graphs = False
-
+)
+class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration, EncoderDecoderLM):
     @staticmethod
     def _language_model(text) -> nn.Module:
         return T5LanguageModel(text)

@@ -15,8 +15,10 @@ import torch
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM, check_single_image
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.persimmon import PersimmonModel
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 
 # checkpoint prefix -> our module path: transformers >= 5 layout; the hub layout (adept/fuyu-8b) is ours already
@@ -40,14 +42,24 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+@register_family(
+    FamilySpec(
+        name="fuyu",
+        architectures=("FuyuForCausalLM",),
+        model_types=("fuyu",),
+        prompt=PromptFormat(
+            image_token=None
+        ),  # its processor lays the picture's patch rows out first
+        client=ClientFormat("fuyu"),
+        placeholder_in_prompt=False,  # the processor lays out the picture's tokens itself
+    )
+)
 class FuyuForCausalLM(MultiModalCausalLM):
     """Picture rows of image tokens -> linear patch embeddings; everything else is the Persimmon decoder."""
 
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-
-    placeholder_in_prompt = False  # the processor lays out the picture's tokens itself
 
     def __init__(self, config) -> None:
         super().__init__()

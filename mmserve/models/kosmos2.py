@@ -30,7 +30,9 @@ from mmserve.layers.linear import (
 from mmserve.layers.norm import ShardedLayerNorm
 from mmserve.models.base import MultiModalCausalLM, check_single_image
 from mmserve.models.clip import CLIPVisionTower
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat, TextShape
 from mmserve.models.llama import LlamaForCausalLM
+from mmserve.models.registry import register_family, register_text_shape
 from mmserve.models.weights import load_weights
 
 # checkpoint prefix -> our module path (hub layout first; transformers >= 5 keeps the same names under `model.`)
@@ -167,14 +169,24 @@ class Kosmos2ImageToTextProjection(nn.Module):
         )
 
 
+@register_family(
+    FamilySpec(
+        name="kosmos2",
+        architectures=("Kosmos2ForConditionalGeneration",),
+        model_types=("kosmos-2",),
+        prompt=PromptFormat(
+            image_token=None
+        ),  # its processor puts <image> and the image span first
+        client=ClientFormat("kosmos-2"),
+        placeholder_in_prompt=False,  # the processor writes <image>, the span and </image> itself
+    )
+)
 class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
     """One image per prompt: its latent-query embeddings fill the image span the processor puts first."""
 
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-
-    placeholder_in_prompt = False  # the processor writes <image>, the span and </image> itself
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -227,3 +239,24 @@ class Kosmos2ForConditionalGeneration(MultiModalCausalLM):
             LlamaForCausalLM.packed_modules,
             ignore=("position_ids", "embed_positions.weights") + (("lm_head.",) if tied else ()),
         )
+
+
+@register_text_shape("kosmos_2_text_model")
+def kosmos2_text_shape(text: dict) -> TextShape:
+    """Its own key names; OPT-like (a two-matrix gelu MLP, biases, LayerNorms) plus two sub-LayerNorms per layer."""
+    heads, hidden = int(text["attention_heads"]), int(text["embed_dim"])
+    return TextShape(
+        hidden=hidden,
+        layers=int(text["layers"]),
+        heads=heads,
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        vocab=int(text["vocab_size"]),
+        intermediate=int(text["ffn_dim"]),
+        kv_heads=heads,
+        mlp_matrices=2,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        layer_norm=True,
+        sub_layer_norm=True,
+    )

@@ -17,6 +17,8 @@ from mmserve.layers.linear import (
 )
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from mmserve.models.family import TextShape, basic_sizes
+from mmserve.models.registry import register_text_shape
 
 PACKED_MODULES = {
     ".q_proj.": (".qkv_proj.", "q"),
@@ -164,3 +166,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+@register_text_shape("*")
+def llama_text_shape(text: dict) -> TextShape:
+    """Llama-style decoders (Llama, Mistral, Qwen2 with q/k/v biases, Mllama with cross-attention layers)."""
+    sizes = basic_sizes(text)
+    attention_bias = bool(text.get("attention_bias", False))
+    return TextShape(
+        **sizes,
+        intermediate=int(text["intermediate_size"]),
+        kv_heads=int(text.get("num_key_value_heads") or sizes["heads"]),
+        qkv_bias=attention_bias or "qwen2" in str(text.get("model_type", "")),
+        o_bias=attention_bias,
+        mlp_bias=bool(text.get("mlp_bias", False)),
+        cross_layers=len(text.get("cross_attention_layers") or ()),
+    )

@@ -12,7 +12,9 @@ from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.placeholder_expansion import equal_runs
 
@@ -38,13 +40,25 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+LLAVA_PROMPT = PromptFormat("<image>", "USER:\n", " ASSISTANT:")
+
+
+@register_family(
+    FamilySpec(
+        name="llava",
+        architectures=("LlavaForConditionalGeneration",),
+        model_types=("llava",),
+        prompt=LLAVA_PROMPT,
+        client=ClientFormat("llava", preprocessed=True),
+        encoder_cuda_graphs=True,
+    )
+)
 class LlavaForConditionalGeneration(MultiModalCausalLM):
     """One image -> `length` embeddings that replace its `<image>` placeholder tokens."""
 
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-    encoder_cuda_graphs = True
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -15,8 +15,10 @@ from mmserve.core.multimodal import MultiModalItem
 from mmserve.models.anyres import AnyresSpec
 from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
+from mmserve.models.family import FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.llava import LlavaProjector
+from mmserve.models.registry import register_family
 from mmserve.models.siglip import SiglipVisionTower
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.placeholder_expansion import placeholder_runs
@@ -58,6 +60,16 @@ def check_image_size(
         )
 
 
+@register_family(
+    FamilySpec(
+        name="llava_next",
+        architectures=("LlavaNextForConditionalGeneration",),
+        model_types=("llava_next",),
+        prompt=PromptFormat(
+            "<image>", "[INST] ", " [/INST]", image_sep="\n"
+        ),  # the Mistral-based v1.6
+    )
+)
 class LlavaNextForConditionalGeneration(MultiModalCausalLM):
     """One image -> base tile + unpadded mosaic (rows ended by image_newline) embeddings."""
 

@@ -10,10 +10,27 @@ import torch
 
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.models.anyres import num_video_tokens, pool_frames
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llava_next import LlavaNextForConditionalGeneration, check_lengths, image_items
+from mmserve.models.registry import register_family
 from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
 
+@register_family(
+    FamilySpec(
+        name="llava_onevision",
+        architectures=("LlavaOnevisionForConditionalGeneration",),
+        model_types=("llava_onevision",),
+        prompt=PromptFormat(
+            "<image>",
+            "<|im_start|>user ",
+            "<|im_end|><|im_start|>assistant\n",
+            image_sep="\n",
+            video_token="<video>",
+        ),
+        client=ClientFormat("llava_onevision"),
+    )
+)
 class LlavaOnevisionForConditionalGeneration(LlavaNextForConditionalGeneration):
     """Images as in LLaVA-NeXT (plus anyres_max); videos as pooled frames + newline."""
 

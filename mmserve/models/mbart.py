@@ -18,6 +18,8 @@ from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from mmserve.models.family import TextShape
+from mmserve.models.registry import register_text_shape
 
 POSITION_OFFSET = 2  # MBart's learned positions start at row 2
 
@@ -114,3 +116,26 @@ class MBartDecoder(nn.Module):
         for layer in self.layers:
             x = layer(x, meta)
         return self.layer_norm(x)
+
+
+@register_text_shape("mbart")
+def mbart_text_shape(text: dict) -> TextShape:
+    """The decoder_* sizes (num_hidden_layers etc. alias the encoder's); OPT-like with a gelu MLP, an embedding
+    LayerNorm and a cross-attention in every layer."""
+    heads, hidden = int(text["decoder_attention_heads"]), int(text["d_model"])
+    return TextShape(
+        hidden=hidden,
+        layers=int(text["decoder_layers"]),
+        heads=heads,
+        head_dim=hidden // heads,
+        vocab=int(text["vocab_size"]),
+        intermediate=int(text["decoder_ffn_dim"]),
+        kv_heads=heads,
+        mlp_matrices=2,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        layer_norm=True,
+        embed_norm=True,
+        cross_attention=bool(text.get("add_cross_attention", False)),
+    )

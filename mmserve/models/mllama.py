@@ -30,9 +30,11 @@ from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
-from mmserve.models.base import CrossKVLayout, MultiModalCausalLM
+from mmserve.models.base import CrossAttentionLM, CrossKVLayout
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from mmserve.models.mllama_vision import MllamaVisionTower
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 
 # checkpoint prefix -> our module path: transformers >= 5 save_pretrained layout; the hub layout is ours already
@@ -241,15 +243,24 @@ class MllamaTextModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class MllamaForConditionalGeneration(MultiModalCausalLM):
+@register_family(
+    FamilySpec(
+        name="mllama",
+        architectures=("MllamaForConditionalGeneration",),
+        model_types=("mllama",),
+        prompt=PromptFormat("<|image|>", prepend_images=True),
+        client=ClientFormat("mllama"),
+        attention="cross",
+        cross_decode_graphs=True,
+        images_per_prompt_lists=True,
+    )
+)
+class MllamaForConditionalGeneration(CrossAttentionLM):
     """One `<|image|>` token per image; the image's tiles reach the text through the cross-attention layers."""
 
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-
-    uses_cross_attention = True
-    cross_decode_graphs = True
 
     def __init__(self, config) -> None:
         super().__init__()

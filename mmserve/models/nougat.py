@@ -17,10 +17,12 @@ import torch
 
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.linear import ReplicatedLinear
-from mmserve.models.base import CrossKVLayout, MultiModalCausalLM, check_single_image
+from mmserve.models.base import CrossKVLayout, EncoderDecoderLM, check_single_image
 from mmserve.models.donut_swin import DonutSwinTower
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.mbart import MBartDecoder
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 
 WEIGHT_RENAMES = [
@@ -29,14 +31,22 @@ WEIGHT_RENAMES = [
 ]
 
 
-class NougatForConditionalGeneration(MultiModalCausalLM):
+@register_family(
+    FamilySpec(
+        name="nougat",
+        architectures=("VisionEncoderDecoderModel",),
+        model_types=("vision-encoder-decoder", "nougat"),
+        prompt=PromptFormat(image_token=None),  # the text (often empty) starts the answer
+        client=ClientFormat("nougat"),
+        attention="encoder_decoder",
+        placeholder_in_prompt=False,
+        cross_decode_graphs=True,
+    )
+)
+class NougatForConditionalGeneration(EncoderDecoderLM):
     """Donut Swin encoder + MBart decoder with cross-attention (the pairing Nougat checkpoints use)."""
 
     weight_renames = WEIGHT_RENAMES
-    uses_cross_attention = True
-    cross_decode_graphs = True
-    placeholder_in_prompt = False
-    encoder_decoder = True
 
     def __init__(self, config) -> None:
         super().__init__()

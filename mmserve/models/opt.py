@@ -15,6 +15,8 @@ from mmserve.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from mmserve.models.family import TextShape, basic_sizes
+from mmserve.models.registry import register_text_shape
 
 PACKED_MODULES = {
     ".q_proj.": (".qkv_proj.", "q"),
@@ -143,3 +145,23 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+@register_text_shape("opt")
+def opt_text_shape(text: dict) -> TextShape:
+    """Biases on every linear, a two-matrix ReLU MLP, LayerNorms, optionally a narrower word embedding."""
+    sizes = basic_sizes(text)
+    bias = bool(text.get("enable_bias", True))
+    return TextShape(
+        **sizes,
+        intermediate=int(text["ffn_dim"]),
+        kv_heads=sizes["heads"],
+        mlp_matrices=2,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        layer_norm=True,
+        final_norm=bool(text.get("do_layer_norm_before", True))
+        and not text.get("_remove_final_layer_norm", False),
+        embed_dim=int(text.get("word_embed_proj_dim") or sizes["hidden"]),
+    )

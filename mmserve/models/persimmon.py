@@ -13,6 +13,8 @@ from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mmserve.layers.rotary import PartialRotaryEmbedding, rope_inv_freq
+from mmserve.models.family import TextShape, basic_sizes
+from mmserve.models.registry import register_text_shape
 
 
 class PersimmonAttention(nn.Module):
@@ -100,3 +102,20 @@ class PersimmonModel(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, meta)
         return self.final_layernorm(x)
+
+
+@register_text_shape("persimmon", "fuyu")  # "fuyu": adept/fuyu-8b's flat config.json
+def persimmon_text_shape(text: dict) -> TextShape:
+    """OPT-like (biases everywhere, LayerNorms, a two-matrix relu2 MLP) plus q and k LayerNorms over head_dim."""
+    sizes = basic_sizes(text)
+    return TextShape(
+        **sizes,
+        intermediate=int(text["intermediate_size"]),
+        kv_heads=sizes["heads"],
+        mlp_matrices=2,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        layer_norm=True,
+        qk_norm=bool(text.get("qk_layernorm", True)),
+    )

@@ -33,7 +33,9 @@ from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
 from mmserve.layers.norm import RMSNorm
-from mmserve.models.base import CrossKVLayout, MultiModalCausalLM, check_single_image
+from mmserve.models.base import CrossKVLayout, EncoderDecoderLM, check_single_image
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat, TextShape
+from mmserve.models.registry import register_family, register_text_shape
 from mmserve.models.t5 import T5LanguageModel
 from mmserve.models.weights import load_weights
 
@@ -181,16 +183,23 @@ class Pix2StructVisionTower(nn.Module):
         return self.layernorm(x)
 
 
-class Pix2StructForConditionalGeneration(MultiModalCausalLM):
-    """The vision tower + the T5-style decoder with cross-attention (Deplot, Pix2Struct, MatCha checkpoints)."""
-
-    uses_cross_attention = True
-    cross_decode_graphs = True
-    placeholder_in_prompt = False
-    encoder_decoder = True
-    encoder_reads_text = (
-        True  # VQA checkpoints: the question is drawn on the picture (see the module docstring)
+@register_family(
+    FamilySpec(
+        name="pix2struct",
+        architectures=("Pix2StructForConditionalGeneration",),
+        model_types=("pix2struct",),
+        prompt=PromptFormat(
+            image_token=None
+        ),  # Deplot: the text is the question drawn on the picture
+        client=ClientFormat("pix2struct"),
+        attention="encoder_decoder",
+        placeholder_in_prompt=False,
+        encoder_reads_text=True,  # VQA checkpoints: the question is drawn on the picture (module docstring)
+        cross_decode_graphs=True,
     )
+)
+class Pix2StructForConditionalGeneration(EncoderDecoderLM):
+    """The vision tower + the T5-style decoder with cross-attention (Deplot, Pix2Struct, MatCha checkpoints)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -333,3 +342,20 @@ def builtin_font_bytes() -> bytes:
             "this Pillow has no built-in TrueType font; give a font file (--header-font)"
         )
     return data
+
+
+@register_text_shape("pix2struct_text_model")
+def pix2struct_text_shape(text: dict) -> TextShape:
+    """T5-style names with its own hidden_size; the MLP is always gated."""
+    heads = int(text["num_heads"])
+    return TextShape(
+        hidden=int(text["hidden_size"]),
+        layers=int(text["num_layers"]),
+        heads=heads,
+        head_dim=int(text["d_kv"]),
+        vocab=int(text["vocab_size"]),
+        intermediate=int(text["d_ff"]),
+        kv_heads=heads,
+        mlp_matrices=3,
+        cross_attention=True,
+    )

@@ -17,9 +17,11 @@ from mmserve.core.multimodal import MultiModalItem
 from mmserve.core.transfer import to_device
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
 from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.llava import LlavaProjector
 from mmserve.models.pixtral_vision import PixtralVisionTower
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 
 # checkpoint prefix -> our module path; transformers >= 5 layout first, then the published layout (which is ours)
@@ -31,6 +33,20 @@ WEIGHT_RENAMES = [
 ]
 
 
+def _pixtral_tower(cfg) -> bool:
+    return getattr(getattr(cfg, "vision_config", None), "model_type", "") == "pixtral"
+
+
+@register_family(
+    FamilySpec(
+        name="pixtral",
+        architectures=("LlavaForConditionalGeneration",),  # a LLaVA config with Pixtral's tower
+        config_matches=_pixtral_tower,
+        model_types=("pixtral",),
+        prompt=PromptFormat("[IMG]"),
+        client=ClientFormat("pixtral", padded_sizes=True, video=False),
+    )
+)
 class PixtralForConditionalGeneration(MultiModalCausalLM):
     """One image of h x w patches -> h * (w + 1) embeddings: each row's w image features, then its closing token."""
 

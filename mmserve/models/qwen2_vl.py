@@ -15,8 +15,10 @@ import torch
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.layers.rotary import MRotaryEmbedding, rope_inv_freq
 from mmserve.models.base import MultiModalCausalLM
+from mmserve.models.family import ClientFormat, FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import Qwen2VisionTransformer
+from mmserve.models.registry import register_family
 from mmserve.models.weights import load_weights
 from mmserve.multimodal.placeholder_expansion import placeholder_runs
 
@@ -37,14 +39,27 @@ MM_KEYS = {
 GRID_KEYS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 
 
+@register_family(
+    FamilySpec(
+        name="qwen2_vl",
+        architectures=("Qwen2VLForConditionalGeneration",),
+        model_types=("qwen2_vl",),
+        prompt=PromptFormat(
+            "<|vision_start|><|image_pad|><|vision_end|>",
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+            "<|im_end|>\n<|im_start|>assistant\n",
+            video_token="<|vision_start|><|video_pad|><|vision_end|>",
+        ),
+        client=ClientFormat("qwen2_vl", resize=(504, 504)),
+        mrope=True,
+    )
+)
 class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
     """One image or video -> t*h*w / merge² embeddings that replace its pad tokens."""
 
     weight_renames = (
         WEIGHT_RENAMES  # checkpoint prefix -> ours (LoRA adapters resolve their targets too)
     )
-
-    uses_mrope = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -160,6 +175,9 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         )
 
 
+@register_family(
+    FamilySpec(name="qwen2_5_vl", architectures=("Qwen2_5_VLForConditionalGeneration",), mrope=True)
+)
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: the same backbone and M-RoPE; the tower windows its attention (qwen2_vl_vision), and a
     video's temporal positions step by tokens_per_second * seconds per temporal patch."""

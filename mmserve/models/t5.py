@@ -25,6 +25,8 @@ from mmserve.layers.cross_attention import attend_cross
 from mmserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.models.base import CrossKVLayout
+from mmserve.models.family import TextShape
+from mmserve.models.registry import register_text_shape
 
 
 def relative_position_bucket(
@@ -318,3 +320,22 @@ class T5LanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden * self.output_scale if self.output_scale != 1.0 else hidden)
+
+
+@register_text_shape("t5")
+def t5_text_shape(text: dict) -> TextShape:
+    """The decoder stack (num_layers is the encoder's): no biases, RMS norms, a cross-attention in every layer,
+    a gated (wi_0, wi_1, wo) or plain (wi, wo) MLP; the relative-position bias table counts as an embedding."""
+    heads = int(text["num_heads"])
+    gated = str(text.get("feed_forward_proj", "relu")).startswith("gated-")
+    return TextShape(
+        hidden=int(text["d_model"]),
+        layers=int(text.get("num_decoder_layers") or text["num_layers"]),
+        heads=heads,
+        head_dim=int(text["d_kv"]),
+        vocab=int(text["vocab_size"]),
+        intermediate=int(text["d_ff"]),
+        kv_heads=heads,
+        mlp_matrices=3 if gated else 2,
+        cross_attention=True,
+    )

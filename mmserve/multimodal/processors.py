@@ -79,9 +79,8 @@ class InputProcessor:
         self.media = media or MediaConfig()
         self.processor = AutoProcessor.from_pretrained(model_dir)
         # what every processor call of this family needs (Pix2Struct VQA: the font its question is drawn in)
-        extra = getattr(model_cls, "processor_kwargs", None)
-        self._family_kwargs = (
-            extra(model_dir, hf_config, self.media.header_font_path) if extra else {}
+        self._family_kwargs = model_cls.processor_kwargs(
+            model_dir, hf_config, self.media.header_font_path
         )
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.image_token = getattr(self.processor, "image_token", None) or "<image>"
@@ -90,7 +89,7 @@ class InputProcessor:
         if self.image_token_id is None:
             self.image_token_id = getattr(hf_config, "image_token_id", None)
         # BLIP-2 style: the processor itself puts the image's query tokens in front of the text
-        self.placeholder_in_prompt = getattr(model_cls, "placeholder_in_prompt", True)
+        self.placeholder_in_prompt = model_cls.family.placeholder_in_prompt
         image_processor = getattr(self.processor, "image_processor", None)
         self._expansion = (
             None  # images only: tokenize the prompt as written, repeat the placeholder id
@@ -132,7 +131,7 @@ class InputProcessor:
         ids = self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)
         if not decoder_prompt:
             return ids
-        if not getattr(self.model_cls, "encoder_reads_text", False) and text.strip():
+        if not self.model_cls.family.encoder_reads_text and text.strip():
             raise ValueError(
                 "decoder_prompt: this model's prompt already is the decoder's; give the answer's start "
                 "in one of them"
@@ -162,10 +161,10 @@ class InputProcessor:
         decoder_prompt = prompt.get("decoder_prompt") or ""
         if not isinstance(decoder_prompt, str):
             raise TypeError(f"decoder_prompt must be a string, got {type(decoder_prompt).__name__}")
-        if decoder_prompt and not getattr(self.model_cls, "encoder_decoder", False):
+        if decoder_prompt and not self.model_cls.family.encoder_decoder:
             raise ValueError(
-                "decoder_prompt: only encoder-decoder models (BLIP-2 with T5, Nougat, Pix2Struct) have "
-                "a decoder prompt; put the text in the prompt"
+                "decoder_prompt: only encoder-decoder models have a decoder prompt; put the text in the "
+                "prompt"
             )
         if token_ids is not None:
             if images or videos:
@@ -193,7 +192,7 @@ class InputProcessor:
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         self._check_placeholders(text, len(images), len(videos))
         if not images and not videos:
-            if getattr(self.model_cls, "encoder_decoder", False):
+            if self.model_cls.family.encoder_decoder:
                 raise ValueError("images: this model reads one picture per prompt, none was given")
             if self.placeholder_in_prompt:
                 ids = self.tokenizer(text).input_ids
@@ -243,22 +242,10 @@ class InputProcessor:
         if self.device is not None:
             kwargs["device"] = str(self.device)
         kwargs.update(self._family_kwargs)
-        if getattr(self.model_cls, "encoder_decoder", False):  # the prompt is the decoder's
-            if getattr(
-                self.model_cls, "encoder_reads_text", False
-            ):  # BLIP-2 T5, Pix2Struct VQA: the encoder's
-                call = getattr(
-                    self.model_cls, "call_processor", None
-                )  # a family's own route through it
-                enc = dict(
-                    self._on_stream(
-                        lambda: (
-                            call(self.processor, text, kwargs)
-                            if call is not None
-                            else self.processor(text=text, return_tensors="pt", **kwargs)
-                        )
-                    )
-                )
+        if self.model_cls.family.encoder_decoder:  # the prompt is the decoder's
+            if self.model_cls.family.encoder_reads_text:  # the processor's ids are the encoder's
+                call = self.model_cls.call_processor
+                enc = dict(self._on_stream(lambda: call(self.processor, text, kwargs)))
                 if "input_ids" in enc:
                     enc["encoder_input_ids"] = enc["input_ids"]
                 enc["encoder_text"] = text
@@ -355,7 +342,7 @@ class InputProcessor:
 
     def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
         """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
-        if hasattr(self.model_cls, "mrope_positions"):
+        if self.model_cls.family.mrope:
             out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(
                 self.hf_config, enc, out.prompt_token_ids
             )
@@ -461,9 +448,7 @@ class InputProcessor:
             hf_messages.append({"role": m["role"], "content": parts})
         # some processors drop the template their tokenizer carries (Fuyu's): use the tokenizer's then
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        if not getattr(owner, "chat_template", None) and getattr(
-            self.model_cls, "encoder_decoder", False
-        ):
+        if not getattr(owner, "chat_template", None) and self.model_cls.family.encoder_decoder:
             # encoder-decoders (Deplot, Nougat, BLIP-2 T5) have no chat format: one user turn is the prompt
             if len(hf_messages) != 1 or hf_messages[0]["role"] != "user":
                 raise ValueError(

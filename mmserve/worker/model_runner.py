@@ -48,7 +48,7 @@ from mmserve.worker.step_batch import FlatBatch, flatten
 from mmserve.worker.tp_mirror import lora_sync, run_mirrored
 
 if TYPE_CHECKING:
-    from mmserve.distributed.workers import TPWorkers
+    from mmserve.worker.tp_workers import TPWorkers
 
 
 CROSS_ENCODE_BATCH = (
@@ -67,8 +67,8 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.model = model
-        self.uses_mrope = getattr(model, "uses_mrope", False)  # positions [3, T] (Qwen2-VL)
-        self.uses_cross_attention = getattr(model, "uses_cross_attention", False)  # Mllama
+        self.uses_mrope = model.family.mrope  # positions [3, T] (Qwen2-VL)
+        self.uses_cross_attention = model.family.cross_attention  # Mllama
         self.cross_kv_budget = 0  # bytes for the cross-attention pool (num_blocks_for)
         self.cross_kv: CrossKVPool | None = (
             None  # its requests' encoder keys/values (allocate_kv_cache)
@@ -147,7 +147,7 @@ class ModelRunner:
         mrope = self.uses_mrope
         if self.uses_cross_attention:
             if (
-                not getattr(self.model, "cross_decode_graphs", False)
+                not self.model.family.cross_decode_graphs
                 or cross_tokens is None
                 or self.cross_kv is None
             ):
@@ -234,7 +234,7 @@ class ModelRunner:
         """Replay the vision encoder from CUDA graphs (families with `encoder_cuda_graphs`, CUDA only); with a
         template item, capture its shapes now for every batch a step can encode (a step of
         max_num_batched_tokens overlaps at most cdiv(tokens, item length) + 1 items), other shapes on first use."""
-        if self.device.type != "cuda" or not getattr(self.model, "encoder_cuda_graphs", False):
+        if self.device.type != "cuda" or not self.model.family.encoder_cuda_graphs:
             return
         self.encoder_graphs = EncoderGraphs(self.model, self.device)
         if template is not None:
@@ -485,7 +485,7 @@ class ModelRunner:
         lora_sync(self, removed, name, source, evictable)
 
     def run_mirrored(self, kind: str, host: tuple, specs: list) -> None:
-        """A tensor-parallel worker's side of a driver's forward (distributed/workers.py): the same graph or eager
+        """A tensor-parallel worker's side of a driver's forward (worker/tp_workers.py): the same graph or eager
         pass over inputs received from rank 0; the hidden states are the driver's business."""
         run_mirrored(self, kind, host, specs)
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker's replay of the driver's forward passes (distributed/workers.py).
+"""A tensor-parallel worker's replay of the driver's forward passes (worker/tp_workers.py).
 
 The driver's ModelRunner decides each step's kind of pass (a decode graph, a prefill graph, piecewise graphs or
 eager) and sends it with the step's host-side layout; its device inputs arrive by broadcast from rank 0 (for

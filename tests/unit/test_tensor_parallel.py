@@ -13,9 +13,9 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.config import ModelConfig
-from mmserve.distributed.workers import check_tensor_parallel
 from mmserve.models.loader import load_hf_config
 from mmserve.testing import make_test_image
+from mmserve.worker.tp_workers import check_tensor_parallel
 from tests.parity.hf_oracle import check_against_hf, run_staggered
 
 N = 12
