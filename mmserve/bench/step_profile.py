@@ -171,9 +171,9 @@ def _ttft_breakdown(engine, prompt: str, image, profile: bool = False) -> None:
     engine.inputs.device = device
     engine.inputs.clear_recent()  # else the second call is an exact repeat and skips the HF processor
     inputs, t_pre = timed(lambda: engine.preprocess({"prompt": prompt, "images": [image]}))
-    moved = engine.runner._encode  # noqa: SLF001 - read-only timing of the runner's own encoder path
+    moved = engine.runner.encoder.encode  # the runner's own encoder path, timed
     _, t_enc = timed(lambda: moved(inputs.mm_items))
-    engine.runner.encoder_cache.clear()
+    engine.runner.encoder.cache.clear()
     from mmserve import SamplingParams
 
     engine.add_processed("ttft", inputs, SamplingParams(max_tokens=1, temperature=0.0))

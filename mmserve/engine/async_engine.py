@@ -20,6 +20,7 @@ from typing import Any
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.engine import Engine
+from mmserve.engine.model_info import ModelInfo
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.tp_workers import WorkerDied
 
@@ -48,6 +49,24 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model as the frontends see it (immutable)."""
+        return self.engine.model_info
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded now."""
+        return list(self.engine.lora.names)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The prompt dict {"prompt", "images", "videos"} of OpenAI-style chat `messages` in the checkpoint's
+        chat format (ValueError when they do not fit it)."""
+        return self.engine.inputs.apply_chat_template(messages)
+
+    async def compile_guide(self, kind: str, guide: Any) -> None:
+        """Compile a guided-decoding grammar off the event loop (ValueError when it is invalid); cached."""
+        await asyncio.to_thread(self.engine.grammars.compile, kind, guide)
 
     async def generate(
         self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None

@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mmserve.entrypoints.json_wire import WireJSONResponse
-from mmserve.entrypoints.openai_responses import edge_error_response
+from mmserve.entrypoints.openai.responses import edge_error_response
 from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
 
@@ -151,7 +151,9 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _include_frontends(app: FastAPI) -> None:
-    from mmserve.entrypoints import openai_api, tokenize_api, triton_http
+    from mmserve.entrypoints.openai import api as openai_api
+    from mmserve.entrypoints.openai import tokenize as tokenize_api
+    from mmserve.entrypoints.triton import http as triton_http
 
     app.include_router(triton_http.router)
     app.include_router(openai_api.router)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.core.step import STEP_KINDS
@@ -133,7 +135,7 @@ class _StepCollector:
     def __init__(self, step_stats_fn) -> None:
         self._fn = step_stats_fn
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self._fn()
         steps = CounterMetricFamily(
             "mmserve_engine_steps",

@@ -10,7 +10,7 @@ mmserve also places its own HTTP routes in these groups: the OpenAI completions 
 
 This module is the policy (parsing, which group a route or method is in) and imports no server package: ServerConfig
 parses the options for every CLI command. The checks live with the servers: http_server.RestrictedApis (a pure-ASGI
-middleware) and grpc_server.RestrictedProtocols (a grpc.aio interceptor)."""
+middleware) and triton.grpc_interceptors.RestrictedProtocols (a grpc.aio interceptor)."""
 
 from __future__ import annotations
 

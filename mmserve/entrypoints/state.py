@@ -15,8 +15,8 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.server_config import ServerConfig
-from mmserve.entrypoints.triton_metrics import TritonCollector
-from mmserve.entrypoints.triton_statistics import TritonStatistics
+from mmserve.entrypoints.triton.metrics import TritonCollector
+from mmserve.entrypoints.triton.statistics import TritonStatistics
 from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.sampling_params import SamplingParams
 
@@ -59,7 +59,7 @@ class ServerState:
 
     @property
     def lora_names(self) -> list[str]:
-        return list(self.engine.engine.lora.names)
+        return self.engine.lora_names()
 
     def has_model(self, name: str) -> bool:
         return name in self.model_names

@@ -19,7 +19,7 @@ How:
     max, which is always in the set.
 Passes over the row: one (max and mass, online) + per draw one scan (+ one mass sum with top-p, + one with
 min-p on the first draw). Penalties, masks and logprobs are the torch sampler's work before this
-(worker/sampler.py).
+(worker/sampling_filters.py).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def kth_largest(
 ) -> torch.Tensor:
     """[B] in logits' dtype: each row's top_k-th largest value of logits [B, V], -inf where top-k is off (top_k
     <= 0 or >= V). max_top_k: the largest active k, known on the host (None: read from top_k, a device sync).
-    The top-k threshold of both samplers (this kernel's and worker/sampler.py's torch one)."""
+    The top-k threshold of both samplers (this kernel's and worker/sampling_filters.py's torch one)."""
     vocab = logits.shape[-1]
     active = top_k_active(top_k, vocab)
     if max_top_k is None:

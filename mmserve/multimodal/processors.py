@@ -1,14 +1,14 @@
 """InputProcessor: prompt text + media -> prompt token ids and MultiModalItems (placeholders expanded).
 
 The family's own HF processor does resizing, normalisation and placeholder expansion, so our
-token ids are exactly what `transformers` would feed the model.
+token ids are exactly what `transformers` would feed the model. Its parts live beside it: the bounded caches
+(bounded_lru.py), chat messages -> prompt (chat_prompt.py), the media's checks and loading (prompt_media.py),
+the encoder-decoder route (encoder_decoder_prompt.py) and the per-thread CUDA streams (preprocess_streams.py).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -17,12 +17,22 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from mmserve.core.multimodal import MultiModalItem, ProcessedInputs
+from mmserve.multimodal.bounded_lru import BoundedLRU, inputs_bytes, tensor_bytes
+from mmserve.multimodal.chat_prompt import chat_prompt
+from mmserve.multimodal.encoder_decoder_prompt import (
+    checked_decoder_prompt,
+    decoder_ids,
+    encoder_outputs,
+)
 from mmserve.multimodal.hashing import hash_bytes, hash_image, hash_video
-from mmserve.multimodal.inputs import load_images, load_video_bytes
-from mmserve.multimodal.media_limits import MediaConfig, check_picture_size
+from mmserve.multimodal.inputs import load_images
+from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion
+from mmserve.multimodal.preprocess_streams import PreprocessStreams
+from mmserve.multimodal.prompt_media import as_list, check_pixel_values, load_videos
 from mmserve.multimodal.prompt_table import prompt_table_items
-from mmserve.multimodal.video import decode_video
+
+# importable from here, as BoundedLRU is (tests/unit/test_cache_caps.py imports both)
 
 
 class InputProcessor:
@@ -67,12 +77,12 @@ class InputProcessor:
     ) -> None:
         self.hf_config = hf_config
         self.device = device  # where the HF image processor resizes/normalises (None: CPU)
-        self._streams = threading.local()  # one CUDA stream per preprocessing thread
-        self._recent = BoundedLRU(self.RECENT_INPUTS, self.RECENT_INPUTS_BYTES, _inputs_bytes)
+        self._streams = PreprocessStreams(device)  # one CUDA stream per preprocessing thread
+        self._recent = BoundedLRU(self.RECENT_INPUTS, self.RECENT_INPUTS_BYTES, inputs_bytes)
         self._recent_images = BoundedLRU(
             self.RECENT_IMAGES,
             self.RECENT_IMAGES_BYTES,  # guarded by _recent_lock too
-            lambda out: _tensor_bytes(out.values()),
+            lambda out: tensor_bytes(out.values()),
         )
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
@@ -125,19 +135,6 @@ class InputProcessor:
         ).mm_items
         return items[0] if items else None
 
-    def _decoder_ids(self, text: str, decoder_prompt: str) -> list[int]:
-        """An encoder-decoder's decoder prompt: the family's start (with the text, for families whose prompt is the
-        decoder's), then decoder_prompt's tokens."""
-        ids = self.model_cls.decoder_prompt_ids(self.hf_config, self.tokenizer, text)
-        if not decoder_prompt:
-            return ids
-        if not self.model_cls.family.encoder_reads_text and text.strip():
-            raise ValueError(
-                "decoder_prompt: this model's prompt already is the decoder's; give the answer's start "
-                "in one of them"
-            )
-        return ids + self.tokenizer(decoder_prompt, add_special_tokens=False).input_ids
-
     def process(self, prompt: str | dict[str, Any]) -> ProcessedInputs:
         """Raises ValueError/TypeError naming the problem for any bad input."""
         if isinstance(prompt, str):
@@ -150,22 +147,15 @@ class InputProcessor:
         lora = prompt.get("lora")
         if lora is not None and (not isinstance(lora, str) or not lora):
             raise ValueError(f"lora: must be an adapter name (a non-empty string), got {lora!r}")
-        images, videos = _as_list(prompt.get("images")), _as_list(prompt.get("videos"))
+        images, videos = as_list(prompt.get("images")), as_list(prompt.get("videos"))
         pixel_values = prompt.get("pixel_values")
         if pixel_values is not None:
             if images:
                 raise ValueError("give either images or pixel_values, not both")
-            pixel_values = self._check_pixel_values(pixel_values)
+            pixel_values = check_pixel_values(pixel_values)
             images = [None] * len(pixel_values)
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        decoder_prompt = prompt.get("decoder_prompt") or ""
-        if not isinstance(decoder_prompt, str):
-            raise TypeError(f"decoder_prompt must be a string, got {type(decoder_prompt).__name__}")
-        if decoder_prompt and not self.model_cls.family.encoder_decoder:
-            raise ValueError(
-                "decoder_prompt: only encoder-decoder models have a decoder prompt; put the text in the "
-                "prompt"
-            )
+        decoder_prompt = checked_decoder_prompt(prompt.get("decoder_prompt"), self.model_cls)
         if token_ids is not None:
             if images or videos:
                 raise ValueError(
@@ -242,24 +232,23 @@ class InputProcessor:
         if self.device is not None:
             kwargs["device"] = str(self.device)
         kwargs.update(self._family_kwargs)
+        images_key = (str(self.device), tuple(content_keys))
         if self.model_cls.family.encoder_decoder:  # the prompt is the decoder's
-            if self.model_cls.family.encoder_reads_text:  # the processor's ids are the encoder's
-                call = self.model_cls.call_processor
-                enc = dict(self._on_stream(lambda: call(self.processor, text, kwargs)))
-                if "input_ids" in enc:
-                    enc["encoder_input_ids"] = enc["input_ids"]
-                enc["encoder_text"] = text
-            else:  # Nougat: the processor sees only the picture
-                enc = dict(
-                    self._recent_image_outputs((str(self.device), tuple(content_keys)), kwargs)
-                )
-            enc["input_ids"] = torch.tensor([self._decoder_ids(text, decoder_prompt)])
-        else:
-            enc = self._encode(
+            enc = encoder_outputs(
+                self.model_cls,
+                self.processor,
                 text,
                 kwargs,
-                shortcut=pixel_values is None and not videos,
-                images_key=(str(self.device), tuple(content_keys)),
+                self._streams.run,
+                lambda: self._recent_image_outputs(images_key, kwargs),
+            )
+            decoder = decoder_ids(
+                self.model_cls, self.hf_config, self.tokenizer, text, decoder_prompt
+            )
+            enc["input_ids"] = torch.tensor([decoder])
+        else:
+            enc = self._encode(
+                text, kwargs, shortcut=pixel_values is None and not videos, images_key=images_key
             )
         if pixel_values is not None:
             if "pixel_values" not in enc:  # Pix2Struct: flattened patches drawn with the question
@@ -293,7 +282,7 @@ class InputProcessor:
                 enc = expansion.encode(text, runs, image_outputs)
                 if enc is not None:
                     return enc
-        enc = self._on_stream(lambda: self.processor(text=text, return_tensors="pt", **kwargs))
+        enc = self._streams.run(lambda: self.processor(text=text, return_tensors="pt", **kwargs))
         if expansion is not None:
             expansion.learn(sizes, enc, text, image_outputs)
         return enc
@@ -303,7 +292,7 @@ class InputProcessor:
             out = self._recent_images.get(key)
             if out is not None:
                 return out  # shared read-only, as the ProcessedInputs of exact repeats are
-        out = self._on_stream(lambda: self._image_outputs(kwargs))
+        out = self._streams.run(lambda: self._image_outputs(kwargs))
         with self._recent_lock:
             self._recent_images.put(key, out)
         return out
@@ -311,34 +300,6 @@ class InputProcessor:
     def _image_outputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         extra = {"device": kwargs["device"]} if "device" in kwargs else {}
         return dict(self.processor.image_processor(kwargs["images"], return_tensors="pt", **extra))
-
-    def _on_stream(self, fn):
-        """fn() (an HF processor call) on this thread's own CUDA stream when preprocessing runs on the GPU.
-        Its uploads from pageable memory synchronize their stream; on the engine's stream they would wait
-        behind every step already queued there (with async scheduling, always one), stalling each request's
-        preprocessing by a step."""
-        if self.device is None:
-            return fn()
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            enc = fn()
-            for key, value in list(
-                enc.items()
-            ):  # sizes and grids to the host here, not later on the engine's
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.is_cuda
-                    and not value.is_floating_point()
-                ):
-                    enc[key] = value.cpu()  # waits for this thread's stream only
-        stream.synchronize()
-        engine_stream = torch.cuda.default_stream(self.device)
-        for value in enc.values():
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                value.record_stream(engine_stream)  # freed only after the engine's reads of it
-        return enc
 
     def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
         """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
@@ -371,162 +332,12 @@ class InputProcessor:
                 f"but {num_videos} video(s) were given"
             )
 
-    def _load_videos(self, videos: list, num_frames: int) -> list[np.ndarray]:
-        if not isinstance(num_frames, int) or num_frames < 1:
-            raise ValueError(f"video_num_frames must be a positive integer, got {num_frames!r}")
-        out = []
-        for i, v in enumerate(videos):
-            field_name = f"videos[{i}]"
-            if isinstance(v, np.ndarray):  # already decoded frames [F, H, W, 3]
-                if v.ndim != 4 or v.shape[-1] != 3 or v.dtype != np.uint8:
-                    raise ValueError(
-                        f"{field_name}: decoded frames must be uint8 [F, H, W, 3], got "
-                        f"{v.dtype} {list(v.shape)}"
-                    )
-                if not 1 <= len(v) <= self.media.max_video_frames:
-                    raise ValueError(
-                        f"{field_name}: {len(v)} frames, allowed 1 to "
-                        f"max_video_frames={self.media.max_video_frames}"
-                    )
-                check_picture_size(v.shape[2], v.shape[1], self.media, field_name, "a video frame")
-                out.append(v)
-            else:
-                out.append(
-                    decode_video(
-                        load_video_bytes(v, self.media, field=field_name),
-                        num_frames,
-                        self.media,
-                        field=field_name,
-                    )
-                )
-        return out
-
-    @staticmethod
-    def _check_pixel_values(pixel_values) -> torch.Tensor:
-        pv = torch.as_tensor(pixel_values)
-        if pv.dim() == 3:
-            pv = pv.unsqueeze(0)
-        if pv.dim() != 4 or pv.shape[1] != 3 or not pv.is_floating_point():
-            raise ValueError(
-                f"pixel_values must be a float tensor [num_images, 3, H, W], got "
-                f"{pv.dtype} {list(pv.shape)}"
-            )
-        if not torch.isfinite(pv).all():
-            raise ValueError("pixel_values contain NaN or infinite values")
-        return pv.float()
+    def _load_videos(self, videos: list, num_frames: Any) -> list[np.ndarray]:
+        return load_videos(videos, num_frames, self.media)
 
     def apply_chat_template(self, messages: list[dict]) -> dict[str, Any]:
-        """OpenAI-style messages -> a prompt dict {"prompt", "images", "videos"} for process().
-
-        Content parts: text, image_url / image, video_url / video (URL, data URI, path, bytes or decoded
-        frames), in order; the checkpoint's chat template places their placeholders. An encoder-decoder without
-        a chat template takes one user message: its text is the prompt, its picture the image.
-        """
-        hf_messages: list[dict] = []
-        media: dict[str, list[Any]] = {"images": [], "videos": []}
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"messages[{i}] needs a 'role'")
-            content = m.get("content", "")
-            if isinstance(content, str):
-                hf_messages.append(
-                    {"role": m["role"], "content": [{"type": "text", "text": content}]}
-                )
-                continue
-            parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind == "text":
-                    parts.append({"type": "text", "text": part.get("text", "")})
-                elif kind in _MEDIA_PARTS:
-                    modality, key = _MEDIA_PARTS[kind]
-                    src = part.get(kind)
-                    media[key].append(src["url"] if isinstance(src, dict) else src)
-                    parts.append({"type": modality})
-                else:
-                    raise ValueError(f"messages[{i}]: unsupported content part type {kind!r}")
-            hf_messages.append({"role": m["role"], "content": parts})
-        # some processors drop the template their tokenizer carries (Fuyu's): use the tokenizer's then
-        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        if not getattr(owner, "chat_template", None) and self.model_cls.family.encoder_decoder:
-            # encoder-decoders (Deplot, Nougat, BLIP-2 T5) have no chat format: one user turn is the prompt
-            if len(hf_messages) != 1 or hf_messages[0]["role"] != "user":
-                raise ValueError(
-                    "messages: this model takes one user message (its text and picture), got roles "
-                    f"{[m['role'] for m in hf_messages]}"
-                )
-            text = "\n".join(p["text"] for p in hf_messages[0]["content"] if p["type"] == "text")
-            return {"prompt": text, **{k: v for k, v in media.items() if v}}
-        if not getattr(owner, "chat_template", None):
-            raise ValueError(
-                "this model has no chat template: send a plain prompt (e.g. /v1/completions)"
-            )
-        prompt = owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
-        return {"prompt": prompt, **{k: v for k, v in media.items() if v}}
-
-
-# chat content part type -> (the HF chat template's part type, prompt dict key)
-_MEDIA_PARTS = {
-    "image_url": ("image", "images"),
-    "image": ("image", "images"),
-    "video_url": ("video", "videos"),
-    "video": ("video", "videos"),
-}
-
-
-class BoundedLRU:
-    """An LRU cache of at most `max_entries` entries and `max_bytes` bytes, as `size_of(value)` counts them (a value
-    larger than max_bytes is not kept). Not locked: InputProcessor holds its _recent_lock around every call."""
-
-    def __init__(self, max_entries: int, max_bytes: int, size_of: Callable[[Any], int]) -> None:
-        self.max_entries, self.max_bytes, self._size_of = max_entries, max_bytes, size_of
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = (
-            OrderedDict()
-        )  # least recently used first
-        self.nbytes = 0
-
-    def get(self, key: Hashable) -> Any | None:
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        self._entries.move_to_end(key)
-        return hit[0]
-
-    def put(self, key: Hashable, value: Any) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[1]
-        size = self._size_of(value)
-        if size > self.max_bytes:
-            return
-        self._entries[key] = (value, size)
-        self.nbytes += size
-        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.nbytes -= dropped
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def _tensor_bytes(values) -> int:
-    return sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
-
-
-def _inputs_bytes(inputs: ProcessedInputs) -> int:
-    """What a ProcessedInputs holds: its encoder inputs, M-RoPE positions and prompt ids (a list of Python ints:
-    a pointer and an int object each)."""
-    n = 40 * len(inputs.prompt_token_ids) + sum(
-        _tensor_bytes(m.data.values()) for m in inputs.mm_items
-    )
-    return n + (inputs.mrope_positions.nbytes if inputs.mrope_positions is not None else 0)
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+        """OpenAI-style messages -> a prompt dict {"prompt", "images", "videos"} for process()
+        (multimodal/chat_prompt.py)."""
+        return chat_prompt(
+            messages, self.processor, self.tokenizer, self.model_cls.family.encoder_decoder
+        )

@@ -1,15 +1,23 @@
 """Tiny random Hugging Face checkpoints, test images and the embedded demo model, all built offline.
 
 Tests and benchmarks use these instead of a model hub; transformers loads every checkpoint written here.
+
+A family's checkpoint writer lives in its own module of this package, which names the families it writes in a
+module-level ``CHECKPOINT_WRITERS = {"family": make_family_checkpoint}``. :data:`FAMILIES` is found from those
+on first use (every module of the package imported once), so a new family needs no line here. Its first key is
+the demo model's family, the others follow by name.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmserve.testing.images import image_to_data_uri, image_to_png_bytes, make_test_image
 from mmserve.testing.llava import checkpoint_key, llava_config, llava_sizes, make_llava_checkpoint
@@ -19,6 +27,7 @@ __all__ = [
     "FAMILIES",
     "build_bpe_tokenizer",
     "checkpoint_key",
+    "checkpoint_writers",
     "default_model_dir",
     "image_to_data_uri",
     "image_to_png_bytes",
@@ -29,34 +38,59 @@ __all__ = [
     "make_test_image",
 ]
 
-# family -> "module:function" writing a tiny (or preset-sized) random checkpoint of that family
-FAMILIES: dict[str, str] = {
-    "llava": "mmserve.testing.llava:make_llava_checkpoint",
-    "llava_next": "mmserve.testing.llava_next:make_llava_next_checkpoint",
-    "llava_onevision": "mmserve.testing.llava_onevision:make_llava_onevision_checkpoint",
-    "qwen2_vl": "mmserve.testing.qwen2_vl:make_qwen2_vl_checkpoint",
-    "blip2": "mmserve.testing.blip2:make_blip2_checkpoint",
-    "mllama": "mmserve.testing.mllama:make_mllama_checkpoint",
-    "fuyu": "mmserve.testing.fuyu:make_fuyu_checkpoint",
-    "kosmos2": "mmserve.testing.kosmos2:make_kosmos2_checkpoint",
-    "nougat": "mmserve.testing.nougat:make_nougat_checkpoint",
-    "pix2struct": "mmserve.testing.pix2struct:make_pix2struct_checkpoint",
-    "pixtral": "mmserve.testing.pixtral:make_pixtral_checkpoint",
-}
-
+DEMO_FAMILY = "llava"  # the embedded demo model's: FAMILIES' first key
 DEMO_SUBDIR = "demo-llava-v1"  # bump the suffix when the tiny recipe changes
+
+_WRITERS: dict[str, Callable[..., Path]] = {}
+if TYPE_CHECKING:
+    FAMILIES: dict[
+        str, str
+    ]  # family -> "module:function" of its checkpoint writer (module __getattr__)
+
+
+def checkpoint_writers() -> dict[str, Callable[..., Path]]:
+    """family -> the function writing a tiny (or preset-sized) random checkpoint of it: the demo model's family
+    first, then by name.
+
+    Every module of this package is imported once and its ``CHECKPOINT_WRITERS`` read; a family named by two
+    modules is an error.
+    """
+    if not _WRITERS:
+        found: dict[str, Callable[..., Path]] = {}
+        for info in pkgutil.iter_modules(__path__):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            for family, writer in getattr(module, "CHECKPOINT_WRITERS", {}).items():
+                if family in found:
+                    raise ValueError(
+                        f"model family {family!r} has two checkpoint writers: "
+                        f"{_path(found[family])} and {_path(writer)}"
+                    )
+                found[family] = writer
+        _WRITERS.update(sorted(found.items(), key=lambda item: (item[0] != DEMO_FAMILY, item[0])))
+    return _WRITERS
+
+
+def _path(writer: Callable[..., Path]) -> str:
+    return f"{writer.__module__}:{writer.__qualname__}"
+
+
+def __getattr__(name: str) -> object:
+    # FAMILIES: family -> "module:function" of its checkpoint writer, found on first use
+    if name == "FAMILIES":
+        families = {family: _path(writer) for family, writer in checkpoint_writers().items()}
+        globals()["FAMILIES"] = families
+        return families
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_checkpoint(family: str, out_dir: str | Path, **kw: object) -> Path:
     """Write a random checkpoint of ``family`` (a key of :data:`FAMILIES`) into ``out_dir``."""
-    try:
-        maker = FAMILIES[family]
-    except KeyError:
+    writers = checkpoint_writers()
+    if family not in writers:
         raise ValueError(
-            f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
-        ) from None
-    module, name = maker.split(":")
-    return getattr(importlib.import_module(module), name)(out_dir, **kw)
+            f"unknown model family {family!r}; known families: {', '.join(sorted(writers))}"
+        )
+    return writers[family](out_dir, **kw)
 
 
 def default_model_dir() -> Path:

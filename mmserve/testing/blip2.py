@@ -7,41 +7,36 @@ The Flan-T5 variant (``text_model="t5"``, as Salesforce/blip2-flan-t5-xl) has an
 the ``num_query_tokens`` projected Q-Former outputs replace the ``<image>`` placeholders that the processor puts in
 front of the prompt, and the whole sequence (image tokens, text, ``</s>``) is the T5 *encoder*'s input; the
 decoder starts from ``decoder_start_token_id`` = ``<pad>`` (0) and cross-attends to the encoder output. Its
-tokenizer has T5's layout and pipeline: a ``T5Tokenizer`` (Unigram, whitespace split + Metaspace "▁", no BOS,
-``</s>`` appended to every text) with ``<pad>``, ``</s>``, ``<unk>`` = 0, 1, 2, the pieces up to ``text_vocab``,
-then ``text_extra_ids`` sentinels ``<extra_id_N>`` in reverse (``<extra_id_0>`` last), then the processor's
-``<image>`` (32100 in the real model, whose vocab is 32128). Its pieces come from a deterministic count of the
-built-in corpus's substrings (see :func:`t5_vocab`); unlike the real spiece model there is no NFKC normalizer, and
-characters missing from the pieces become ``<unk>`` (no byte fallback, as in T5).
+tokenizer is :func:`~mmserve.testing.tokenizer.build_t5_tokenizer`'s (``text_vocab`` pieces, then
+``text_extra_ids`` sentinels), then the processor's ``<image>`` (32100 in the real model, whose vocab is 32128).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
-import string
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.testing.tokenizer import CORPUS, bpe_token_ids, build_bpe_tokenizer
-from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
+    LayerSpec,
     check_layout,
     check_token_ids,
     finish_config,
-    make_tensor,
     meta_tensors,
     replace_sizes,
     round_up,
-    write_checkpoint,
+    vit_kwargs,
 )
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer, build_t5_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, make_tensor, noisy, write_checkpoint
 
 if TYPE_CHECKING:
-    from transformers import Blip2Config, T5Tokenizer
+    from transformers import Blip2Config
 
 IMAGE_TOKEN = "<image>"
 
@@ -54,10 +49,9 @@ class Blip2Sizes:
     text_layers: int
     text_heads: int
     text_ffn: int
-    text_vocab: (
-        int  # OPT: base BPE vocab, "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it;
-    )
-    #                  T5: the spiece vocab with <pad>, </s>, <unk>, then text_extra_ids sentinels, then "<image>"
+    # OPT: base BPE vocab, "<pad>" = text_vocab and "<image>" = text_vocab + 1 follow it;
+    # T5: the spiece vocab with <pad>, </s>, <unk>, then text_extra_ids sentinels, then "<image>"
+    text_vocab: int
     vocab_multiple: int  # model vocab = len(tokenizer) rounded up to this
     max_position: int
     text_init_std: float
@@ -143,75 +137,40 @@ PRESETS: dict[str, Blip2Sizes] = {
         dtype="float16",
         norm_noise=0.0,
     ),
-    # Flan-T5 (d_model 64, d_kv 16, 2 + 2 layers, gated-gelu, untied lm_head) under the "tiny" ViT and Q-Former.
-    # T5 does not scale q.k by 1/sqrt(d_kv): std 0.1 keeps the attention logits O(1) (q and k entries ~0.8, their dot
-    # product over 16 dims ~2.6) next to the N(0, 0.5) relative bias, so both matter; the lm_head's std 0.4 spreads
-    # the logits (~3.2 over the RMS-normalized decoder output). Flan's 32 buckets / max distance 128: prompts of
-    # 32 image + ~20 text tokens reach the encoder's logarithmic buckets (distances 8..127), the decoder's first 16
-    # steps its exact ones.
-    "tiny-t5": Blip2Sizes(
-        text_model="t5",
-        text_hidden=64,
-        text_layers=2,
-        text_decoder_layers=2,
-        text_heads=4,
-        text_head_dim=16,
-        text_ffn=128,
-        text_vocab=400,
-        text_extra_ids=100,
-        vocab_multiple=8,
-        max_position=512,
-        text_init_std=0.1,
-        lm_head_std=0.4,
-        qformer_hidden=40,
-        qformer_layers=3,
-        qformer_heads=4,
-        qformer_intermediate=64,
-        cross_attention_frequency=2,
-        num_query_tokens=32,
-        qformer_init_std=0.2,
-        vision_hidden=48,
-        vision_layers=2,
-        vision_heads=3,
-        vision_intermediate=96,
-        image_size=28,
-        patch_size=14,
-        vision_init_std=0.2,
-        dtype="float32",
-    ),
-    # Salesforce/blip2-flan-t5-xl: EVA ViT-g and Q-Former as blip2-opt-2.7b's, google/flan-t5-xl (d_model 2048,
-    # d_kv 64, 32 heads, d_ff 5120, 24 + 24 layers, gated-gelu, untied lm_head); image token 32100, vocab 32128
-    "blip2-flan-t5-xl": Blip2Sizes(
-        text_model="t5",
-        text_hidden=2048,
-        text_layers=24,
-        text_decoder_layers=24,
-        text_heads=32,
-        text_head_dim=64,
-        text_ffn=5120,
-        text_vocab=32000,
-        text_extra_ids=100,
-        vocab_multiple=64,
-        max_position=512,
-        text_init_std=0.02,
-        qformer_hidden=768,
-        qformer_layers=12,
-        qformer_heads=12,
-        qformer_intermediate=3072,
-        cross_attention_frequency=2,
-        num_query_tokens=32,
-        qformer_init_std=0.02,
-        vision_hidden=1408,
-        vision_layers=39,
-        vision_heads=16,
-        vision_intermediate=6144,
-        image_size=224,
-        patch_size=14,
-        vision_init_std=0.02,
-        dtype="bfloat16",
-        norm_noise=0.0,
-    ),
 }
+# Flan-T5 (d_model 64, d_kv 16, 2 + 2 layers, gated-gelu, untied lm_head) under the "tiny" ViT and Q-Former.
+# T5 does not scale q.k by 1/sqrt(d_kv): std 0.1 keeps the attention logits O(1) (q and k entries ~0.8, their dot
+# product over 16 dims ~2.6) next to the N(0, 0.5) relative bias, so both matter; the lm_head's std 0.4 spreads
+# the logits (~3.2 over the RMS-normalized decoder output). Flan's 32 buckets / max distance 128: prompts of
+# 32 image + ~20 text tokens reach the encoder's logarithmic buckets (distances 8..127), the decoder's first 16
+# steps its exact ones.
+PRESETS["tiny-t5"] = dataclasses.replace(
+    PRESETS["tiny"],
+    text_model="t5",
+    text_hidden=64,
+    text_layers=2,
+    text_decoder_layers=2,
+    text_heads=4,
+    text_head_dim=16,
+    text_ffn=128,
+    text_init_std=0.1,
+    lm_head_std=0.4,
+)
+# Salesforce/blip2-flan-t5-xl: EVA ViT-g and Q-Former as blip2-opt-2.7b's, google/flan-t5-xl (d_model 2048,
+# d_kv 64, 32 heads, d_ff 5120, 24 + 24 layers, gated-gelu, untied lm_head); image token 32100, vocab 32128
+PRESETS["blip2-flan-t5-xl"] = dataclasses.replace(
+    PRESETS["blip2-opt-2.7b"],
+    text_model="t5",
+    text_hidden=2048,
+    text_layers=24,
+    text_decoder_layers=24,
+    text_heads=32,
+    text_head_dim=64,
+    text_ffn=5120,
+    text_vocab=32000,
+    max_position=512,
+    dtype="bfloat16",
+)
 
 
 def blip2_sizes(preset: str = "tiny", **overrides: object) -> Blip2Sizes:
@@ -277,20 +236,10 @@ def _config_from_sizes(s: Blip2Sizes) -> Blip2Config:
     from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig
 
     ids = token_ids(s)
-    vocab = round_up(
-        ids["image"] + 1, s.vocab_multiple
-    )  # the tokenizer's length with <image>, rounded up
+    vocab = round_up(ids["image"] + 1, s.vocab_multiple)  # the tokenizer's length with <image>
     text = _text_config(s, vocab)
     vision = Blip2VisionConfig(
-        hidden_size=s.vision_hidden,
-        intermediate_size=s.vision_intermediate,
-        num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads,
-        image_size=s.image_size,
-        patch_size=s.patch_size,
-        hidden_act="gelu",
-        layer_norm_eps=1e-6,
-        qkv_bias=True,
+        **vit_kwargs(s), hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True
     )
     qformer = Blip2QFormerConfig(
         hidden_size=s.qformer_hidden,
@@ -327,19 +276,12 @@ _TEXT_FFN = (
     ("output.LayerNorm.weight", "hid"),
     ("output.LayerNorm.bias", "hid"),
 )
-
-
 # T5's encoder and decoder embed_tokens are tied to `shared`: neither transformers 5 nor the hub files hold them
-_T5_TIED = (
-    "language_model.encoder.embed_tokens.weight",
-    "language_model.decoder.embed_tokens.weight",
-)
+_T5_TIED = tuple(f"language_model.{side}.embed_tokens.weight" for side in ("encoder", "decoder"))
 
 
-def _param_specs(
-    config: Blip2Config, s: Blip2Sizes, layout: str
-) -> list[tuple[str, tuple[int, ...], str]]:
-    """(checkpoint name, shape, kind) for every saved tensor, from :func:`~mmserve.testing.writer.meta_tensors`."""
+def _param_specs(config: Blip2Config, s: Blip2Sizes, layout: str) -> list[LayerSpec]:
+    """(checkpoint name, shape, kind) for every saved tensor, from :func:`~mmserve.testing.recipe.meta_tensors`."""
     from transformers import Blip2ForConditionalGeneration
 
     t5 = s.text_model == "t5"
@@ -358,13 +300,8 @@ def _param_specs(
         specs.append((name, shape, kind))
     if layout == "hub":
         if not t5:
-            specs.append(
-                (
-                    "language_model.lm_head.weight",
-                    (config.text_config.vocab_size, config.text_config.hidden_size),
-                    "normal",
-                )
-            )
+            head = (config.text_config.vocab_size, config.text_config.hidden_size)
+            specs.append(("language_model.lm_head.weight", head, "normal"))
         h, i = s.qformer_hidden, s.qformer_intermediate
         shapes = {"ffn_in": (i, h), "ffn_mid": (i,), "ffn_out": (h, i), "hid": (h,)}
         for layer in range(s.qformer_layers):
@@ -386,80 +323,24 @@ def _std(name: str, s: Blip2Sizes) -> float:
     return s.text_init_std
 
 
-def _make(
-    name: str, shape: tuple[int, ...], kind: str, s: Blip2Sizes, seed: int, dtype: torch.dtype
-) -> torch.Tensor:
-    # OPT's tied head repeats the embedding matrix, so both layouts hold the same model; T5's head is its own
-    tied_head = s.text_model == "opt" and name == "language_model.lm_head.weight"
-    source = "language_model.model.decoder.embed_tokens.weight" if tied_head else name
-    if kind.startswith("norm_"):
-        noise = make_tensor(source, shape, "normal", s.norm_noise, seed, torch.float32)
-        return (noise + (1.0 if kind == "norm_weight" else 0.0)).to(dtype)
-    t = make_tensor(source, shape, "normal", _std(source, s), seed, dtype)
-    if kind == "qv_bias":  # [q_bias, 0, v_bias]: the ViT has no key bias
-        t[shape[0] // 3 : 2 * shape[0] // 3] = 0
-    return t
+def _maker(s: Blip2Sizes, seed: int) -> Callable[[LayerSpec], torch.Tensor]:
+    """The tensor maker of :func:`_param_specs`' specs, in the dtype of ``s``."""
+    dtype = getattr(torch, s.dtype)
 
+    def make(spec: LayerSpec) -> torch.Tensor:
+        name, shape, kind = spec
+        # OPT's tied head repeats the embedding matrix, so both layouts hold the same model; T5's is its own
+        tied_head = s.text_model == "opt" and name == "language_model.lm_head.weight"
+        source = "language_model.model.decoder.embed_tokens.weight" if tied_head else name
+        if kind.startswith("norm_"):
+            base = 1.0 if kind == "norm_weight" else 0.0
+            return noisy(source, shape, base, s.norm_noise, seed, dtype)
+        t = make_tensor(source, shape, "normal", _std(source, s), seed, dtype)
+        if kind == "qv_bias":  # [q_bias, 0, v_bias]: the ViT has no key bias
+            t[shape[0] // 3 : 2 * shape[0] // 3] = 0
+        return t
 
-# What the T5 pieces are drawn from besides the shared corpus: BLIP-2's prompt style, and every ASCII letter, digit and
-# the common punctuation (so only rarer characters become <unk>, as with the real spiece model)
-T5_EXTRA_TEXT: tuple[str, ...] = (
-    "Question: what is this? Answer: a photo of a cat.",
-    "Question: which city is this? Answer: Paris.",
-    "Question: how many people are in the picture? Answer: two.",
-    "a photography of a dog sitting on a bench in the park",
-    string.ascii_letters,
-    string.digits,
-    "!\"#$%&'()*+,-./:;=?@[]_",
-)
-T5_SPECIALS = ("<pad>", "</s>", "<unk>")
-_MAX_PIECE = 12  # longest piece, in characters
-
-
-def t5_vocab(text_vocab: int, extra_ids: int) -> list[tuple[str, float]]:
-    """The Unigram (piece, score) list of a T5 tokenizer of ``text_vocab`` spiece entries plus ``extra_ids``
-    sentinels, computed deterministically (no trainer: the tokenizers Unigram trainer is not bit-reproducible).
-
-    Layout as T5's: ``<pad>``, ``</s>``, ``<unk>`` (score 0), then pieces by descending score, then
-    ``<extra_id_{extra_ids-1}>`` .. ``<extra_id_0>``. The pieces are every character of the corpus (the shared
-    corpus and :data:`T5_EXTRA_TEXT`, split on whitespace with "▁" before each word, as T5's pre-tokenizer does)
-    and its most useful substrings (up to :data:`_MAX_PIECE` characters, ranked by count x (length - 1)); a piece's
-    score is the log of its share of all substring counts, so Viterbi prefers long frequent pieces. When the corpus
-    runs out, "▁fill<i>" pieces at a score below every other pad the vocab (never chosen over real pieces).
-    """
-    words = ["▁" + w for line in (*CORPUS, *T5_EXTRA_TEXT) for w in line.split()]
-    counts: Counter[str] = Counter()
-    for w in words:
-        for i in range(len(w)):
-            for j in range(i + 1, min(len(w), i + _MAX_PIECE) + 1):
-                counts[w[i:j]] += 1
-    total = sum(counts.values())
-    n = text_vocab - len(T5_SPECIALS)
-    chars = sorted((p for p in counts if len(p) == 1), key=lambda p: (-counts[p], p))
-    if n < len(chars):
-        raise ValueError(
-            f"text_vocab must be >= {len(chars) + len(T5_SPECIALS)} for a T5 tokenizer, got {text_vocab}"
-        )
-    longer = sorted((p for p in counts if len(p) > 1), key=lambda p: (-counts[p] * (len(p) - 1), p))
-    chosen = [(p, math.log(counts[p] / total)) for p in chars + longer[: n - len(chars)]]
-    chosen.sort(key=lambda ps: (-ps[1], ps[0]))
-    floor = chosen[-1][1] - 10.0
-    taken = {p for p, _ in chosen}
-    i = 0
-    while len(chosen) < n:
-        if f"▁fill{i}" not in taken:
-            chosen.append((f"▁fill{i}", floor))
-        i += 1
-    sentinels = [(f"<extra_id_{k}>", 0.0) for k in reversed(range(extra_ids))]
-    return [(t, 0.0) for t in T5_SPECIALS] + chosen + sentinels
-
-
-def build_t5_tokenizer(text_vocab: int, extra_ids: int) -> T5Tokenizer:
-    """A transformers ``T5Tokenizer`` over :func:`t5_vocab`: pad/eos/unk = 0/1/2, ``</s>`` appended to each text,
-    the sentinels as special tokens."""
-    from transformers import T5Tokenizer
-
-    return T5Tokenizer(vocab=t5_vocab(text_vocab, extra_ids), extra_ids=extra_ids)
+    return make
 
 
 def make_blip2_checkpoint(
@@ -486,46 +367,32 @@ def make_blip2_checkpoint(
     The processor adds ``<image>`` to the tokenizer itself (a tokenizer already carrying an
     ``image_token`` breaks it), so the model vocab is sized after it is built.
     """
-    from transformers import Blip2Processor, BlipImageProcessor, GenerationConfig
+    from transformers import Blip2Processor, BlipImageProcessor
 
     check_layout(layout)
     s = blip2_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     t5 = s.text_model == "t5"
-    tok = (
-        build_t5_tokenizer(s.text_vocab, s.text_extra_ids)
-        if t5
-        else build_bpe_tokenizer([], vocab_size=s.text_vocab)
-    )
+    if t5:
+        tok = build_t5_tokenizer(s.text_vocab, s.text_extra_ids)
+    else:
+        tok = build_bpe_tokenizer([], vocab_size=s.text_vocab)
     image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
     processor = Blip2Processor(
         image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens
     )
     check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
-    dtype = getattr(torch, s.dtype)
+    specs, make = _param_specs(config, s, layout), _maker(s, seed)
     out = write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        _param_specs(config, s, layout),
-        lambda name: name,
-        dtype,
-        seed,
-        max_shard_bytes,
-        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        out_dir, config, processor, specs, lambda name: name, seed, max_shard_bytes, make_fn=make
     )
-    if t5:
-        text = config.text_config  # as the real repo's: the decoder starts from <pad>, no bos
-        GenerationConfig(
-            decoder_start_token_id=text.decoder_start_token_id,
-            eos_token_id=text.eos_token_id,
-            pad_token_id=text.pad_token_id,
-        ).save_pretrained(out)
-        if layout == "hub":
-            path = out / "config.json"
-            cfg = json.loads(path.read_text())
-            cfg["text_config"]["tie_word_embeddings"] = False
-            cfg["text_config"].pop("scale_decoder_outputs", None)
-            path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if t5 and layout == "hub":
+        path = out / "config.json"
+        cfg = json.loads(path.read_text())
+        cfg["text_config"]["tie_word_embeddings"] = False
+        cfg["text_config"].pop("scale_decoder_outputs", None)
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
+
+
+CHECKPOINT_WRITERS = {"blip2": make_blip2_checkpoint}

@@ -22,31 +22,33 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
+    HUB_TEXT_NAMES,
+    LayerSpec,
+    check_divides,
     check_layout,
-    check_token_ids,
+    check_roles,
     finish_config,
-    make_tensor,
+    layer_kind,
+    layer_maker,
     meta_tensors,
+    renamed,
     replace_sizes,
-    write_checkpoint,
 )
+from mmserve.testing.tokenizer import build_bpe_tokenizer, named_ids, token_block
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import FuyuConfig, PreTrainedTokenizerFast
 
 IMAGE_TOKEN, NEWLINE_TOKEN, EOS = "|SPEAKER|", "|NEWLINE|", "|ENDOFTEXT|"
 BOS, PAD = "<s>", "<unk>"
-BYTE_TOKENS = tuple(
-    f"<0x0{i}>" for i in range(5)
-)  # bbox open/close, point open/close, beginning of answer
+# bbox open/close, point open/close, beginning of answer
+BYTE_TOKENS = tuple(f"<0x0{i}>" for i in range(5))
 BOA = BYTE_TOKENS[4]
 # the split of tokenizers' ByteLevel pre-tokenizer (GPT-2's), which the small BPE was trained with
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -97,9 +99,8 @@ class FuyuSizes:
     token_layout: str  # a key of TOKEN_LAYOUTS
     max_position: int
     rope_theta: float
-    partial_rotary_factor: (
-        float  # rotary on the first head_dim * factor dims of each head (NeoX-style halves)
-    )
+    # rotary on the first head_dim * factor dims of each head (NeoX-style halves)
+    partial_rotary_factor: float
     text_init_std: float  # matrices and embeddings of the text model and lm_head
     vision_init_std: float  # vision_embed_tokens (patch_size**2 * 3 -> text_hidden)
     bias_std: float  # every linear bias
@@ -112,10 +113,6 @@ class FuyuSizes:
     hidden_act: str = "relu2"
     layer_norm_eps: float = 1e-5
     qk_layernorm: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.text_hidden // self.text_heads
 
 
 PRESETS: dict[str, FuyuSizes] = {
@@ -169,8 +166,7 @@ PRESETS: dict[str, FuyuSizes] = {
 def fuyu_sizes(preset: str = "tiny", **overrides: object) -> FuyuSizes:
     """The preset's sizes with ``overrides`` (field names of :class:`FuyuSizes`) applied."""
     s = replace_sizes(PRESETS, preset, "fuyu", overrides)
-    if s.text_hidden % s.text_heads:
-        raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden}")
+    check_divides(s, ("text_heads", "text_hidden"))
     if s.token_layout not in TOKEN_LAYOUTS:
         raise ValueError(
             f"token_layout must be one of {sorted(TOKEN_LAYOUTS)}, got {s.token_layout!r}"
@@ -191,27 +187,12 @@ def fuyu_sizes(preset: str = "tiny", **overrides: object) -> FuyuSizes:
 def special_tokens(s: FuyuSizes) -> list[str]:
     """The tokens after the base vocab in id order: the layout's named tokens, "|RESERVED_<i>|" in the gaps."""
     layout = TOKEN_LAYOUTS[s.token_layout]
-    tokens, reserved = [], 0
-    for offset in range(max(layout) + 1):
-        if offset in layout:
-            tokens.append(layout[offset])
-        else:
-            tokens.append(f"|RESERVED_{reserved}|")
-            reserved += 1
-    return tokens
+    return token_block(layout, max(layout) + 1, "|RESERVED_{}|")
 
 
 def token_ids(s: FuyuSizes) -> dict[str, int]:
     """Ids by token of <unk> (= pad), <s> and Fuyu's named tokens."""
-    return {
-        "<unk>": 0,
-        BOS: 1,
-        **{
-            t: s.text_vocab + i
-            for i, t in enumerate(special_tokens(s))
-            if not t.startswith("|RESERVED_")
-        },
-    }
+    return {"<unk>": 0, BOS: 1, **named_ids(special_tokens(s), s.text_vocab, "|RESERVED_")}
 
 
 def image_grid(s: FuyuSizes, width: int, height: int) -> tuple[int, int]:
@@ -277,54 +258,23 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     """
     if layout == "transformers":
         return name
-    for src, dst in (
-        ("model.language_model.", "language_model.model."),
-        ("lm_head.", "language_model.lm_head."),
-        ("model.vision_embed_tokens.", "vision_embed_tokens."),
-    ):
-        if name.startswith(src):
-            return dst + name[len(src) :]
-    raise ValueError(f"unexpected fuyu parameter {name!r}")
+    renames = (*HUB_TEXT_NAMES, ("model.vision_embed_tokens.", "vision_embed_tokens."))
+    return renamed(name, "fuyu", renames)
 
 
-def _param_specs(config: FuyuConfig, s: FuyuSizes) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every saved tensor, from a meta-device model: kind "matrix" (weights and
-    embeddings), "bias" (linear biases), "norm_weight" (ones; 1 + noise for the q/k LayerNorms: "qk_norm_weight")
-    or "norm_bias" (LayerNorm shifts, noise)."""
+def _param_specs(config: FuyuConfig, s: FuyuSizes) -> list[LayerSpec]:
+    """(name, shape, kind) of every saved tensor, from a meta-device model: the kinds of
+    :func:`~mmserve.testing.recipe.layer_kind`, the q/k LayerNorms' scales "noisy_norm_weight"."""
     from transformers import FuyuForCausalLM
 
-    specs = []
-    for name, shape, is_norm in meta_tensors(FuyuForCausalLM, config):
-        if is_norm:
-            kind = (
-                "norm_bias"
-                if name.endswith(".bias")
-                else (
-                    "qk_norm_weight"
-                    if "q_layernorm" in name or "k_layernorm" in name
-                    else "norm_weight"
-                )
-            )
-        else:
-            kind = "bias" if name.endswith(".bias") else "matrix"
-        specs.append((name, shape, kind))
-    return specs
+    return [
+        (name, shape, layer_kind(name, is_norm, "q_layernorm" in name or "k_layernorm" in name))
+        for name, shape, is_norm in meta_tensors(FuyuForCausalLM, config)
+    ]
 
 
-def _make(
-    name: str, shape: tuple[int, ...], kind: str, s: FuyuSizes, seed: int, dtype: torch.dtype
-) -> torch.Tensor:
-    if kind == "norm_weight":
-        return torch.ones(shape, dtype=dtype)
-    if kind == "qk_norm_weight":
-        return (1.0 + make_tensor(name, shape, "normal", s.norm_std, seed, torch.float32)).to(dtype)
-    if kind == "norm_bias":
-        std = s.norm_std
-    elif kind == "bias":
-        std = s.bias_std
-    else:
-        std = s.vision_init_std if "vision_embed_tokens" in name else s.text_init_std
-    return make_tensor(name, shape, "normal", std, seed, dtype)
+def _std(name: str, s: FuyuSizes) -> float:
+    return s.vision_init_std if "vision_embed_tokens" in name else s.text_init_std
 
 
 def build_fuyu_tokenizer(s: FuyuSizes) -> PreTrainedTokenizerFast:
@@ -383,20 +333,8 @@ def build_fuyu_tokenizer(s: FuyuSizes) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    ids = token_ids(s)
-    check_token_ids(
-        tok,
-        {
-            "bos": ids[BOS],
-            "eos": ids[EOS],
-            "pad": ids[PAD],
-            "image": ids[IMAGE_TOKEN],
-            "newline": ids[NEWLINE_TOKEN],
-            "boa": ids[BOA],
-        },
-        {"image": IMAGE_TOKEN, "newline": NEWLINE_TOKEN, "boa": BOA},
-        s.vocab_size,
-    )
+    roles = dict(image=IMAGE_TOKEN, newline=NEWLINE_TOKEN, boa=BOA)
+    check_roles(tok, token_ids(s), s.vocab_size, bos=BOS, eos=EOS, pad=PAD, **roles)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -441,16 +379,18 @@ def make_fuyu_checkpoint(
     )
     processor = FuyuProcessor(image_processor=image_processor, tokenizer=tok)
     processor.chat_template = CHAT_TEMPLATE  # FuyuProcessor.__init__ drops a chat_template argument
-    dtype = getattr(torch, s.dtype)
+    specs = _param_specs(config, s)
+    key = partial(checkpoint_key, layout=layout)
     return write_checkpoint(
         out_dir,
         config,
         processor,
-        image_processor,
-        _param_specs(config, s),
-        lambda n: checkpoint_key(n, layout),
-        dtype,
+        specs,
+        key,
         seed,
         max_shard_bytes,
-        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        make_fn=layer_maker(s, _std, seed),
     )
+
+
+CHECKPOINT_WRITERS = {"fuyu": make_fuyu_checkpoint}

@@ -25,27 +25,31 @@ model (65037). See :func:`build_kosmos2_tokenizer`.
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
+    LayerSpec,
+    check_divides,
     check_layout,
-    check_token_ids,
+    check_roles,
+    checked_name,
+    clip_image_processor,
     finish_config,
-    make_tensor,
+    layer_kind,
+    layer_maker,
     meta_tensors,
     replace_sizes,
-    write_checkpoint,
+    vit_kwargs,
 )
+from mmserve.testing.tokenizer import relaid_bpe_spec, templated_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import Kosmos2Config, PreTrainedTokenizerFast
@@ -67,9 +71,8 @@ TAG_TOKENS = (
     "<grounding>",
 )
 BOI, EOI, GROUNDING = "<image>", "</image>", "<grounding>"
-LATENT_QUERY_NUM = (
-    64  # Kosmos2Processor.num_image_tokens: a class attribute that no saved config can change
-)
+# Kosmos2Processor.num_image_tokens: a class attribute that no saved config can change
+LATENT_QUERY_NUM = 64
 
 # Kosmos-2 has no chat template on the hub: its prompts are plain text ("<grounding> An image of"), and the processor
 # puts the image span in itself. So: the text of every message, one message per line; image parts write nothing,
@@ -94,9 +97,8 @@ class Kosmos2Sizes:
     text_heads: int
     text_ffn: int  # ffn_dim: fc1 -> gelu -> ffn_layernorm -> fc2
     text_vocab: int  # base vocab: <s> <pad> </s> <unk> + the BPE; <mask>, tags, patch tokens follow
-    num_patch_index_tokens: (
-        int  # <patch_index_XXXX> tokens (a square: sqrt of it patches per side for bboxes)
-    )
+    # <patch_index_XXXX> tokens (a square: sqrt of it patches per side for bboxes)
+    num_patch_index_tokens: int
     max_position: int
     text_init_std: float  # text matrices, the (tied) word embedding, the projection's x_attn
     vision_hidden: int
@@ -117,18 +119,9 @@ class Kosmos2Sizes:
     vision_act: str = "quick_gelu"
 
     @property
-    def head_dim(self) -> int:
-        return self.text_hidden // self.text_heads
-
-    @property
     def vocab_size(self) -> int:
         """config.text_config.vocab_size: the tokenizer's length (base, <mask>, tags, patch index tokens)."""
         return self.text_vocab + 1 + len(TAG_TOKENS) + self.num_patch_index_tokens
-
-    @property
-    def vision_positions(self) -> int:
-        """Vision tower positions per image (CLS + patches); all of them feed the latent-query attention."""
-        return (self.image_size // self.patch_size) ** 2 + 1
 
 
 PRESETS: dict[str, Kosmos2Sizes] = {
@@ -192,11 +185,7 @@ def kosmos2_sizes(preset: str = "tiny", **overrides: object) -> Kosmos2Sizes:
     processor call.
     """
     s = replace_sizes(PRESETS, preset, "kosmos2", overrides)
-    if s.text_hidden % s.text_heads or s.vision_hidden % s.vision_heads:
-        raise ValueError(
-            f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} and vision_heads "
-            f"{s.vision_heads} vision_hidden {s.vision_hidden}"
-        )
+    check_divides(s, ("text_heads", "text_hidden"), ("vision_heads", "vision_hidden"))
     if s.text_hidden % 2:
         raise ValueError(f"text_hidden {s.text_hidden} must be even (sinusoidal positions)")
     if math.isqrt(s.num_patch_index_tokens) ** 2 != s.num_patch_index_tokens:
@@ -253,12 +242,7 @@ def _config_from_sizes(s: Kosmos2Sizes) -> Kosmos2Config:
         pad_token_id=ids[PAD],
     )
     vision = Kosmos2VisionConfig(
-        hidden_size=s.vision_hidden,
-        intermediate_size=s.vision_intermediate,
-        num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads,
-        image_size=s.image_size,
-        patch_size=s.patch_size,
+        **vit_kwargs(s),
         hidden_act=s.vision_act,
         layer_norm_eps=s.layer_norm_eps,
         initializer_range=s.vision_init_std,
@@ -288,38 +272,21 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     text_model.model.* / vision_model.model.* / image_to_text_projection.*. The tied
     ``text_model.lm_head.weight`` is not written.
     """
-    check_layout(layout)
-    if not name.startswith(PREFIXES):
-        raise ValueError(f"unexpected kosmos2 parameter {name!r}")
-    return name
+    return checked_name(name, "kosmos2", layout, PREFIXES)
 
 
-def _param_specs(config: Kosmos2Config, s: Kosmos2Sizes) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every saved tensor, from a meta-device model: kind "matrix" (weights, embeddings,
-    the latent query), "bias" (linear biases), "norm_weight" (ones), "sub_norm_weight" (1 + noise: the text
-    decoder's inner_attn_ln and ffn_layernorm) or "norm_bias" (LayerNorm shifts, noise). The tied lm_head is
-    not saved."""
+def _param_specs(config: Kosmos2Config, s: Kosmos2Sizes) -> list[LayerSpec]:
+    """(name, shape, kind) of every saved tensor, from a meta-device model: the kinds of
+    :func:`~mmserve.testing.recipe.layer_kind`, the text decoder's inner_attn_ln and ffn_layernorm scales
+    "noisy_norm_weight". The tied lm_head is not saved."""
     from transformers import Kosmos2ForConditionalGeneration
 
-    tied = config.tie_word_embeddings
-    specs = []
-    for name, shape, is_norm in meta_tensors(Kosmos2ForConditionalGeneration, config):
-        if tied and name == "text_model.lm_head.weight":
-            continue
-        if is_norm:
-            kind = (
-                "norm_bias"
-                if name.endswith(".bias")
-                else (
-                    "sub_norm_weight"
-                    if ".inner_attn_ln." in name or ".ffn_layernorm." in name
-                    else "norm_weight"
-                )
-            )
-        else:
-            kind = "bias" if name.endswith(".bias") else "matrix"
-        specs.append((name, shape, kind))
-    return specs
+    tied, sub_norms = config.tie_word_embeddings, (".inner_attn_ln.", ".ffn_layernorm.")
+    return [
+        (name, shape, layer_kind(name, is_norm, any(n in name for n in sub_norms)))
+        for name, shape, is_norm in meta_tensors(Kosmos2ForConditionalGeneration, config)
+        if not (tied and name == "text_model.lm_head.weight")
+    ]
 
 
 def _std(name: str, s: Kosmos2Sizes) -> float:
@@ -330,19 +297,18 @@ def _std(name: str, s: Kosmos2Sizes) -> float:
     return s.vision_init_std if name.startswith("vision_model.") else s.text_init_std
 
 
-def _make(
-    name: str, shape: tuple[int, ...], kind: str, s: Kosmos2Sizes, seed: int, dtype: torch.dtype
-) -> torch.Tensor:
-    if kind == "norm_weight":
-        return torch.ones(shape, dtype=dtype)
-    if kind == "sub_norm_weight":
-        return (1.0 + make_tensor(name, shape, "normal", s.norm_std, seed, torch.float32)).to(dtype)
-    std = s.norm_std if kind == "norm_bias" else s.bias_std if kind == "bias" else _std(name, s)
-    t = make_tensor(name, shape, "normal", std, seed, dtype)
-    if name.endswith("embed_tokens.weight"):
-        # <pad>'s row is zero, as in fairseq-trained checkpoints; transformers 5.17 zeroes it on load (padding_idx)
-        t[token_ids(s)[PAD]] = 0
-    return t
+def _maker(s: Kosmos2Sizes, seed: int) -> Callable[[LayerSpec], torch.Tensor]:
+    """:func:`~mmserve.testing.recipe.layer_maker`'s tensors, <pad>'s row of the word embedding zero (as in
+    fairseq-trained checkpoints; transformers 5.17 zeroes it on load)."""
+    make = layer_maker(s, _std, seed)
+
+    def make_row_zeroed(spec: LayerSpec) -> torch.Tensor:
+        t = make(spec)
+        if spec[0].endswith("embed_tokens.weight"):
+            t[token_ids(s)[PAD]] = 0
+        return t
+
+    return make_row_zeroed
 
 
 def build_kosmos2_tokenizer(s: Kosmos2Sizes) -> PreTrainedTokenizerFast:
@@ -354,48 +320,21 @@ def build_kosmos2_tokenizer(s: Kosmos2Sizes) -> PreTrainedTokenizerFast:
     and patch index tokens are not here: Kosmos2Processor adds them when it is built (see
     :func:`make_kosmos2_checkpoint`), so the saved tokenizer has them after <mask>, as the hub's.
     """
-    from tokenizers import AddedToken, Tokenizer, processors
-    from transformers import PreTrainedTokenizerFast
-
-    # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2, the BPE from 3: shift it up by one for <pad>
-    spec = json.loads(
-        build_bpe_tokenizer([], vocab_size=s.text_vocab - 1).backend_tokenizer.to_str()
-    )
-    old: dict[str, int] = spec["model"]["vocab"]
-    assert len(old) == s.text_vocab - 1 and [old[t] for t in (UNK, BOS, EOS)] == [0, 1, 2], old
-    vocab = {t: i for i, t in enumerate(BASE_SPECIALS)}
-    vocab.update({t: i + 1 for t, i in sorted(old.items(), key=lambda kv: kv[1]) if t not in vocab})
-    assert sorted(vocab.values()) == list(range(s.text_vocab))
-    spec["model"]["vocab"] = vocab
+    spec = relaid_bpe_spec(s.text_vocab, BASE_SPECIALS)
     spec["model"]["unk_token"] = UNK
-    spec["added_tokens"] = []
-    spec["post_processor"] = None
-    backend = Tokenizer.from_str(json.dumps(spec))
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (*BASE_SPECIALS, MASK)]
-    )
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS}:0 $A:0 {EOS}:0",
-        pair=f"{BOS}:0 $A:0 {EOS}:0 {EOS}:1 $B:1 {EOS}:1",
-        special_tokens=[(BOS, 0), (EOS, 2)],
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    tok = templated_tokenizer(
+        spec,
+        (*BASE_SPECIALS, MASK),
+        f"{BOS}:0 $A:0 {EOS}:0",
+        f"{BOS}:0 $A:0 {EOS}:0 {EOS}:1 $B:1 {EOS}:1",
+        (BOS, EOS),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
         mask_token=MASK,
-        padding_side="right",
-        clean_up_tokenization_spaces=False,
     )
-    ids = token_ids(s)
-    check_token_ids(
-        tok,
-        {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "mask": ids[MASK]},
-        {"mask": MASK},
-        s.vocab_size,
-    )
+    check_roles(tok, token_ids(s), s.vocab_size, unk=UNK, bos=BOS, eos=EOS, pad=PAD, mask=MASK)
     assert len(tok) == s.text_vocab + 1, len(tok)
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -405,20 +344,10 @@ def build_kosmos2_processor(s: Kosmos2Sizes) -> tuple[object, object]:
     """(Kosmos2Processor, its CLIPImageProcessor): the tokenizer of :func:`build_kosmos2_tokenizer` with the
     processor's tag and patch index tokens added (checked against :func:`token_ids`), images resized straight to
     ``image_size`` squared (no center crop, as the hub's preprocessor_config.json) and CLIP-normalized."""
-    from transformers import CLIPImageProcessor, Kosmos2Processor
+    from transformers import Kosmos2Processor
 
     tok = build_kosmos2_tokenizer(s)
-    image_processor = CLIPImageProcessor(
-        size={"height": s.image_size, "width": s.image_size},
-        crop_size={"height": s.image_size, "width": s.image_size},
-        do_resize=True,
-        do_center_crop=False,
-        do_rescale=True,
-        do_normalize=True,
-        do_convert_rgb=True,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-    )
+    image_processor = clip_image_processor(s.image_size, center_crop=False)
     processor = Kosmos2Processor(
         image_processor, tok, num_patch_index_tokens=s.num_patch_index_tokens
     )
@@ -452,17 +381,12 @@ def make_kosmos2_checkpoint(
     check_layout(layout)
     s = kosmos2_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    processor, image_processor = build_kosmos2_processor(s)
-    dtype = getattr(torch, s.dtype)
+    processor, _ = build_kosmos2_processor(s)
+    specs = _param_specs(config, s)
+    key = partial(checkpoint_key, layout=layout)
     return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        _param_specs(config, s),
-        lambda n: checkpoint_key(n, layout),
-        dtype,
-        seed,
-        max_shard_bytes,
-        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        out_dir, config, processor, specs, key, seed, max_shard_bytes, make_fn=_maker(s, seed)
     )
+
+
+CHECKPOINT_WRITERS = {"kosmos2": make_kosmos2_checkpoint}

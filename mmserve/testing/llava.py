@@ -9,23 +9,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
-from mmserve.testing.writer import (
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
+    HUB_TEXT_NAMES,
     ParamSpec,
     check_layout,
     check_token_ids,
+    clip_image_processor,
+    decoder_kwargs,
     finish_config,
     param_specs,
+    renamed,
     replace_sizes,
     round_up,
-    write_checkpoint,
+    vit_kwargs,
 )
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import (
@@ -175,22 +178,15 @@ def llama_text_kwargs(s: LlavaSizes | LlavaNextSizes) -> dict[str, object]:
     """LlamaConfig / MistralConfig keywords of the text model: vocab = the tokenizer's, rounded up to
     ``vocab_multiple``; special ids of :func:`llava_token_ids`; shared with LLaVA-NeXT."""
     ids = llava_token_ids(s.text_vocab)
-    return dict(
-        vocab_size=round_up(s.text_vocab + 2, s.vocab_multiple),
-        hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers,
-        num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads,
+    return decoder_kwargs(
+        s,
+        round_up(s.text_vocab + 2, s.vocab_multiple),
+        ids["bos"],
+        ids["eos"],
+        ids["pad"],
         head_dim=s.text_hidden // s.text_heads,
-        max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        initializer_range=s.text_init_std,
         tie_word_embeddings=False,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
     )
 
 
@@ -199,12 +195,7 @@ def clip_vision_config(s: LlavaSizes | LlavaNextSizes) -> CLIPVisionConfig:
     from transformers import CLIPVisionConfig
 
     return CLIPVisionConfig(
-        hidden_size=s.vision_hidden,
-        intermediate_size=s.vision_intermediate,
-        num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads,
-        image_size=s.image_size,
-        patch_size=s.patch_size,
+        **vit_kwargs(s),
         projection_dim=s.vision_projection_dim,
         hidden_act=s.vision_act,
         layer_norm_eps=1e-5,
@@ -212,17 +203,21 @@ def clip_vision_config(s: LlavaSizes | LlavaNextSizes) -> CLIPVisionConfig:
     )
 
 
+def feature_layer(layer: int | tuple[int, ...]) -> int | list[int]:
+    """A sizes' ``vision_feature_layer`` as the llava configs take it (several layers: a list)."""
+    return list(layer) if isinstance(layer, tuple) else layer
+
+
 def _config_from_sizes(s: LlavaSizes) -> LlavaConfig:
     from transformers import LlamaConfig, LlavaConfig
 
-    layer = s.vision_feature_layer
     cfg = LlavaConfig(
         vision_config=clip_vision_config(s),
         text_config=LlamaConfig(**llama_text_kwargs(s)),
         image_token_index=llava_token_ids(s.text_vocab)["image"],
         image_seq_length=image_tokens_per_image(s),
         projector_hidden_act=s.projector_act,
-        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_layer=feature_layer(s.vision_feature_layer),
         vision_feature_select_strategy=s.vision_feature_select_strategy,
         tie_word_embeddings=False,
     )
@@ -241,15 +236,12 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     ``save_pretrained`` of transformers 5.23 writes (CLIP's ``vision_model.`` prefix dropped).
     """
     vision = "vision_tower.vision_model." if layout == "hub" else "vision_tower."
-    for src, dst in (
-        ("model.language_model.", "language_model.model."),
-        ("lm_head.", "language_model.lm_head."),
+    renames = (
+        *HUB_TEXT_NAMES,
         ("model.vision_tower.", vision),
         ("model.multi_modal_projector.", "multi_modal_projector."),
-    ):
-        if name.startswith(src):
-            return dst + name[len(src) :]
-    raise ValueError(f"unexpected llava parameter {name!r}")
+    )
+    return renamed(name, "llava", renames)
 
 
 def llava_param_specs(
@@ -300,23 +292,13 @@ def make_llava_checkpoint(
     BPE; for "llava-1.5-7b" it is padded with unreachable filler tokens to 32000 base ids so that
     ``<image>`` = 32000, ``<pad>`` = 32001 and the model vocab (32064) exceed the tokenizer as in llava-hf.
     """
-    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
     check_layout(layout)
     s = llava_sizes(preset, **overrides)
     config = _config_from_sizes(s)
     tok = build_llava_tokenizer(s.text_vocab, config.text_config.vocab_size, CHAT_TEMPLATE)
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": s.image_size},
-        crop_size={"height": s.image_size, "width": s.image_size},
-        do_center_crop=True,
-        do_resize=True,
-        do_rescale=True,
-        do_normalize=True,
-        do_convert_rgb=True,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-    )
+    image_processor = clip_image_processor(s.image_size, center_crop=True)
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tok,
@@ -326,14 +308,8 @@ def make_llava_checkpoint(
         chat_template=tok.chat_template,
     )
     specs = llava_param_specs(LlavaForConditionalGeneration, config, s)
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        specs,
-        lambda n: checkpoint_key(n, layout),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    key = partial(checkpoint_key, layout=layout)
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
+
+
+CHECKPOINT_WRITERS = {"llava": make_llava_checkpoint}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,19 +16,13 @@ from mmserve.testing.llava import (
     build_llava_tokenizer,
     checkpoint_key,
     clip_vision_config,
+    feature_layer,
     llama_text_kwargs,
     llava_param_specs,
     llava_token_ids,
 )
-from mmserve.testing.writer import (
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
-    check_layout,
-    finish_config,
-    replace_sizes,
-    write_checkpoint,
-)
+from mmserve.testing.recipe import CLIP_MEAN, CLIP_STD, check_layout, finish_config, replace_sizes
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import LlavaNextConfig
@@ -155,6 +150,7 @@ PRESETS["tiny-llama"] = dataclasses.replace(
 
 
 def llava_next_sizes(preset: str = "tiny", **overrides: object) -> LlavaNextSizes:
+    """The preset's sizes with ``overrides`` (field names of :class:`LlavaNextSizes`) applied."""
     return replace_sizes(PRESETS, preset, "llava_next", overrides)
 
 
@@ -167,14 +163,13 @@ def _config_from_sizes(s: LlavaNextSizes) -> LlavaNextConfig:
         text = LlamaConfig(**llama_text_kwargs(s))
     else:
         raise ValueError(f"text_model must be 'mistral' or 'llama', got {s.text_model!r}")
-    layer = s.vision_feature_layer
     cfg = LlavaNextConfig(
         vision_config=clip_vision_config(s),
         text_config=text,
         image_token_index=llava_token_ids(s.text_vocab)["image"],
         image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
         projector_hidden_act=s.projector_act,
-        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_layer=feature_layer(s.vision_feature_layer),
         vision_feature_select_strategy="default",
         image_seq_length=(s.image_size // s.patch_size) ** 2,
         tie_word_embeddings=False,
@@ -238,14 +233,8 @@ def make_llava_next_checkpoint(
         chat_template=tok.chat_template,
     )
     specs = llava_param_specs(LlavaNextForConditionalGeneration, config, s)
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        specs,
-        lambda n: next_checkpoint_key(n, layout),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    key = partial(next_checkpoint_key, layout=layout)
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
+
+
+CHECKPOINT_WRITERS = {"llava_next": make_llava_next_checkpoint}

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.llava import llava_param_specs
+from mmserve.testing.llava import feature_layer, llava_param_specs
 from mmserve.testing.llava_next import next_checkpoint_key
-from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
-from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
     check_layout,
     check_token_ids,
+    decoder_kwargs,
     finish_config,
     replace_sizes,
     round_up,
-    write_checkpoint,
+    vit_kwargs,
 )
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig
@@ -79,9 +81,7 @@ class LlavaOnevisionSizes:
     grid_pinpoints: tuple[tuple[int, int], ...]
     vision_aspect_ratio: str
     dtype: str
-    model_vocab: int | None = (
-        None  # model vocab size; None = tokenizer size rounded up to vocab_multiple
-    )
+    model_vocab: int | None = None  # None: the tokenizer's size rounded up to vocab_multiple
     tie_word_embeddings: bool = False
     vision_feature_layer: int | tuple[int, ...] = -1
     vision_act: str = "gelu_pytorch_tanh"
@@ -142,10 +142,12 @@ PRESETS["tiny-tied"] = dataclasses.replace(
 
 
 def llava_onevision_sizes(preset: str = "tiny", **overrides: object) -> LlavaOnevisionSizes:
+    """The preset's sizes with ``overrides`` (field names of :class:`LlavaOnevisionSizes`) applied."""
     return replace_sizes(PRESETS, preset, "llava_onevision", overrides)
 
 
 def token_ids(s: LlavaOnevisionSizes) -> dict[str, int]:
+    """Ids of the tokenizer: unk, bos, eos first; <image>, <video>, <|im_start|>, <pad> after the base ids."""
     return bpe_token_ids(s.text_vocab, ("image", "video", "im_start", "pad"))
 
 
@@ -159,34 +161,20 @@ def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
             f"model_vocab {vocab} is smaller than the tokenizer ({s.text_vocab + 4} tokens)"
         )
     text = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers,
-        num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads,
-        max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        initializer_range=s.text_init_std,
-        tie_word_embeddings=s.tie_word_embeddings,
-        use_sliding_window=False,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
+        **decoder_kwargs(
+            s,
+            vocab,
+            ids["bos"],
+            ids["eos"],
+            ids["pad"],
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+            tie_word_embeddings=s.tie_word_embeddings,
+            use_sliding_window=False,
+        )
     )
     vision = SiglipVisionConfig(
-        hidden_size=s.vision_hidden,
-        intermediate_size=s.vision_intermediate,
-        num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads,
-        image_size=s.image_size,
-        patch_size=s.patch_size,
-        hidden_act=s.vision_act,
-        layer_norm_eps=1e-6,
-        vision_use_head=False,
+        **vit_kwargs(s), hidden_act=s.vision_act, layer_norm_eps=1e-6, vision_use_head=False
     )
-    layer = s.vision_feature_layer
     cfg = LlavaOnevisionConfig(
         vision_config=vision,
         text_config=text,
@@ -195,7 +183,7 @@ def _config_from_sizes(s: LlavaOnevisionSizes) -> LlavaOnevisionConfig:
         image_grid_pinpoints=[list(p) for p in s.grid_pinpoints],
         vision_aspect_ratio=s.vision_aspect_ratio,
         projector_hidden_act=s.projector_act,
-        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_layer=feature_layer(s.vision_feature_layer),
         vision_feature_select_strategy="full",
         tie_word_embeddings=s.tie_word_embeddings,
     )
@@ -268,14 +256,8 @@ def make_llava_onevision_checkpoint(
         chat_template=CHAT_TEMPLATE,
     )
     specs = llava_param_specs(LlavaOnevisionForConditionalGeneration, config, s)
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        specs,
-        lambda n: next_checkpoint_key(n, layout),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    key = partial(next_checkpoint_key, layout=layout)
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
+
+
+CHECKPOINT_WRITERS = {"llava_onevision": make_llava_onevision_checkpoint}

@@ -13,23 +13,27 @@ vocab size (``<|begin_of_text|>`` first, ``<|finetune_right_pad_id|>`` at +4, he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
+from mmserve.testing.recipe import (
     CLIP_MEAN,
     CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
+    HUB_TEXT_NAMES,
     ParamSpec,
+    check_divides,
     check_layout,
-    check_token_ids,
+    check_roles,
+    decoder_kwargs,
     finish_config,
     param_specs,
+    renamed,
     replace_sizes,
     round_up,
-    write_checkpoint,
 )
+from mmserve.testing.tokenizer import build_bpe_tokenizer, named_ids, token_block
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import MllamaConfig, PreTrainedTokenizerFast
@@ -89,16 +93,14 @@ class MllamaSizes:
 
     text_hidden: int
     text_layers: int
-    cross_attention_layers: tuple[
-        int, ...
-    ]  # text layers that cross-attend to the image (no self-attention)
+    # text layers that cross-attend to the image (no self-attention)
+    cross_attention_layers: tuple[int, ...]
     text_heads: int
     text_kv_heads: int
     text_intermediate: int
     text_vocab: int  # base BPE vocab; Llama 3's special-token block follows it
-    vocab_multiple: (
-        int  # model vocab = base + named specials, rounded up to this (reserved tokens fill)
-    )
+    # model vocab = base + named specials, rounded up to this (reserved tokens fill)
+    vocab_multiple: int
     max_position: int
     text_init_std: float
     rope_theta: float
@@ -114,9 +116,8 @@ class MllamaSizes:
     image_size: int  # tile side in pixels
     patch_size: int
     max_num_tiles: int
-    intermediate_layers_indices: tuple[
-        int, ...
-    ]  # local layers whose outputs join the vision features
+    # local layers whose outputs join the vision features
+    intermediate_layers_indices: tuple[int, ...]
     vision_init_std: float
     gate_std: float  # std of the tanh gates (see GATES)
     dtype: str
@@ -197,11 +198,7 @@ PRESETS: dict[str, MllamaSizes] = {
 def mllama_sizes(preset: str = "tiny", **overrides: object) -> MllamaSizes:
     """The preset's sizes with ``overrides`` (field names of :class:`MllamaSizes`) applied."""
     s = replace_sizes(PRESETS, preset, "mllama", overrides)
-    if s.text_hidden % s.text_heads or s.text_heads % s.text_kv_heads:
-        raise ValueError(
-            f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden} "
-            f"and be a multiple of text_kv_heads {s.text_kv_heads}"
-        )
+    check_divides(s, ("text_heads", "text_hidden"), ("text_kv_heads", "text_heads"))
     if not all(0 <= i < s.text_layers for i in s.cross_attention_layers):
         raise ValueError(
             f"cross_attention_layers {list(s.cross_attention_layers)} must be < text_layers "
@@ -222,34 +219,20 @@ def model_vocab(s: MllamaSizes) -> int:
 
 def special_tokens(s: MllamaSizes) -> list[str]:
     """The tokens after the base vocab, in id order: the special block up to the model vocab, then <|image|>."""
-    tokens, reserved = [], 0
-    for offset in range(model_vocab(s) - s.text_vocab):
-        if offset in NAMED_SPECIALS:
-            tokens.append(NAMED_SPECIALS[offset])
-        else:
-            tokens.append(f"<|reserved_special_token_{reserved}|>")
-            reserved += 1
-    return [*tokens, IMAGE_TOKEN]
+    length = model_vocab(s) - s.text_vocab
+    return [*token_block(NAMED_SPECIALS, length, "<|reserved_special_token_{}|>"), IMAGE_TOKEN]
 
 
 def token_ids(s: MllamaSizes) -> dict[str, int]:
     """Ids of the named special tokens and <|image|> (= the model vocab size)."""
-    return {
-        t: s.text_vocab + i
-        for i, t in enumerate(special_tokens(s))
-        if not t.startswith("<|reserved")
-    }
+    return named_ids(special_tokens(s), s.text_vocab, "<|reserved")
 
 
 def supported_aspect_ratios(max_num_tiles: int) -> list[list[int]]:
     """Every tile layout [rows, cols] of at most ``max_num_tiles`` tiles, in the order of HF's default (and of
     MllamaImageProcessor, whose aspect_ratio_ids index this list from 1)."""
-    return [
-        [w, h]
-        for w in range(1, max_num_tiles + 1)
-        for h in range(1, max_num_tiles + 1)
-        if w * h <= max_num_tiles
-    ]
+    n = max_num_tiles
+    return [[w, h] for w in range(1, n + 1) for h in range(1, n + 1) if w * h <= n]
 
 
 def _config_from_sizes(s: MllamaSizes) -> MllamaConfig:
@@ -257,29 +240,24 @@ def _config_from_sizes(s: MllamaSizes) -> MllamaConfig:
 
     ids = token_ids(s)
     text = MllamaTextConfig(
-        vocab_size=model_vocab(s),
-        hidden_size=s.text_hidden,
-        num_hidden_layers=s.text_layers,
-        cross_attention_layers=list(s.cross_attention_layers),
-        num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads,
-        intermediate_size=s.text_intermediate,
-        hidden_act="silu",
-        max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps,
-        initializer_range=s.text_init_std,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": s.rope_theta,
-            "factor": s.rope_factor,
-            "low_freq_factor": s.rope_low_freq_factor,
-            "high_freq_factor": s.rope_high_freq_factor,
-            "original_max_position_embeddings": s.rope_original_max_position,
-        },
-        tie_word_embeddings=False,
-        bos_token_id=ids[BOS],
-        eos_token_id=[ids[t] for t in STOP_TOKENS],
-        pad_token_id=ids[PAD],
+        **decoder_kwargs(
+            s,
+            model_vocab(s),
+            ids[BOS],
+            [ids[t] for t in STOP_TOKENS],
+            ids[PAD],
+            cross_attention_layers=list(s.cross_attention_layers),
+            hidden_act="silu",
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": s.rope_theta,
+                "factor": s.rope_factor,
+                "low_freq_factor": s.rope_low_freq_factor,
+                "high_freq_factor": s.rope_high_freq_factor,
+                "original_max_position_embeddings": s.rope_original_max_position,
+            },
+            tie_word_embeddings=False,
+        )
     )
     vision = MllamaVisionConfig(
         hidden_size=s.vision_hidden,
@@ -316,15 +294,12 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     """
     if layout == "transformers":
         return name
-    for src, dst in (
-        ("model.language_model.", "language_model.model."),
-        ("lm_head.", "language_model.lm_head."),
+    renames = (
+        *HUB_TEXT_NAMES,
         ("model.vision_model.", "vision_model."),
         ("model.multi_modal_projector.", "multi_modal_projector."),
-    ):
-        if name.startswith(src):
-            return dst + name[len(src) :]
-    raise ValueError(f"unexpected mllama parameter {name!r}")
+    )
+    return renamed(name, "mllama", renames)
 
 
 def _param_specs(config: MllamaConfig, s: MllamaSizes) -> list[ParamSpec]:
@@ -362,13 +337,8 @@ def build_mllama_tokenizer(s: MllamaSizes) -> PreTrainedTokenizerFast:
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
     )
-    ids = token_ids(s)
-    check_token_ids(
-        tok,
-        {"bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD], "image": ids[IMAGE_TOKEN]},
-        {"image": IMAGE_TOKEN},
-        model_vocab(s) + 8,
-    )
+    ids, vocab = token_ids(s), model_vocab(s) + 8
+    check_roles(tok, ids, vocab, bos=BOS, eos=EOS, pad=PAD, image=IMAGE_TOKEN)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -412,19 +382,15 @@ def make_mllama_checkpoint(
     processor = MllamaProcessor(
         image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE
     )
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        _param_specs(config, s),
-        lambda n: checkpoint_key(n, layout),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    specs = _param_specs(config, s)
+    specs = _param_specs(config, s)
+    key = partial(checkpoint_key, layout=layout)
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
 
 
 def patches_per_tile(s: MllamaSizes) -> int:
     """Vision positions per tile: the patches plus CLS (the vision model pads them to a multiple of 8 inside)."""
     return (s.image_size // s.patch_size) ** 2 + 1
+
+
+CHECKPOINT_WRITERS = {"mllama": make_mllama_checkpoint}

@@ -16,32 +16,35 @@ as the last token when it reaches ``max_length`` (``forced_eos_token_id``, from 
 
 The tokenizer mirrors the real one's id layout: ``<s>``, ``<pad>``, ``</s>``, ``<unk>`` = 0..3, the small BPE from
 4, the model vocab exactly the tokenizer's length (50000 in the real model). It is a ``NougatTokenizer`` (the only
-tokenizer class in transformers 5; ``NougatTokenizerFast`` is an alias of it) built from the small BPE's vocab and
-merges, so it has Nougat's own pipeline: NFKC, digits split one by one, punctuation runs isolated, byte-level BPE,
-and ``<s>`` text ``</s>`` when asked for special tokens (the processor's ``labels``). See
-:func:`build_nougat_tokenizer`.
+tokenizer class in transformers 5; ``NougatTokenizerFast`` is an alias of it) with Nougat's own pipeline (see
+:func:`build_nougat_tokenizer`), whose ``<s>`` text ``</s>`` are the processor's ``labels``.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.models.donut_swin import relative_position_index
+from mmserve.testing.recipe import (
+    LayerSpec,
+    check_divides,
     check_layout,
-    check_token_ids,
+    check_roles,
+    checked_name,
     finish_config,
-    make_tensor,
+    layer_kind,
+    layer_maker,
     meta_tensors,
     replace_sizes,
-    write_sharded_weights,
 )
+from mmserve.testing.tokenizer import relaid_bpe_spec
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import NougatTokenizer, VisionEncoderDecoderConfig
@@ -62,9 +65,8 @@ class NougatSizes:
     image_width: int
     patch_size: int
     window_size: int
-    embed_dim: (
-        int  # stage i has width embed_dim * 2**i; the last one's is the encoder's hidden_size
-    )
+    # stage i has width embed_dim * 2**i; the last one's is the encoder's hidden_size
+    embed_dim: int
     depths: tuple[int, ...]
     vision_heads: tuple[int, ...]
     vision_init_std: float  # Swin matrices and the patch embedding
@@ -102,10 +104,6 @@ class NougatSizes:
         """Encoder output tokens per page (the cross-attention memory), row-major over the last stage's grid."""
         rows, cols = self.stage_grids[-1]
         return rows * cols
-
-    @property
-    def head_dim(self) -> int:
-        return self.text_hidden // self.text_heads
 
 
 PRESETS: dict[str, NougatSizes] = {
@@ -173,10 +171,8 @@ def nougat_sizes(preset: str = "tiny", **overrides: object) -> NougatSizes:
     """
     s = replace_sizes(PRESETS, preset, "nougat", overrides)
     if len(s.depths) != len(s.vision_heads):
-        raise ValueError(
-            f"depths {list(s.depths)} and vision_heads {list(s.vision_heads)} must have one entry per "
-            "stage"
-        )
+        stages = f"depths {list(s.depths)} and vision_heads {list(s.vision_heads)}"
+        raise ValueError(f"{stages} must have one entry per stage")
     scale = s.patch_size * 2 ** (len(s.depths) - 1)
     if s.image_height % scale or s.image_width % scale:
         raise ValueError(
@@ -198,8 +194,7 @@ def nougat_sizes(preset: str = "tiny", **overrides: object) -> NougatSizes:
             f"text_hidden {s.text_hidden} must equal the Swin output width embed_dim * 2**(stages - 1) = "
             f"{s.encoder_hidden}"
         )
-    if s.text_hidden % s.text_heads:
-        raise ValueError(f"text_heads {s.text_heads} must divide text_hidden {s.text_hidden}")
+    check_divides(s, ("text_heads", "text_hidden"))
     if s.vocab_size < len(SPECIALS) + 256 + 1:
         raise ValueError(f"vocab_size must be >= {len(SPECIALS) + 257}, got {s.vocab_size}")
     return s
@@ -266,9 +261,6 @@ def nougat_config(preset: str = "tiny", **overrides: object) -> VisionEncoderDec
     return _config_from_sizes(nougat_sizes(preset, **overrides))
 
 
-PREFIXES = ("encoder.", "decoder.")
-
-
 def checkpoint_key(name: str, layout: str = "hub") -> str:
     """Map a transformers-5 parameter name to the on-disk key: the same in both layouts.
 
@@ -277,90 +269,31 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     ``encoder.encoder.layers.<stage>.blocks.<i>.*`` (and ``.downsample.*``), ``decoder.model.decoder.*`` and the
     untied ``decoder.lm_head.weight``. The Swin blocks' ``relative_position_index`` buffers are written too (int64).
     """
-    check_layout(layout)
-    if not name.startswith(PREFIXES):
-        raise ValueError(f"unexpected nougat parameter {name!r}")
-    return name
+    return checked_name(name, "nougat", layout, ("encoder.", "decoder."))
 
 
-def relative_position_index(window: int) -> torch.Tensor:
-    """The Swin ``relative_position_index`` buffer of a ``window`` x ``window`` window: for query (y1, x1) and key
-    (y2, x2), the row ``(y1 - y2 + window - 1) * (2 * window - 1) + (x1 - x2 + window - 1)`` of the bias table."""
-    ys, xs = torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")
-    ys, xs = ys.flatten(), xs.flatten()
-    dy = ys[:, None] - ys[None, :] + window - 1
-    dx = xs[:, None] - xs[None, :] + window - 1
-    return dy * (2 * window - 1) + dx
-
-
-def _param_specs(
-    config: VisionEncoderDecoderConfig, s: NougatSizes
-) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every saved tensor, from a meta-device model: kind "matrix" (weights, embeddings, the
-    untied lm_head), "bias" (linear and conv biases), "rel_pos_table" (the Swin relative position bias tables),
-    "rel_pos_index" (their int64 index buffers), "norm_weight" (ones) or "norm_bias" (LayerNorm shifts, noise)."""
+def _param_specs(config: VisionEncoderDecoderConfig, s: NougatSizes) -> list[LayerSpec]:
+    """(name, shape, kind) of every saved tensor, from a meta-device model: the kinds of
+    :func:`~mmserve.testing.recipe.layer_kind` ("matrix": weights, embeddings, the relative position bias
+    tables, the untied lm_head), and "rel_pos_index" for the tables' int64 index buffers."""
     from transformers import VisionEncoderDecoderModel
 
-    specs = []
-    for name, shape, is_norm in meta_tensors(VisionEncoderDecoderModel, config):
-        if is_norm:
-            kind = "norm_bias" if name.endswith(".bias") else "norm_weight"
-        elif name.endswith(INDEX_SUFFIX):
-            kind = "rel_pos_index"
-        elif name.endswith(".relative_position_bias_table"):
-            kind = "rel_pos_table"
-        else:
-            kind = "bias" if name.endswith(".bias") else "matrix"
-        specs.append((name, shape, kind))
-    return specs
+    return [
+        (name, shape, "rel_pos_index" if name.endswith(INDEX_SUFFIX) else layer_kind(name, is_norm))
+        for name, shape, is_norm in meta_tensors(VisionEncoderDecoderModel, config)
+    ]
 
 
-def _make(
-    name: str, shape: tuple[int, ...], kind: str, s: NougatSizes, seed: int, dtype: torch.dtype
-) -> torch.Tensor:
-    if kind == "rel_pos_index":
-        index = relative_position_index(s.window_size)
-        assert tuple(index.shape) == shape, (name, shape)
-        return index
-    if kind == "norm_weight":
-        return torch.ones(shape, dtype=dtype)
-    if kind == "norm_bias":
-        std = s.norm_std
-    elif kind == "bias":
-        std = s.bias_std
-    elif kind == "rel_pos_table":
-        std = s.rel_pos_std
-    else:
-        std = s.vision_init_std if name.startswith("encoder.") else s.text_init_std
-    return make_tensor(name, shape, "normal", std, seed, dtype)
+def _std(name: str, s: NougatSizes) -> float:
+    if name.endswith(".relative_position_bias_table"):
+        return s.rel_pos_std
+    return s.vision_init_std if name.startswith("encoder.") else s.text_init_std
 
 
-def _tensor_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.int64 if kind == "rel_pos_index" else dtype
-
-
-def _write_weights(
-    out: Path,
-    specs: list[tuple[str, tuple[int, ...], str]],
-    layout: str,
-    s: NougatSizes,
-    seed: int,
-    max_shard_bytes: int,
-    progress: bool,
-) -> None:
-    """The weights in the model dtype, but the int64 relative-position index buffers ``save_pretrained`` writes."""
-    dtype = getattr(torch, s.dtype)
-    write_sharded_weights(
-        out,
-        specs,
-        lambda name: checkpoint_key(name, layout),
-        dtype,
-        seed,
-        max_shard_bytes,
-        make_fn=lambda sp: _make(*sp, s, seed, dtype),
-        progress=progress,
-        dtype_fn=lambda sp: _tensor_dtype(sp[2], dtype),
-    )
+def _maker(s: NougatSizes, seed: int) -> Callable[[LayerSpec], torch.Tensor]:
+    """:func:`~mmserve.testing.recipe.layer_maker`'s tensors, the index buffers as the Swin blocks compute them."""
+    make, index = layer_maker(s, _std, seed), relative_position_index(s.window_size)
+    return lambda spec: index if spec[2] == "rel_pos_index" else make(spec)
 
 
 def build_nougat_tokenizer(s: NougatSizes) -> NougatTokenizer:
@@ -375,20 +308,12 @@ def build_nougat_tokenizer(s: NougatSizes) -> NougatTokenizer:
     """
     from transformers import NougatTokenizer
 
-    # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2, the BPE from 3: shift it up by one for <pad>
-    spec = json.loads(
-        build_bpe_tokenizer([], vocab_size=s.vocab_size - 1).backend_tokenizer.to_str()
-    )
-    old: dict[str, int] = spec["model"]["vocab"]
-    assert len(old) == s.vocab_size - 1 and [old[t] for t in (UNK, BOS, EOS)] == [0, 1, 2], old
-    vocab = token_ids(s)
-    vocab.update({t: i + 1 for t, i in sorted(old.items(), key=lambda kv: kv[1]) if t not in vocab})
-    assert sorted(vocab.values()) == list(range(s.vocab_size))
+    spec = relaid_bpe_spec(s.vocab_size, SPECIALS)
     merges = [
         tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]
     ]
     tok = NougatTokenizer(
-        vocab=vocab,
+        vocab=spec["model"]["vocab"],
         merges=merges,
         bos_token=BOS,
         eos_token=EOS,
@@ -397,10 +322,7 @@ def build_nougat_tokenizer(s: NougatSizes) -> NougatTokenizer:
         model_max_length=s.max_position,
         clean_up_tokenization_spaces=False,
     )
-    ids = token_ids(s)
-    check_token_ids(
-        tok, {"unk": ids[UNK], "bos": ids[BOS], "eos": ids[EOS], "pad": ids[PAD]}, {}, s.vocab_size
-    )
+    check_roles(tok, token_ids(s), s.vocab_size, unk=UNK, bos=BOS, eos=EOS, pad=PAD)
     assert len(tok) == s.vocab_size, (len(tok), s.vocab_size)
     return tok
 
@@ -450,29 +372,26 @@ def make_nougat_checkpoint(
     lm_head, N(0, bias_std) for every linear bias, ones for the LayerNorm scales and N(0, norm_std) for their shifts;
     the relative position index buffers as transformers computes them, in int64. Seeded per tensor, so a seed gives
     byte-identical files. ``layout``: "hub" or "transformers", the same names (see :func:`checkpoint_key`).
-    generation_config.json is the one save_pretrained derives from the config: bos = decoder_start = 0, eos =
-    forced_eos = 2, pad = 1.
+    generation_config.json: bos = decoder_start = 0, eos = forced_eos = 2, pad = 1.
     """
-    from transformers import GenerationConfig
-
     check_layout(layout)
     s = nougat_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    processor, image_processor = build_nougat_processor(s)
-    ids = token_ids(s)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)  # the standalone preprocessor_config.json the hub repo has
-    config.save_pretrained(out)
-    GenerationConfig(
-        bos_token_id=ids[BOS],
-        decoder_start_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        forced_eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-    ).save_pretrained(out)
-    _write_weights(out, _param_specs(config, s), layout, s, seed, max_shard_bytes, progress)
-    return out
+    processor, _ = build_nougat_processor(s)
+    specs, key = _param_specs(config, s), partial(checkpoint_key, layout=layout)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        specs,
+        key,
+        seed,
+        max_shard_bytes,
+        make_fn=_maker(s, seed),
+        # the weights in the model dtype, but the int64 relative-position index buffers save_pretrained writes
+        dtype_fn=lambda spec: torch.int64 if spec[2] == "rel_pos_index" else None,
+        progress=progress,
+    )
+
+
+CHECKPOINT_WRITERS = {"nougat": make_nougat_checkpoint}

@@ -34,25 +34,25 @@ tokenizer's length (50244 in the real model).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mmserve.models.pix2struct import builtin_font_bytes
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
-    DEFAULT_MAX_SHARD_BYTES,
+from mmserve.testing.recipe import (
+    LayerSpec,
     check_layout,
-    check_token_ids,
+    check_roles,
+    checked_name,
     finish_config,
-    make_tensor,
+    layer_kind,
+    layer_maker,
     meta_tensors,
     replace_sizes,
-    write_sharded_weights,
 )
+from mmserve.testing.tokenizer import relaid_bpe_spec, templated_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, Pix2StructConfig, PreTrainedTokenizerFast
@@ -82,9 +82,8 @@ class Pix2StructSizes:
     vocab_size: int  # the tokenizer's length: <pad> </s> <unk> + the BPE
     vision_init_std: float  # encoder matrices (patch projection, attention, MLP)
     text_init_std: float  # decoder matrices
-    lm_head_std: (
-        float  # the untied lm_head (the logits' spread: rms-normed states times it * sqrt(hidden))
-    )
+    # the untied lm_head (the logits' spread: rms-normed states times it * sqrt(hidden))
+    lm_head_std: float
     embed_std: float  # word embeddings, row and column embeddings
     rel_bias_std: float  # the decoder's relative_attention_bias table
     bias_std: float  # the patch projection's bias (the only bias)
@@ -240,85 +239,52 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     ``decoder.embed_tokens.weight``, ``decoder.layer.<i>.*``, ``decoder.final_layer_norm.weight`` and the untied
     ``decoder.lm_head.weight``.
     """
-    check_layout(layout)
-    if not name.startswith(("encoder.", "decoder.")):
-        raise ValueError(f"unexpected pix2struct parameter {name!r}")
-    return name
+    return checked_name(name, "pix2struct", layout, ("encoder.", "decoder."))
 
 
-def _param_specs(config: Pix2StructConfig) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of every saved tensor, from a meta-device model: kind "norm" (the T5-style RMSNorm scales,
-    which meta_tensors does not recognize), "embedding", "rel_bias", "bias" or "matrix" (with the lm_head)."""
+def _param_specs(config: Pix2StructConfig) -> list[LayerSpec]:
+    """(name, shape, kind) of every saved tensor, from a meta-device model: the kinds of
+    :func:`~mmserve.testing.recipe.layer_kind`, the T5-style RMSNorm scales (which meta_tensors does not
+    recognize) "noisy_norm_weight"."""
     from transformers import Pix2StructForConditionalGeneration
 
     specs = []
     for name, shape, _ in meta_tensors(Pix2StructForConditionalGeneration, config):
-        if len(shape) == 1 and name.endswith("norm.weight"):
-            kind = "norm"
-        elif name.endswith(
-            ("embed_tokens.weight", "row_embedder.weight", "column_embedder.weight")
-        ):
-            kind = "embedding"
-        elif name.endswith("relative_attention_bias.weight"):
-            kind = "rel_bias"
-        else:
-            kind = "bias" if name.endswith(".bias") else "matrix"
-        specs.append((name, shape, kind))
+        rms_norm = len(shape) == 1 and name.endswith("norm.weight")
+        specs.append((name, shape, layer_kind(name, rms_norm, noisy_norm=True)))
     return specs
 
 
-def _make(
-    name: str, shape: tuple[int, ...], kind: str, s: Pix2StructSizes, seed: int, dtype: torch.dtype
-) -> torch.Tensor:
-    if kind == "norm":
-        noise = make_tensor(name, shape, "normal", s.norm_std, seed, torch.float32)
-        return (1.0 + noise).to(dtype)
+EMBEDDINGS = ("embed_tokens.weight", "row_embedder.weight", "column_embedder.weight")
+
+
+def _std(name: str, s: Pix2StructSizes) -> float:
     if name == "decoder.lm_head.weight":
-        return make_tensor(name, shape, "normal", s.lm_head_std, seed, dtype)
-    std = {"embedding": s.embed_std, "rel_bias": s.rel_bias_std, "bias": s.bias_std}.get(
-        kind, s.vision_init_std if name.startswith("encoder.") else s.text_init_std
-    )
-    return make_tensor(name, shape, "normal", std, seed, dtype)
+        return s.lm_head_std
+    if name.endswith(EMBEDDINGS):
+        return s.embed_std
+    if name.endswith("relative_attention_bias.weight"):
+        return s.rel_bias_std
+    return s.vision_init_std if name.startswith("encoder.") else s.text_init_std
 
 
 def build_pix2struct_tokenizer(s: Pix2StructSizes) -> PreTrainedTokenizerFast:
     """The small byte-level BPE in the real id layout: <pad>, </s>, <unk> = 0..2, the BPE's tokens from 3 up to
     ``vocab_size`` (unreachable fillers pad it); no BOS, ``</s>`` appended to a text with special tokens (T5's
     template), padding on the right."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    # build_bpe_tokenizer's layout is <unk>, <s>, </s> = 0..2 and the BPE from 3: the same three slots, renamed
-    spec = json.loads(build_bpe_tokenizer([], vocab_size=s.vocab_size).backend_tokenizer.to_str())
-    old: dict[str, int] = spec["model"]["vocab"]
-    assert len(old) == s.vocab_size and [old[t] for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2], (
-        len(old)
-    )
-    vocab = token_ids(s)
-    vocab.update({t: i for t, i in old.items() if i >= len(SPECIALS)})
-    assert sorted(vocab.values()) == list(range(s.vocab_size))
-    merges = [
-        tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]
-    ]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    ids = token_ids(s)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {EOS}:0", pair=f"$A:0 {EOS}:0 $B:1 {EOS}:1", special_tokens=[(EOS, ids[EOS])]
-    )
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    tok = templated_tokenizer(
+        relaid_bpe_spec(s.vocab_size, SPECIALS),
+        SPECIALS,
+        f"$A:0 {EOS}:0",
+        f"$A:0 {EOS}:0 $B:1 {EOS}:1",
+        (EOS,),
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        padding_side="right",
-        clean_up_tokenization_spaces=False,
     )
-    check_token_ids(out, {"unk": ids[UNK], "eos": ids[EOS], "pad": ids[PAD]}, {}, s.vocab_size)
-    assert len(out) == s.vocab_size and out.bos_token_id is None, (len(out), s.vocab_size)
-    return out
+    check_roles(tok, token_ids(s), s.vocab_size, unk=UNK, eos=EOS, pad=PAD)
+    assert len(tok) == s.vocab_size and tok.bos_token_id is None, (len(tok), s.vocab_size)
+    return tok
 
 
 def build_pix2struct_processor(s: Pix2StructSizes) -> tuple[Any, Any]:
@@ -375,32 +341,23 @@ def make_pix2struct_checkpoint(
     seeded per tensor, so a seed gives byte-identical files. ``layout``: "hub" or "transformers", the same names (see
     :func:`checkpoint_key`). generation_config.json: decoder_start = pad = 0, eos = 1 (no bos), as google/deplot's.
     """
-    from transformers import GenerationConfig
-
     check_layout(layout)
     s = pix2struct_sizes(preset, **overrides)
     config = _config_from_sizes(s)
-    processor, image_processor = build_pix2struct_processor(s)
-    ids = token_ids(s)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # a rebuild with other sizes must not leave old shards behind
-    processor.save_pretrained(out)
-    image_processor.save_pretrained(out)  # the standalone preprocessor_config.json the hub repo has
-    config.save_pretrained(out)
-    GenerationConfig(
-        decoder_start_token_id=ids[PAD], eos_token_id=ids[EOS], pad_token_id=ids[PAD]
-    ).save_pretrained(out)
-    dtype = getattr(torch, s.dtype)
-    write_sharded_weights(
-        out,
-        _param_specs(config),
-        lambda name: checkpoint_key(name, layout),
-        dtype,
+    processor, _ = build_pix2struct_processor(s)
+    specs = _param_specs(config)
+    key = partial(checkpoint_key, layout=layout)
+    return write_checkpoint(
+        out_dir,
+        config,
+        processor,
+        specs,
+        key,
         seed,
         max_shard_bytes,
-        make_fn=lambda sp: _make(*sp, s, seed, dtype),
+        make_fn=layer_maker(s, _std, seed),
         progress=progress,
     )
-    return out
+
+
+CHECKPOINT_WRITERS = {"pix2struct": make_pix2struct_checkpoint}

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.llava import checkpoint_key, llava_param_specs
-from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
-from mmserve.testing.writer import (
+from mmserve.testing.llava import checkpoint_key, feature_layer, llava_param_specs
+from mmserve.testing.recipe import (
     CLIP_MEAN,
     CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
     check_token_ids,
+    decoder_kwargs,
     finish_config,
     replace_sizes,
     round_up,
-    write_checkpoint,
+    vit_kwargs,
 )
+from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import LlavaConfig, PreTrainedTokenizerFast
@@ -160,41 +162,30 @@ def _config_from_sizes(s: PixtralSizes) -> LlavaConfig:
 
     ids = pixtral_token_ids(s.text_vocab)
     text = MistralConfig(
-        vocab_size=_model_vocab(s),
-        hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers,
-        num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads,
-        head_dim=s.text_head_dim,
-        max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        initializer_range=s.text_init_std,
-        sliding_window=None,
-        tie_word_embeddings=False,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
+        **decoder_kwargs(
+            s,
+            _model_vocab(s),
+            ids["bos"],
+            ids["eos"],
+            ids["pad"],
+            head_dim=s.text_head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+            sliding_window=None,
+            tie_word_embeddings=False,
+        )
     )
     vision = PixtralVisionConfig(
-        hidden_size=s.vision_hidden,
-        intermediate_size=s.vision_intermediate,
-        num_hidden_layers=s.vision_layers,
-        num_attention_heads=s.vision_heads,
-        image_size=s.image_size,
-        patch_size=s.patch_size,
+        **vit_kwargs(s),
         hidden_act=s.vision_act,
         rope_parameters={"rope_type": "axial", "rope_theta": s.vision_rope_theta},
         initializer_range=s.vision_init_std,
     )
-    layer = s.vision_feature_layer
     cfg = LlavaConfig(
         vision_config=vision,
         text_config=text,
         image_token_index=ids["image"],
         projector_hidden_act=s.projector_act,
-        vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
+        vision_feature_layer=feature_layer(s.vision_feature_layer),
         vision_feature_select_strategy="full",
         multimodal_projector_bias=True,
         tie_word_embeddings=False,
@@ -254,14 +245,8 @@ def make_pixtral_checkpoint(
     )
     specs = llava_param_specs(LlavaForConditionalGeneration, config, s)
     # the published layout: what transformers 5 `save_pretrained` writes for a tower without a `vision_model.`
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        specs,
-        lambda n: checkpoint_key(n, "transformers"),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    key = partial(checkpoint_key, layout="transformers")
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
+
+
+CHECKPOINT_WRITERS = {"pixtral": make_pixtral_checkpoint}

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmserve.testing.tokenizer import build_bpe_tokenizer
-from mmserve.testing.writer import (
+from mmserve.testing.recipe import (
     CLIP_MEAN,
     CLIP_STD,
-    DEFAULT_MAX_SHARD_BYTES,
     ParamSpec,
     check_layout,
     check_token_ids,
+    decoder_kwargs,
     finish_config,
     param_specs,
+    renamed,
     replace_sizes,
     round_up,
-    write_checkpoint,
 )
+from mmserve.testing.tokenizer import build_bpe_tokenizer
+from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen2VLConfig
@@ -90,9 +92,8 @@ class Qwen2VLSizes:
     max_position: int
     text_init_std: float
     rope_theta: float
-    mrope_section: tuple[
-        int, int, int
-    ]  # sums to head_dim // 2: frequencies driven by t, h, w positions
+    # sums to head_dim // 2: frequencies driven by t, h, w positions
+    mrope_section: tuple[int, int, int]
     vision_embed: int  # ViT width
     vision_depth: int
     vision_heads: int
@@ -230,24 +231,17 @@ def _config_from_sizes(s: Qwen2VLSizes) -> Qwen2VLConfig:
     import transformers
 
     ids = token_ids(s)
-    text = dict(
-        vocab_size=_model_vocab(s),
-        hidden_size=s.text_hidden,
-        intermediate_size=s.text_intermediate,
-        num_hidden_layers=s.text_layers,
-        num_attention_heads=s.text_heads,
-        num_key_value_heads=s.text_kv_heads,
-        max_position_embeddings=s.max_position,
-        rms_norm_eps=s.rms_norm_eps,
-        initializer_range=s.text_init_std,
+    text = decoder_kwargs(
+        s,
+        _model_vocab(s),
+        ids["<|endoftext|>"],
+        ids["<|im_end|>"],
+        ids["<|endoftext|>"],
         rope_parameters={
             "rope_type": "mrope",
             "mrope_section": list(s.mrope_section),
             "rope_theta": s.rope_theta,
         },
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
     )
     vision = dict(
         depth=s.vision_depth,
@@ -295,14 +289,12 @@ def checkpoint_key(name: str, layout: str = "hub") -> str:
     ``save_pretrained`` of transformers 5.23 writes); "hub" is the published Qwen/Qwen2-VL layout."""
     if layout == "transformers":
         return name
-    for src, dst in (
+    renames = (
         ("model.visual.", "visual."),
         ("model.language_model.", "model."),
         ("lm_head.", "lm_head."),
-    ):
-        if name.startswith(src):
-            return dst + name[len(src) :]
-    raise ValueError(f"unexpected qwen2_vl parameter {name!r}")
+    )
+    return renamed(name, "qwen2_vl", renames)
 
 
 def _param_specs(config: Qwen2VLConfig, s: Qwen2VLSizes) -> list[ParamSpec]:
@@ -389,14 +381,10 @@ def make_qwen2_vl_checkpoint(
         video_processor=video_processor,
         chat_template=CHAT_TEMPLATE,
     )
-    return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        image_processor,
-        _param_specs(config, s),
-        lambda n: checkpoint_key(n, layout),
-        s.dtype,
-        seed,
-        max_shard_bytes,
-    )
+    specs = _param_specs(config, s)
+    specs = _param_specs(config, s)
+    key = partial(checkpoint_key, layout=layout)
+    return write_checkpoint(out_dir, config, processor, specs, key, seed, max_shard_bytes)
+
+
+CHECKPOINT_WRITERS = {"qwen2_vl": make_qwen2_vl_checkpoint}

@@ -1,14 +1,25 @@
-"""Tiny deterministic byte-level BPE tokenizer for random test checkpoints.
+"""Tiny deterministic tokenizers for random test checkpoints, built offline from a fixed corpus.
 
-Trained offline on a fixed built-in corpus, so it needs no model hub and gives the same vocab every time.
+:func:`build_bpe_tokenizer` trains the small byte-level BPE (the same vocab every time, no model hub);
+:func:`relaid_bpe_spec` and :func:`templated_tokenizer` re-lay it for other special-token layouts (T5's,
+XLM-R's); :func:`token_block` lays out a block of named special tokens; :func:`build_t5_tokenizer` is a T5-style
+Unigram tokenizer whose pieces are counted from the same corpus.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import string
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import T5Tokenizer
 
 CORPUS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -135,3 +146,132 @@ def _pad_vocab(tok: Tokenizer, vocab_size: int) -> Tokenizer:
             n += 1
         i += 1
     return Tokenizer.from_str(json.dumps(spec))
+
+
+def relaid_bpe_spec(vocab_size: int, specials: Sequence[str]) -> dict[str, Any]:
+    """The tokenizers JSON of the small BPE in another special-token layout: ``specials`` at ids 0.. in place of
+    its <unk>, <s>, </s> (0..2), its other tokens right after them, ``vocab_size`` entries in all (unreachable
+    fillers pad it); no added tokens and no post-processor."""
+    shift = len(specials) - 3
+    tok = build_bpe_tokenizer([], vocab_size=vocab_size - shift)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    old: dict[str, int] = spec["model"]["vocab"]
+    assert len(old) == vocab_size - shift, (len(old), vocab_size - shift)
+    assert [old[t] for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2], old
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({t: i + shift for t, i in sorted(old.items(), key=lambda kv: kv[1]) if i >= 3})
+    assert sorted(vocab.values()) == list(range(vocab_size))
+    spec["model"]["vocab"] = vocab
+    spec["added_tokens"] = []
+    spec["post_processor"] = None
+    return spec
+
+
+def templated_tokenizer(
+    spec: dict[str, Any],
+    specials: Sequence[str],
+    single: str,
+    pair: str,
+    template_tokens: Sequence[str],
+    **tokens: str,
+) -> PreTrainedTokenizerFast:
+    """A PreTrainedTokenizerFast (padding on the right) over the tokenizers JSON ``spec`` with ``specials`` added
+    as special tokens and the ``single`` / ``pair`` templates over ``template_tokens`` as its post-processor;
+    ``tokens`` are its roles (``eos_token="</s>"``, ...)."""
+    backend = Tokenizer.from_str(json.dumps(spec))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.post_processor = processors.TemplateProcessing(
+        single=single,
+        pair=pair,
+        special_tokens=[(t, backend.token_to_id(t)) for t in template_tokens],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+        **tokens,
+    )
+
+
+def token_block(named: dict[int, str], length: int, reserved: str) -> list[str]:
+    """``length`` tokens by offset: ``named[offset]`` where it names one, else ``reserved.format(i)`` with ``i``
+    counting the gaps from 0 (the reserved special tokens of Llama 3 and Fuyu)."""
+    tokens, gaps = [], 0
+    for offset in range(length):
+        if offset in named:
+            tokens.append(named[offset])
+        else:
+            tokens.append(reserved.format(gaps))
+            gaps += 1
+    return tokens
+
+
+def named_ids(tokens: Sequence[str], first: int, reserved_prefix: str) -> dict[str, int]:
+    """Ids of ``tokens`` numbered from ``first``, but for the reserved ones (names starting ``reserved_prefix``)."""
+    return {t: first + i for i, t in enumerate(tokens) if not t.startswith(reserved_prefix)}
+
+
+# What the T5 pieces are drawn from besides the shared corpus: BLIP-2's prompt style, and every ASCII letter, digit
+# and the common punctuation (so only rarer characters become <unk>, as with the real spiece model)
+T5_EXTRA_TEXT: tuple[str, ...] = (
+    "Question: what is this? Answer: a photo of a cat.",
+    "Question: which city is this? Answer: Paris.",
+    "Question: how many people are in the picture? Answer: two.",
+    "a photography of a dog sitting on a bench in the park",
+    string.ascii_letters,
+    string.digits,
+    "!\"#$%&'()*+,-./:;=?@[]_",
+)
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+_MAX_PIECE = 12  # longest piece, in characters
+
+
+def t5_vocab(text_vocab: int, extra_ids: int) -> list[tuple[str, float]]:
+    """The Unigram (piece, score) list of a T5 tokenizer of ``text_vocab`` spiece entries plus ``extra_ids``
+    sentinels, computed deterministically (no trainer: the tokenizers Unigram trainer is not bit-reproducible).
+
+    Layout as T5's: ``<pad>``, ``</s>``, ``<unk>`` (score 0), then pieces by descending score, then
+    ``<extra_id_{extra_ids-1}>`` .. ``<extra_id_0>``. The pieces are every character of the corpus (the shared
+    corpus and :data:`T5_EXTRA_TEXT`, split on whitespace with "▁" before each word, as T5's pre-tokenizer does)
+    and its most useful substrings (up to :data:`_MAX_PIECE` characters, ranked by count x (length - 1)); a piece's
+    score is the log of its share of all substring counts, so Viterbi prefers long frequent pieces. When the corpus
+    runs out, "▁fill<i>" pieces at a score below every other pad the vocab (never chosen over real pieces).
+    """
+    words = ["▁" + w for line in (*CORPUS, *T5_EXTRA_TEXT) for w in line.split()]
+    counts: Counter[str] = Counter()
+    for w in words:
+        for i in range(len(w)):
+            for j in range(i + 1, min(len(w), i + _MAX_PIECE) + 1):
+                counts[w[i:j]] += 1
+    total = sum(counts.values())
+    n = text_vocab - len(T5_SPECIALS)
+    chars = sorted((p for p in counts if len(p) == 1), key=lambda p: (-counts[p], p))
+    if n < len(chars):
+        raise ValueError(
+            f"text_vocab must be >= {len(chars) + len(T5_SPECIALS)} for a T5 tokenizer, got {text_vocab}"
+        )
+    longer = sorted((p for p in counts if len(p) > 1), key=lambda p: (-counts[p] * (len(p) - 1), p))
+    chosen = [(p, math.log(counts[p] / total)) for p in chars + longer[: n - len(chars)]]
+    chosen.sort(key=lambda ps: (-ps[1], ps[0]))
+    floor = chosen[-1][1] - 10.0
+    taken = {p for p, _ in chosen}
+    i = 0
+    while len(chosen) < n:
+        if f"▁fill{i}" not in taken:
+            chosen.append((f"▁fill{i}", floor))
+        i += 1
+    sentinels = [(f"<extra_id_{k}>", 0.0) for k in reversed(range(extra_ids))]
+    return [(t, 0.0) for t in T5_SPECIALS] + chosen + sentinels
+
+
+def build_t5_tokenizer(text_vocab: int, extra_ids: int) -> T5Tokenizer:
+    """A transformers ``T5Tokenizer`` over :func:`t5_vocab`, with T5's layout and pipeline.
+
+    Unigram, whitespace split + Metaspace "▁", no BOS, ``</s>`` appended to every text; ``<pad>``, ``</s>``,
+    ``<unk>`` = 0, 1, 2, the pieces up to ``text_vocab``, then ``extra_ids`` sentinels ``<extra_id_N>`` in reverse
+    (``<extra_id_0>`` last) as special tokens. Unlike the real spiece model there is no NFKC normalizer, and
+    characters missing from the pieces become ``<unk>`` (no byte fallback, as in T5).
+    """
+    from transformers import T5Tokenizer
+
+    return T5Tokenizer(vocab=t5_vocab(text_vocab, extra_ids), extra_ids=extra_ids)

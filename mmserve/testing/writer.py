@@ -1,16 +1,14 @@
-"""Shared pieces of the random-checkpoint writers in :mod:`mmserve.testing`.
+"""Writing a random checkpoint to disk: seeded tensors streamed into (sharded) safetensors files.
 
-Every family (llava, llava_next, llava_onevision, qwen2_vl, blip2) builds a list of parameter specs
-``(name, shape, kind, std)`` from a meta-device transformers model and writes its checkpoint with
-:func:`write_checkpoint`, which streams seeded random tensors into (sharded) safetensors files with
-:func:`write_sharded_weights`, one tensor in RAM at a time, with a progress bar over the bytes written when
-stderr is a terminal.
-A tensor's values depend only on its canonical name and the seed, never on layout or write order.
+:func:`write_checkpoint` saves a family's processor, config, generation config and weights;
+:func:`write_sharded_weights` streams the tensors of a list of specs into ``model.safetensors`` or numbered
+shards, one tensor in RAM at a time, with a progress bar over the bytes written when stderr is a terminal.
+A tensor's values depend only on its canonical name and the seed (:func:`make_tensor`), never on layout or
+write order. How a family lists its specs is :mod:`mmserve.testing.recipe`'s part.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -19,28 +17,15 @@ import sys
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig
 
 DEFAULT_MAX_SHARD_BYTES = 4_000_000_000
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-LAYOUTS = ("hub", "transformers")
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
-
-# (name, shape, kind, std): kind is "normal" (N(0, std)), "ones" or "zeros"
-ParamSpec = tuple[str, tuple[int, ...], str, float]
-SizesT = TypeVar("SizesT")
-ConfigT = TypeVar("ConfigT", bound="PreTrainedConfig")
-
-
-def round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple (padded vocabulary sizes)."""
-    return -(-n // multiple) * multiple
 
 
 def natural_key(name: str) -> list[object]:
@@ -66,6 +51,14 @@ def make_tensor(
     return (
         (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * std).to(dtype).cpu()
     )
+
+
+def noisy(
+    name: str, shape: tuple[int, ...], base: float, std: float, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``base`` + N(0, ``std``) seeded as :func:`make_tensor` (norm scales around 1, shifts around 0), drawn and
+    shifted in float32 and cast once."""
+    return (make_tensor(name, shape, "normal", std, seed, torch.float32) + base).to(dtype)
 
 
 def write_safetensors(
@@ -145,14 +138,14 @@ def write_sharded_weights(
     max_shard_bytes: int,
     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
     progress: bool = True,
-    dtype_fn: Callable[[tuple[Any, ...]], torch.dtype] | None = None,
+    dtype_fn: Callable[[tuple[Any, ...]], torch.dtype | None] | None = None,
 ) -> None:
     """Write ``specs`` as ``model.safetensors`` or as numbered shards plus ``model.safetensors.index.json``.
 
     A spec is ``(name, shape, ...)``; ``key_fn(name)`` is its on-disk key, and tensors are written
     sorted by :func:`natural_key` of that key. ``make_fn(spec)`` builds a tensor; the default is
     :func:`make_tensor` of a ``(name, shape, kind, std)`` spec with ``seed`` and ``dtype``. ``dtype_fn(spec)``,
-    when given, is a spec's own dtype (default ``dtype``).
+    when given, is a spec's own dtype, or None for ``dtype``.
     ``progress``: a bar over the bytes written on stderr, shown only when stderr is a terminal; the files
     written are the same either way.
     """
@@ -163,7 +156,8 @@ def write_sharded_weights(
             return make_tensor(*sp, seed, dtype)
 
     specs = sorted(specs, key=lambda sp: natural_key(key_fn(sp[0])))
-    dtypes = [dtype_fn(sp) if dtype_fn is not None else dtype for sp in specs]
+    own = [None if dtype_fn is None else dtype_fn(sp) for sp in specs]
+    dtypes = [dtype if dt is None else dt for dt in own]
     nbytes = [
         torch.empty((), dtype=dt).element_size() * math.prod(sp[1]) for sp, dt in zip(specs, dtypes)
     ]
@@ -198,115 +192,26 @@ def write_sharded_weights(
         )
 
 
-def meta_tensors(
-    model_cls: type, config: PreTrainedConfig
-) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, shape, is a norm's parameter) of every tensor in the state dict of ``model_cls(config)``,
-    built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        model = model_cls(config)
-    norm_params = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-            norm_params.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters(recurse=False))
-    return [(name, tuple(t.shape), name in norm_params) for name, t in model.state_dict().items()]
-
-
-def param_specs(
-    model_cls: type,
-    config: PreTrainedConfig,
-    std_of: Callable[[str], float],
-    random_bias: Callable[[str], bool] = lambda name: False,
-) -> list[ParamSpec]:
-    """(name, shape, kind, std) of every saved tensor, from :func:`meta_tensors`.
-
-    Norm scales are ones and norm shifts zeros; other biases are zeros unless ``random_bias(name)``;
-    the rest is N(0, ``std_of(name)``). A tied ``lm_head.weight`` is not saved.
-    """
-    tied = getattr(config, "tie_word_embeddings", False)
-    specs = []
-    for name, shape, is_norm in meta_tensors(model_cls, config):
-        if tied and name == "lm_head.weight":
-            continue
-        if is_norm:
-            kind = "zeros" if name.endswith(".bias") else "ones"
-        else:
-            kind = "zeros" if name.endswith(".bias") and not random_bias(name) else "normal"
-        specs.append((name, shape, kind, std_of(name)))
-    return specs
-
-
-def replace_sizes(
-    presets: dict[str, SizesT], preset: str, family: str, overrides: dict[str, object]
-) -> SizesT:
-    """presets[preset] with dataclass-field overrides (lists become tuples); clear errors for unknown names."""
-    if preset not in presets:
-        raise ValueError(f"unknown {family} preset {preset!r}; known: {sorted(presets)}")
-    base = presets[preset]
-    fields = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"unknown {family} overrides {unknown}; allowed: {sorted(fields)}")
-    overrides = {
-        k: tuple(map(tuple, v)) if k == "grid_pinpoints" else tuple(v) if isinstance(v, list) else v
-        for k, v in overrides.items()
-    }
-    return dataclasses.replace(base, **overrides)
-
-
-def check_layout(layout: str) -> None:
-    """Reject a ``layout`` other than "hub" (published repos' names) or "transformers" (save_pretrained's)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'hub' or 'transformers', got {layout!r}")
-
-
-def check_token_ids(
-    tok: PreTrainedTokenizerBase, expected: dict[str, int], tokens: dict[str, str], model_vocab: int
-) -> None:
-    """Assert the tokenizer's ids equal ``expected`` and fit the model vocab.
-
-    Keys "unk", "bos", "eos", "pad" are read from the tokenizer's special tokens; any other key
-    is the id of ``tokens[key]``.
-    """
-    specials = {
-        "unk": tok.unk_token_id,
-        "bos": tok.bos_token_id,
-        "eos": tok.eos_token_id,
-        "pad": tok.pad_token_id,
-    }
-    got = {
-        k: specials[k] if k in specials else tok.convert_tokens_to_ids(tokens[k]) for k in expected
-    }
-    assert got == expected and len(tok) <= model_vocab, (got, expected, len(tok))
-
-
-def finish_config(config: ConfigT, architecture: str, dtype: str) -> ConfigT:
-    """Name the model class in ``config`` and set ``dtype`` on it and on each of its sub-configs."""
-    config.architectures = [architecture]
-    for c in (config, *(getattr(config, key) for key in config.sub_configs)):
-        c.dtype = dtype
-    return config
-
-
 def write_checkpoint(
     out_dir: str | Path,
     config: PreTrainedConfig,
     processor: Any,
-    image_processor: Any,
     specs: Sequence[tuple[Any, ...]],
     key_fn: Callable[[str], str],
-    dtype: torch.dtype | str,
     seed: int,
     max_shard_bytes: int,
+    *,
     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
+    dtype_fn: Callable[[tuple[Any, ...]], torch.dtype | None] | None = None,
     progress: bool = True,
 ) -> Path:
     """Write a whole checkpoint into ``out_dir`` (created if missing) and return its path.
 
-    Saved: the processor, the standalone image processor, the config, a GenerationConfig with the
-    text model's special ids, and the weights of ``specs`` (see :func:`write_sharded_weights`).
-    transformers 5 nests the image processor in processor_config.json; the standalone
-    preprocessor_config.json is what published repos (and non-transformers loaders) have.
+    Saved: the processor, its image processor on its own, the config, a GenerationConfig of the special ids that
+    transformers derives from the config (bos, eos, pad and, where the config has them, decoder_start and
+    forced_eos), and the weights of ``specs`` in the config's dtype (see :func:`write_sharded_weights` for
+    ``make_fn`` and ``dtype_fn``). transformers 5 nests the image processor in processor_config.json; the
+    standalone preprocessor_config.json is what published repos (and non-transformers loaders) have.
     ``progress``: a bar over the weight bytes on stderr when it is a terminal (see :func:`progress_bar`).
     """
     from transformers import GenerationConfig
@@ -316,13 +221,12 @@ def write_checkpoint(
     for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
         stale.unlink()  # a rebuild with other sizes must not leave old shards behind
     processor.save_pretrained(out)
-    image_processor.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
     config.save_pretrained(out)
-    text = config.get_text_config()
-    GenerationConfig(
-        bos_token_id=getattr(text, "bos_token_id", None),
-        eos_token_id=text.eos_token_id,  # T5: no bos
-        pad_token_id=text.pad_token_id,
-    ).save_pretrained(out)
-    write_sharded_weights(out, specs, key_fn, dtype, seed, max_shard_bytes, make_fn, progress)
+    derived = GenerationConfig.from_model_config(config).to_dict()
+    ids = {k: v for k, v in derived.items() if k.endswith("_token_id") and v is not None}
+    GenerationConfig(**ids).save_pretrained(out)
+    write_sharded_weights(
+        out, specs, key_fn, config.dtype, seed, max_shard_bytes, make_fn, progress, dtype_fn
+    )
     return out

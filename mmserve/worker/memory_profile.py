@@ -46,8 +46,8 @@ def peak_activation_bytes(
         )
         return 0
     encoder_peak = 0
-    if template is not None and runner.encoder_graphs is None:
-        item = runner._on_device(template)
+    if template is not None and runner.encoder.graphs is None:
+        item = runner.encoder.on_device(template)
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
         base = torch.cuda.memory_allocated(runner.device)
@@ -57,7 +57,7 @@ def peak_activation_bytes(
             if runner.uses_cross_attention
             else cdiv(num_tokens, template.length) + 1
         )
-        with runner._vision_kernels():
+        with runner.encoder.kernels():
             encoded = runner.model.get_mm_embeddings([item] * copies)
         torch.cuda.synchronize(runner.device)
         encoder_peak = torch.cuda.max_memory_allocated(runner.device) - base
@@ -71,9 +71,9 @@ def peak_activation_bytes(
         torch.cuda.synchronize(runner.device)
         peak = torch.cuda.max_memory_allocated(runner.device) - base
     torch.cuda.empty_cache()
-    if template is not None and runner.encoder_graphs is not None:
+    if template is not None and runner.encoder.graphs is not None:
         row_bytes = hidden_row_bytes
-    cache_bound = runner.encoder_cache.capacity * row_bytes if template else 0
+    cache_bound = runner.encoder.cache.capacity * row_bytes if template else 0
     return max(peak, encoder_peak) + cache_bound
 
 
@@ -127,8 +127,8 @@ def profile_prefill(
         # the prompt attends one picture's encoder output, as a request's steps do (an encoder-decoder's
         # decoder has nothing to attend without it)
         if template is not None:
-            item = runner._on_device(template)
-            with runner._vision_kernels():
+            item = runner.encoder.on_device(template)
+            with runner.encoder.kernels():
                 states = runner.model.get_mm_embeddings([item])[0]
         else:
             item, encoder_tokens = cross_template

@@ -1,32 +1,29 @@
-"""ModelRunner: turns a SchedulerOutput into batch tensors, runs vision encoders and the LM, samples.
-
-Owns the model, the KV cache tensors and the encoder cache; knows nothing about HTTP or queues.
+"""ModelRunner: turns a SchedulerOutput into batch tensors and runs the language model on them, through the
+decode / prefill / piecewise CUDA graphs or eagerly; its encoder (`encoder_runner.py`) and the step's sampling
+(`step_sampling.py`) are rooms of their own. Owns the model and the KV pools; knows nothing of HTTP or queues.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mmserve.attention.backend_choice import select_backend
 from mmserve.attention.kv_layout import new_kv_cache
 from mmserve.config import CacheConfig
 from mmserve.core.multimodal import MultiModalItem
-from mmserve.core.step import RunnerOutput, SchedulerOutput
-from mmserve.core.transfer import cdiv, to_device
-from mmserve.kernels.fp8_format import is_fp8
+from mmserve.core.step import SchedulerOutput
+from mmserve.core.transfer import to_device
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
-from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
 from mmserve.worker.batch_inputs import attention_metadata
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
-from mmserve.worker.encoder_cache import EncoderCache
-from mmserve.worker.encoder_graphs import EncoderGraphs, vision_kernels
+from mmserve.worker.encoder_runner import EncoderRunner
 from mmserve.worker.launched_step import LaunchedStep
 from mmserve.worker.memory_profile import (
     kv_pool_blocks,
@@ -35,25 +32,24 @@ from mmserve.worker.memory_profile import (
     scratch_kv_cache,
 )
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs
-from mmserve.worker.prefill_graphs import PrefillGraphs, token_buckets
-from mmserve.worker.prompt_logprobs import chunk_logprobs
+from mmserve.worker.prefill_graphs import PrefillGraphs
 from mmserve.worker.request_inputs import (
     cross_attention_batch,
     cross_decode_inputs,
     lora_row_groups,
     lora_rows,
 )
-from mmserve.worker.sampler import Sampler, SamplingBatch
 from mmserve.worker.step_batch import FlatBatch, flatten
+from mmserve.worker.step_graphs import StepGraphShape, capture_step_graphs
+from mmserve.worker.step_sampling import StepSampling
 from mmserve.worker.tp_mirror import lora_sync, run_mirrored
 
 if TYPE_CHECKING:
     from mmserve.worker.tp_workers import TPWorkers
 
 
-CROSS_ENCODE_BATCH = (
-    8  # Llama 3.2 Vision: 8 pictures of 4 tiles are ~51k vision tokens, enough to fill an H100
-)
+# Llama 3.2 Vision: 8 pictures of 4 tiles are ~51k vision tokens, enough to fill an H100
+CROSS_ENCODE_BATCH = 8
 
 
 class ModelRunner:
@@ -71,7 +67,7 @@ class ModelRunner:
         self.uses_cross_attention = model.family.cross_attention  # Mllama
         self.cross_kv_budget = 0  # bytes for the cross-attention pool (num_blocks_for)
         self.cross_kv: CrossKVPool | None = (
-            None  # its requests' encoder keys/values (allocate_kv_cache)
+            None  # requests' encoder keys/values (allocate_cross_kv)
         )
         # a cross-attention family's step may admit many requests with pictures at once (their prompts are short):
         # they are encoded this many at a time, the number the activation profile measures
@@ -81,52 +77,27 @@ class ModelRunner:
         self.kv_dtype = cache_config.cache_dtype(dtype)
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size
-        self.encoder_cache = EncoderCache(cache_config.encoder_cache_size)
-        self.sampler = Sampler()
+        self.encoder = EncoderRunner(model, device, dtype, cache_config.encoder_cache_size)
+        self.sampling = StepSampling(model, device)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
-        self.backend_name = self._select_backend(attention_backend)
-        self._check_kv_dtype_supported()
+        self.backend_name = select_backend(
+            attention_backend, device, self.attn_layers, self.kv_dtype
+        )
         self.graphs: DecodeGraphs | None = None
-        self.encoder_graphs: EncoderGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
-        self.prompt_ends: torch.Tensor | None = (
-            None  # [slots, H] final hidden states of prompts (PromptEndCache)
-        )
         self.lora: LoRAManager | None = (
             None  # the engine's adapters; steps with LoRA rows run eagerly
         )
-        self.tp: TPWorkers | None = (
-            None  # the driver's tensor-parallel workers: they mirror each forward
-        )
-
-    def _select_backend(self, name: str) -> str:
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        if name == "triton":
-            from mmserve.attention import triton_backend
-
-            for layer in self.attn_layers:
-                layer.backend = triton_backend
-        return name
-
-    def _check_kv_dtype_supported(self) -> None:
-        # Triton converts to/from e4m3 with the hardware instructions of Ada / Hopper and newer
-        if is_fp8(self.kv_dtype) and self.device.type == "cuda" and self.backend_name == "triton":
-            cap = torch.cuda.get_device_capability(self.device)
-            if cap < (8, 9):
-                raise ValueError(
-                    f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 with the triton "
-                    f"attention backend; {torch.cuda.get_device_name(self.device)} is {cap[0]}.{cap[1]}"
-                )
+        self.tp: TPWorkers | None = None  # the driver's tensor-parallel workers mirror each forward
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
         """Compile the sampler's kernels now (Sampler.warm_up), not on the first sampled step after startup."""
         if self.device.type == "cuda":
             token = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self.sampler.warm_up(
+            self.sampling.sampler.warm_up(
                 self.model.compute_logits(self.model.embed_input_ids(token)), self.vocab_size
             )
 
@@ -143,69 +114,24 @@ class ModelRunner:
         two pictures of `cross_tokens` encoder tokens (a blank picture's: the same number on every rank)."""
         if self.device.type != "cuda" or self.backend_name != "triton":
             return
-        max_blocks = cdiv(max_model_len, self.block_size)
-        mrope = self.uses_mrope
-        if self.uses_cross_attention:
-            if (
-                not self.model.family.cross_decode_graphs
-                or cross_tokens is None
-                or self.cross_kv is None
-            ):
-                return
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.device,
-                max_num_seqs,
-                max_blocks,
-                self.block_size,
-                max_model_len,
-                cross=self.cross_kv,
-                cross_backend=self.attn_layers[0].backend,
-                cross_blocks=2 * cdiv(cross_tokens, self.block_size),
-            )
-            self.graphs.capture()
-            return
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.device,
-            max_num_seqs,
-            max_blocks,
-            self.block_size,
-            max_model_len,
-            mrope=mrope,
-        )
-        self.graphs.capture()
-        hidden_size = self._hidden_size()
-        self.prefill_graphs = PrefillGraphs(
+        self.graphs, self.prefill_graphs, self.piecewise_graphs = capture_step_graphs(
             self.model,
             self.device,
             self.dtype,
-            hidden_size,
-            max_num_batched_tokens,
-            max_blocks,
-            self.block_size,
-            max_model_len,
-            mrope,
-            pool=self.graphs.pool,
+            self.cross_kv,
+            self.attn_layers[0].backend,
+            self._hidden_size(),
+            StepGraphShape(
+                max_num_seqs, max_model_len, max_num_batched_tokens, self.block_size, cross_tokens
+            ),
         )
-        self.prefill_graphs.capture()
-        self.piecewise_graphs = PiecewiseGraphs(
-            self.model,
-            self.device,
-            self.dtype,
-            hidden_size,
-            token_buckets(max_num_batched_tokens),
-            mrope,
-            pool=self.graphs.pool,
-        )
-        self.piecewise_graphs.capture()
 
     def release_cuda_graphs(self) -> None:
         """Drop every captured graph. Under tensor parallelism this must come before the process group is
         destroyed: NCCL will not tear down a communicator while a graph that captured its collectives exists."""
         if self.graphs is None and self.prefill_graphs is None and self.piecewise_graphs is None:
             return
-        self.graphs = self.prefill_graphs = self.piecewise_graphs = self.encoder_graphs = None
+        self.graphs = self.prefill_graphs = self.piecewise_graphs = self.encoder.graphs = None
         gc.collect()  # graph objects caught in reference cycles go now, not at some later collection
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -224,24 +150,9 @@ class ModelRunner:
     @torch.inference_mode()
     def allocate_prompt_ends(self, num_slots: int) -> None:
         """The device rows PromptEndCache hands out (before the KV cache is sized: they are not free for it)."""
-        self.prompt_ends = torch.zeros(
+        self.sampling.prompt_ends = torch.zeros(
             num_slots, self._hidden_size(), dtype=self.dtype, device=self.device
         )
-
-    def capture_encoder_graphs(
-        self, template: MultiModalItem | None, max_num_batched_tokens: int
-    ) -> None:
-        """Replay the vision encoder from CUDA graphs (families with `encoder_cuda_graphs`, CUDA only); with a
-        template item, capture its shapes now for every batch a step can encode (a step of
-        max_num_batched_tokens overlaps at most cdiv(tokens, item length) + 1 items), other shapes on first use."""
-        if self.device.type != "cuda" or not self.model.family.encoder_cuda_graphs:
-            return
-        self.encoder_graphs = EncoderGraphs(self.model, self.device)
-        if template is not None:
-            with self._vision_kernels():  # a graph keeps the kernels chosen while it was captured
-                self.encoder_graphs.warm_up(
-                    self._on_device(template), cdiv(max_num_batched_tokens, template.length) + 1
-                )
 
     def plan_kv_cache(
         self,
@@ -290,18 +201,14 @@ class ModelRunner:
         return kv_pool_blocks(self, cache_config, activation_peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
-        for layer in self.attn_layers:
-            cache = new_kv_cache(
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_dim,
-                self.kv_dtype,
-                self.device,
+        self.kv_caches = [
+            new_kv_cache(
+                num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
             )
+            for a in self.attn_layers
+        ]
+        for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
-            self.kv_caches.append(cache)
 
     def cross_kv_num_blocks(self) -> int:
         """Blocks of the cross-attention pool that `cross_kv_budget` (set by plan_kv_cache) pays for."""
@@ -336,11 +243,13 @@ class ModelRunner:
             None  # gathered before this step's stores: a slot may be claimed again by one of them
         )
         if loads:
-            loaded = self.prompt_ends[
+            loaded = self.sampling.prompt_ends[
                 to_device([s.load_prompt_end for s in loads], torch.int64, self.device)
             ]
         if not computed:
-            return self._sample([s.request for s in loads], self.model.compute_logits(loaded))
+            return self.sampling.sample(
+                [s.request for s in loads], self.model.compute_logits(loaded)
+            )
         batch = flatten(computed, prev, self.block_size, self.device, self.uses_mrope)
         rows_by_adapter = (
             lora_rows(computed, batch.qsl) if self.lora is not None and self.lora.adapters else {}
@@ -362,10 +271,9 @@ class ModelRunner:
             and len(computed) <= self.graphs.max_batch
         ):
             # 1-token prompt chunks ride here too and sample nothing
-            return self._finish(batch, *self._run_decode_graph(batch, cross), loads, loaded)
-        return self._finish(
-            batch, None, self._run_forward(batch, rows_by_adapter, graphs_ok), loads, loaded
-        )
+            return self.sampling.finish(batch, *self._run_decode_graph(batch, cross), loads, loaded)
+        hidden = self._run_forward(batch, rows_by_adapter, graphs_ok)
+        return self.sampling.finish(batch, None, hidden, loads, loaded)
 
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
@@ -406,7 +314,7 @@ class ModelRunner:
             ids[batch.fill[0]] = batch.fill[1]
         embeds = self.model.embed_input_ids(ids)
         if not self.uses_cross_attention:
-            self._merge_mm_embeddings(computed, qsl, embeds)
+            self.encoder.merge(computed, qsl, embeds)
         n = len(batch.input_ids)
         if (
             graphs_ok
@@ -427,7 +335,7 @@ class ModelRunner:
                 meta.cross, cross_host, written = cross_attention_batch(
                     computed,
                     qsl,
-                    self._encode,
+                    self.encoder.encode,
                     self.model,
                     self.cross_kv,
                     self.attn_layers[0].backend,
@@ -488,164 +396,3 @@ class ModelRunner:
         """A tensor-parallel worker's side of a driver's forward (worker/tp_workers.py): the same graph or eager
         pass over inputs received from rank 0; the hidden states are the driver's business."""
         run_mirrored(self, kind, host, specs)
-
-    def _finish(
-        self,
-        batch: FlatBatch,
-        logits: torch.Tensor | None,
-        hidden: torch.Tensor,
-        loads: list,
-        loaded: torch.Tensor | None,
-    ) -> LaunchedStep:
-        """Sample the step from its logits (a row per token; None: from the hidden state of each sampling
-        sequence's last token); prompt-end loads sample last, from `loaded`."""
-        self._store_prompt_ends(batch.seqs, hidden, batch.qsl)
-        reqs = [batch.seqs[i].request for i in batch.sampling] + [s.request for s in loads]
-        chunks = []
-        if batch.sampling and logits is None:
-            rows = to_device(
-                [batch.qsl[i + 1] - 1 for i in batch.sampling], torch.int64, self.device
-            )
-            chunks.append(self.model.compute_logits(hidden[rows]))
-        elif batch.sampling:
-            contiguous = batch.sampling == list(range(len(batch.sampling)))
-            chunks.append(
-                logits[: len(batch.sampling)]
-                if contiguous
-                else logits[to_device(batch.sampling, torch.int64, self.device)]
-            )
-        if loaded is not None:
-            chunks.append(self.model.compute_logits(loaded))
-        step = self._sample(
-            reqs, torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else None
-        )
-        self._context_logits(batch.seqs, batch.qsl, step.out, hidden=hidden, logits=logits)
-        return step
-
-    def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int]) -> None:
-        """Keep the final hidden state of each prompt this step completes in its prompt-end slot (request i's
-        rows of `hidden` end at qsl[i + 1])."""
-        stores = [
-            (i, s.store_prompt_end)
-            for i, s in enumerate(computed)
-            if s.store_prompt_end is not None
-        ]
-        if not stores:
-            return
-        rows = [qsl[i + 1] - 1 for i, _ in stores]
-        dev = self.device
-        self.prompt_ends[to_device([slot for _, slot in stores], torch.int64, dev)] = hidden[
-            to_device(rows, torch.int64, dev)
-        ].to(self.prompt_ends.dtype)
-
-    def _context_logits(
-        self,
-        computed: list,
-        qsl: list[int],
-        out: RunnerOutput,
-        hidden: torch.Tensor | None = None,
-        logits: torch.Tensor | None = None,
-    ) -> None:
-        """Logits of this step's prompt positions for requests with return_context_logits, and the prompt tokens'
-        logprobs for those with prompt_logprobs (from the hidden states, or from the step's logits when every row
-        already has them)."""
-        for i, s in enumerate(computed):
-            req = s.request
-            end = min(s.end, req.num_prompt_tokens)
-            if not req.params.needs_prompt_logits or s.start >= end:
-                continue
-            rows = slice(qsl[i], qsl[i] + end - s.start)
-            chunk = logits[rows] if logits is not None else self.model.compute_logits(hidden[rows])
-            if req.params.return_context_logits:
-                out.context_logits[req.request_id] = (s.start, chunk.float().cpu())
-            if req.params.prompt_logprobs is not None:
-                out.prompt_logprobs[req.request_id] = chunk_logprobs(
-                    chunk, req.prompt_token_ids, s.start, req.params.prompt_logprobs
-                )
-
-    def _sample(self, reqs: list, logits: torch.Tensor | None) -> LaunchedStep:
-        """logits [B, V] of the requests that sample this step -> their new tokens (queued)."""
-        if not reqs:
-            return LaunchedStep([], None, RunnerOutput())
-        batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.generator for r in reqs],
-            [r.eos_token_ids for r in reqs],
-            [r.bad_words for r in reqs],
-            logits.shape[-1],
-            self.device,
-            grammars=[r.grammar for r in reqs],
-        )
-        out = RunnerOutput()
-        for i, r in enumerate(reqs):
-            if r.params.return_generation_logits:
-                out.generation_logits[r.request_id] = logits[i].float().cpu()
-        return LaunchedStep(reqs, self.sampler(logits, batch), out)
-
-    def _merge_mm_embeddings(self, computed: list, qsl: list[int], embeds: torch.Tensor) -> None:
-        """Overwrite placeholder-token embeddings with the vision encoder's outputs for this chunk."""
-        spans = []  # (flat dst, item, src offset in item, count)
-        for i, s in enumerate(computed):
-            for item in s.request.mm_items_in(s.start, s.end):
-                lo, hi = max(s.start, item.offset), min(s.end, item.end)
-                spans.append((qsl[i] + lo - s.start, item, lo - item.offset, hi - lo))
-        if not spans:
-            return
-        encoded = self._encode([item for _, item, _, _ in spans])
-        for dst, item, src, n in spans:
-            embeds[dst : dst + n] = encoded[item.content_hash][src : src + n].to(embeds.dtype)
-
-    def _encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
-        """Embeddings by content hash: cached ones reused, the rest encoded in batches of equal shape."""
-        out: dict[str, torch.Tensor] = {}
-        todo: dict[tuple, list[MultiModalItem]] = {}
-        for item in items:
-            if item.content_hash in out:
-                continue
-            if (
-                item.modality == TABLE_MODALITY
-            ):  # a client's prompt table: the embeddings themselves, no encoder
-                out[item.content_hash] = self._on_device(item).data["embeddings"]
-                continue
-            emb = self.encoder_cache.get(item.content_hash)
-            if emb is not None:
-                out[item.content_hash] = emb
-                continue
-            out[item.content_hash] = None
-            key = (item.modality,) + tuple(
-                (k, tuple(v.shape)) for k, v in sorted(item.data.items())
-            )
-            todo.setdefault(key, []).append(item)
-        for group in todo.values():
-            moved = [self._on_device(it) for it in group]
-            with self._vision_kernels():
-                if self.encoder_graphs is not None:
-                    embeddings = self.encoder_graphs.encode(moved)
-                else:
-                    embeddings = self.model.get_mm_embeddings(moved)
-            for item, emb in zip(group, embeddings):
-                out[item.content_hash] = emb
-                self.encoder_cache.put(item.content_hash, emb)
-        return out
-
-    def _vision_kernels(self) -> contextlib.AbstractContextManager:
-        """encoder_graphs.vision_kernels for this model's dtype."""
-        return vision_kernels(self.dtype)
-
-    def _on_device(self, item: MultiModalItem) -> MultiModalItem:
-        """`item` with its floating encoder inputs on the device in the model's dtype, copied without a host sync;
-        integer ones (grid and image sizes, which models read as shapes) stay on the host, where the
-        preprocessing put them, so reading them never waits for the steps queued on the GPU."""
-        data = {}
-        for k, v in item.data.items():
-            if not v.is_floating_point():
-                data[k] = v
-            elif v.device.type == "cpu" and self.device.type == "cuda":
-                data[k] = to_device(
-                    v, self.dtype, self.device
-                )  # pinned: a pageable copy would sync the stream
-            else:
-                data[k] = v.to(self.device, self.dtype)
-        return dataclasses.replace(item, data=data)

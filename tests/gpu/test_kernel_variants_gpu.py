@@ -19,15 +19,15 @@ def _compiled(jit_fn) -> int:
 def test_mixed_steps_reuse_the_first_compiled_variants(cache_dtype):
     from mmserve.attention import triton_backend
     from mmserve.kernels import paged_attention as kernels
-    from mmserve.kernels import paged_decode
+    from mmserve.kernels import paged_decode, paged_decode_kernels
     from tests.kernels.attention_checks import make_batch
 
     dev = torch.device("cuda")
     watched = [
         kernels._prefill_kernel,
-        paged_decode._decode_kernel,
-        paged_decode._decode_rows_kernel,
-        paged_decode._decode_reduce_kernel,
+        paged_decode_kernels._decode_kernel,
+        paged_decode_kernels._decode_rows_kernel,
+        paged_decode_kernels._decode_reduce_kernel,
     ]
     counts = None
     # every 16-byte alignment of the prompts' int32 slices; from ROWS_MIN_BATCH decodes an fp8 cache takes the

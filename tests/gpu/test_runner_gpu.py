@@ -118,13 +118,13 @@ def test_encoder_graphs_match_the_eager_tower(tiny_llava_dir):
         max_num_batched_tokens=2 * length,
     )
     runner = llm.engine.runner
-    assert runner.encoder_graphs is not None
-    assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3]
-    moved = [runner._on_device(it) for it in items]
+    assert runner.encoder.graphs is not None
+    assert sorted(key[-1] for key in runner.encoder.graphs.graphs) == [1, 2, 3]
+    moved = [runner.encoder.on_device(it) for it in items]
     eager = runner.model.get_mm_embeddings(moved)
-    graphed = runner.encoder_graphs.encode(moved)  # bucket 10: captured on first use
-    graphed_again = runner.encoder_graphs.encode(moved[:2])  # bucket 2: warmed at startup
-    assert sorted(key[-1] for key in runner.encoder_graphs.graphs) == [1, 2, 3, 10]
+    graphed = runner.encoder.graphs.encode(moved)  # bucket 10: captured on first use
+    graphed_again = runner.encoder.graphs.encode(moved[:2])  # bucket 2: warmed at startup
+    assert sorted(key[-1] for key in runner.encoder.graphs.graphs) == [1, 2, 3, 10]
     for e, g in zip(eager, graphed):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     for e, g in zip(eager, graphed_again):
@@ -143,11 +143,11 @@ def test_encoder_graphs_warmed_for_the_default_token_budget(tiny_llava_dir):
     length = engine.inputs.blank_image_item().length
     most = cdiv(engine.config.scheduler.max_num_batched_tokens, length) + 1
     top = next((b for b in BUCKETS if b >= most), BUCKETS[-1])
-    warmed = sorted(key[-1] for key in engine.runner.encoder_graphs.graphs)
+    warmed = sorted(key[-1] for key in engine.runner.encoder.graphs.graphs)
     assert warmed == [b for b in BUCKETS if b <= top]
     llm.generate(_prompts(6), SamplingParams(max_tokens=4), use_tqdm=False)
     assert (
-        sorted(key[-1] for key in engine.runner.encoder_graphs.graphs) == warmed
+        sorted(key[-1] for key in engine.runner.encoder.graphs.graphs) == warmed
     )  # nothing captured on use
 
 
@@ -232,10 +232,10 @@ def test_fp32_vision_encoding_does_not_depend_on_batch_size(tiny_llava_dir, enfo
                 {"prompt": "USER: <image>\nhi ASSISTANT:", "images": [make_test_image(80 + i)]}
             ).mm_items
         ]
-        together = runner._encode(items)  # noqa: SLF001 - one batch of three
-        runner.encoder_cache.clear()
+        together = runner.encoder.encode(items)  # one batch of three
+        runner.encoder.cache.clear()
         for it in items:
-            alone = runner._encode([it])[it.content_hash]  # noqa: SLF001
+            alone = runner.encoder.encode([it])[it.content_hash]
             torch.testing.assert_close(alone, together[it.content_hash], rtol=1e-5, atol=1e-5)
         assert torch.backends.cudnn.allow_tf32 is True  # restored after each encode
     finally:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from mmserve.worker.sampler import Sampler, SamplerOutput
+from mmserve.worker.sampling_batch import SamplingBatch
 
 pytestmark = pytest.mark.gpu
 

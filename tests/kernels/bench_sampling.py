@@ -11,7 +11,8 @@ import torch
 import triton.testing
 
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.sampler import Sampler, SamplingBatch
+from mmserve.worker.sampler import Sampler
+from mmserve.worker.sampling_batch import SamplingBatch
 
 MIXES = {
     "temperature 0.8": dict(temperature=0.8),

@@ -19,10 +19,10 @@ def reference_probs(
 ) -> torch.Tensor:
     """The fused sampler's target distribution for one row of logits [V] (fp32 probabilities), from torch.
 
-    The torch sampler's filters (worker/sampler.py) for top-k and min-p; top-p written out with ties kept:
+    The torch sampler's filters (worker/sampling_filters.py) for top-k and min-p; top-p written out with ties kept:
     a token stays iff the top-k mass of the tokens with a strictly larger logit is < top_p (the torch sampler
     cuts a tie at the boundary in sort order; bf16 logits at real vocabulary sizes have such ties)."""
-    from mmserve.worker.sampler import apply_top_k_top_p_min_p
+    from mmserve.worker.sampling_filters import apply_top_k_top_p_min_p
 
     row = logits.float().unsqueeze(0) / temperature
     row = apply_top_k_top_p_min_p(

@@ -86,11 +86,11 @@ def test_caches_key_on_the_picture_and_the_question(deplot_dir):
     first = llm.generate([_chart(3)], GREEDY)[0]
     again = llm.generate([_chart(3)], GREEDY)[0]  # the same picture (a new object) and question
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert len(llm.engine.runner.encoder_cache) == 1
+    assert len(llm.engine.runner.encoder.cache) == 1
     asked = llm.generate([_chart(3, "Which year?")], GREEDY)[
         0
     ]  # same picture, another header: encoded anew
-    assert len(llm.engine.runner.encoder_cache) == 2 and asked.metrics.num_cached_tokens == 0
+    assert len(llm.engine.runner.encoder.cache) == 2 and asked.metrics.num_cached_tokens == 0
     assert_matches_oracle(asked, _oracle(deplot_dir, _chart(3, "Which year?")))
 
 

@@ -115,7 +115,7 @@ def test_off_when_asked_or_without_prefix_caching(tiny_llava_dir):
         prompt = _prompt(6)
         first = llm.generate([prompt, prompt], GREEDY, use_tqdm=False)
         second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-        assert _hits(llm) == 0 and llm.engine.runner.prompt_ends is None
+        assert _hits(llm) == 0 and llm.engine.runner.sampling.prompt_ends is None
         assert (
             second.outputs[0].token_ids
             == first[0].outputs[0].token_ids

@@ -182,10 +182,10 @@ def in_process_server(model_dir: str, step_delay_s: float = 0.0, grpc: bool = Fa
     from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
-    from mmserve.entrypoints.grpc_server import start_grpc_server
     from mmserve.entrypoints.http_server import build_app
     from mmserve.entrypoints.server_config import ServerConfig
     from mmserve.entrypoints.state import ServerState
+    from mmserve.entrypoints.triton.grpc_server import start_grpc_server
     from mmserve.multimodal.media_limits import MediaConfig
 
     media = MediaConfig()

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoProcessor
 
 from mmserve import LLM, SamplingParams
-from mmserve.entrypoints.triton_prompts import build_prompt
+from mmserve.entrypoints.triton.prompts import build_prompt
 from mmserve.testing import image_to_png_bytes, make_test_image
 
 TEXT = "What is in this picture?"

@@ -26,7 +26,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.core.result import Ok
 
-from mmserve.entrypoints.triton_models import ACCEPTED_INPUTS, TRTLLM_INPUTS
+from mmserve.entrypoints.triton.models import ACCEPTED_INPUTS, TRTLLM_INPUTS
 from tests.server.conftest import start_server
 
 FUZZ_BUDGET_S = (

@@ -408,7 +408,7 @@ def test_beam_width_returns_every_beam_best_first(server, offline):
 
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.beam_search import beam_search
-    from mmserve.entrypoints.triton_outputs import full_text
+    from mmserve.entrypoints.triton.outputs import full_text
 
     text = "USER: tell me a story ASSISTANT:"
     engine = AsyncEngine(offline.engine)

@@ -280,7 +280,7 @@ def test_prompt_embedding_table_carries_a_pictures_features(http, offline):
         {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "images": [make_test_image(5)]}
     )
     [item] = processed.mm_items
-    table = engine.runner._encode([item])[item.content_hash].half()  # noqa: SLF001 - the encoder's own output
+    table = engine.runner.encoder.encode([item])[item.content_hash].half()
     vocab = engine.text_config.vocab_size
     ids = list(processed.prompt_token_ids)
     ids[item.offset : item.end] = range(vocab, vocab + item.length)

@@ -13,7 +13,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from mmserve.entrypoints import grpc_server, openai_api, tokenize_api, triton_http
+from mmserve.entrypoints.openai import api as openai_api
+from mmserve.entrypoints.openai import tokenize as tokenize_api
+from mmserve.entrypoints.triton import grpc_server
+from mmserve.entrypoints.triton import http as triton_http
 from tests.server.conftest import in_process_server
 from tests.server.test_hostile_inputs import KeepAlive
 

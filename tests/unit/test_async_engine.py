@@ -71,7 +71,7 @@ def test_a_failure_while_a_step_is_in_flight_leaves_the_engine_clean(engine):
     before = (
         asyncio.run(_collect(engine, "USER: again ASSISTANT:", params))[-1].outputs[0].token_ids
     )
-    real_resolve, calls = engine.engine._resolve, []  # noqa: SLF001
+    real_resolve, calls = engine.engine.outputs.resolve, []
 
     def broken_third(*args):
         calls.append(1)
@@ -79,7 +79,7 @@ def test_a_failure_while_a_step_is_in_flight_leaves_the_engine_clean(engine):
             raise RuntimeError("boom")
         return real_resolve(*args)
 
-    engine.engine._resolve = broken_third  # noqa: SLF001
+    engine.engine.outputs.resolve = broken_third
     with pytest.raises(RuntimeError, match="boom"):
         asyncio.run(
             _collect(engine, "USER: hi ASSISTANT:", SamplingParams(max_tokens=20, ignore_eos=True))

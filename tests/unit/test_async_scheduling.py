@@ -160,7 +160,7 @@ def test_penalties_make_the_engine_wait_for_tokens_and_match_sync(tiny_llava_dir
     llm = _llm(tiny_llava_dir, True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert _summary(outs) == _summary(sync)
-    assert not llm.engine._needs_history  # noqa: SLF001 - the set empties as requests finish
+    assert not llm.engine.outputs.needs_history  # the set empties as requests finish
 
 
 def test_requests_at_the_model_length_limit(tiny_llava_dir):

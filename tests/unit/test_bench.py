@@ -14,7 +14,7 @@ import pytest
 from mmserve.bench.cli import main
 from mmserve.bench.report import write_outputs
 from mmserve.bench.roofline import lm_shape
-from mmserve.bench.serve import ServeConfig
+from mmserve.bench.serve_config import ServeConfig
 from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
 from tests.conftest import strict_json
 

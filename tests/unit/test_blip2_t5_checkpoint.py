@@ -11,13 +11,8 @@ import torch
 from transformers import AutoProcessor, Blip2ForConditionalGeneration
 
 from mmserve.testing import make_checkpoint, make_test_image
-from mmserve.testing.blip2 import (
-    _param_specs,
-    blip2_config,
-    blip2_sizes,
-    make_blip2_checkpoint,
-    t5_vocab,
-)
+from mmserve.testing.blip2 import _param_specs, blip2_config, blip2_sizes, make_blip2_checkpoint
+from mmserve.testing.tokenizer import t5_vocab
 from tests.checkpoint_files import file_tensors, files_digest
 
 PROMPT = "Question: what is this? Answer:"

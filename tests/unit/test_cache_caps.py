@@ -35,7 +35,8 @@ def test_bounded_lru_keeps_its_entry_and_byte_caps():
 def test_processed_prompts_are_capped_in_bytes(tiny_llava_dir):
     from mmserve.models.loader import load_hf_config
     from mmserve.models.registry import get_model_class
-    from mmserve.multimodal.processors import InputProcessor, _inputs_bytes
+    from mmserve.multimodal.bounded_lru import inputs_bytes
+    from mmserve.multimodal.processors import InputProcessor
 
     hf_config = load_hf_config(tiny_llava_dir)
     proc = InputProcessor(tiny_llava_dir, hf_config, get_model_class(hf_config))
@@ -47,7 +48,7 @@ def test_processed_prompts_are_capped_in_bytes(tiny_llava_dir):
         }
 
     first = proc.process(prompt(1))
-    size = _inputs_bytes(first)
+    size = inputs_bytes(first)
     pixels = first.mm_items[0].data["pixel_values"].nbytes
     assert size >= pixels + 40 * len(first.prompt_token_ids)
     assert proc.process(prompt(1)) is first  # an exact repeat is served from the cache

@@ -160,8 +160,8 @@ def test_a_step_admitting_many_pictures_encodes_them_a_few_at_a_time(family_dirs
     engine = LLM(model_dir, device="cpu", dtype="float32").engine
     runner = engine.runner
     runner.cross_encode_batch = 2
-    sizes, encode = [], runner._encode
-    runner._encode = lambda items: sizes.append(len(items)) or encode(items)
+    sizes, encode = [], runner.encoder.encode
+    runner.encoder.encode = lambda items: sizes.append(len(items)) or encode(items)
     outs, _ = _run(engine, prompts, params)
     assert sizes == [2, 2, 1] and [outs[str(i)] for i in range(5)] == want
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.worker.sampler import Sampler, SamplingBatch
+from mmserve.worker.sampler import Sampler
+from mmserve.worker.sampling_batch import SamplingBatch
 
 SCHEMA = {
     "type": "object",

@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 
-from mmserve.entrypoints import triton_http
 from mmserve.entrypoints.json_wire import (
     FLOAT32_MAX,
     WireJSONResponse,
@@ -17,7 +16,8 @@ from mmserve.entrypoints.json_wire import (
     json_float,
     loads_object,
 )
-from mmserve.entrypoints.openai_protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from mmserve.entrypoints.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from mmserve.entrypoints.triton import http as triton_http
 from tests.conftest import strict_json
 
 

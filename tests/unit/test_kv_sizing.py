@@ -267,7 +267,7 @@ def test_profile_on_cuda_covers_an_eager_vision_encoder_and_the_encoder_cache(tm
     )
     model, text = _build(model_dir, torch.float32, device="cuda")
     runner = _runner(model, text, torch.float32, device="cuda", encoder_cache_size=4096)
-    assert runner.encoder_graphs is None and not model.family.encoder_cuda_graphs
+    assert runner.encoder.graphs is None and not model.family.encoder_cuda_graphs
     template = InputProcessor(model_dir, load_hf_config(model_dir), type(model)).blank_image_item(
         (448, 448)
     )

@@ -9,9 +9,9 @@ import pydantic
 import pytest
 
 from mmserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mmserve.entrypoints.openai_protocol import ChatMessage, CompletionRequest
-from mmserve.entrypoints.openai_requests import MAX_CHOICES, num_choices
-from mmserve.entrypoints.openai_responses import OpenAIError, usage_of
+from mmserve.entrypoints.openai.protocol import ChatMessage, CompletionRequest
+from mmserve.entrypoints.openai.requests import MAX_CHOICES, num_choices
+from mmserve.entrypoints.openai.responses import OpenAIError, usage_of
 from mmserve.entrypoints.streams import merge
 from mmserve.sampling_params import SamplingParams, choice_params
 
@@ -137,9 +137,10 @@ def test_closing_a_merge_early_closes_every_stream():
 def test_guides_compile_off_the_event_loop_and_bad_ones_name_their_field():
     """A large JSON schema's first compile takes a while: it runs on a worker thread, not the server's loop."""
     import threading
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
-    from mmserve.entrypoints.openai_requests import completion_params
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.entrypoints.openai.requests import completion_params
 
     threads = []
 
@@ -148,13 +149,12 @@ def test_guides_compile_off_the_event_loop_and_bad_ones_name_their_field():
         if "bad" in guide:
             raise ValueError(f"guided_decoding_guide: cannot compile {guide!r}")
 
-    state = SimpleNamespace(
-        engine=SimpleNamespace(
-            engine=SimpleNamespace(
-                grammars=SimpleNamespace(compile=compile_guide), max_model_len=64
-            )
-        )
+    engine = SimpleNamespace(  # AsyncEngine's own compile_guide, over a fake Engine
+        engine=SimpleNamespace(grammars=SimpleNamespace(compile=compile_guide)),
+        model_info=SimpleNamespace(max_model_len=64),
     )
+    engine.compile_guide = MethodType(AsyncEngine.compile_guide, engine)
+    state = SimpleNamespace(engine=engine)
     params = asyncio.run(
         completion_params(CompletionRequest(model="m", prompt="x", guided_regex="[0-9]+"), state)
     )

@@ -22,7 +22,7 @@ def table_prompt(llm, image) -> tuple[list[int], torch.Tensor]:
     engine = llm.engine
     processed = engine.inputs.process({"prompt": PROMPT, "images": [image]})
     [item] = processed.mm_items
-    table = engine.runner._encode([item])[item.content_hash].float()  # noqa: SLF001 - the encoder's own output
+    table = engine.runner.encoder.encode([item])[item.content_hash].float()
     vocab = engine.text_config.vocab_size
     ids = list(processed.prompt_token_ids)
     ids[item.offset : item.end] = range(vocab, vocab + item.length)

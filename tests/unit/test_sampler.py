@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.sampler import (
-    Sampler,
-    SamplingBatch,
-    apply_penalties,
-    apply_top_k_top_p_min_p,
-)
+from mmserve.worker.sampler import Sampler
+from mmserve.worker.sampling_batch import SamplingBatch
+from mmserve.worker.sampling_filters import apply_penalties, apply_top_k_top_p_min_p
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")

@@ -1,4 +1,4 @@
-"""The server process settles the garbage collector once its engine exists (entrypoints/cli.py): what exists is
+"""The server process settles the garbage collector once its engine exists (entrypoints/serve.py): what exists is
 frozen out of collections and the first generation collects far less often. Run in a child process, so the test
 process keeps its own collector settings."""
 
@@ -12,7 +12,7 @@ def test_settle_garbage_collector_freezes_and_raises_the_threshold() -> None:
     code = (
         "import gc\n"
         "keep = [[i] for i in range(1000)]\n"
-        "from mmserve.entrypoints.cli import GC_GEN0_THRESHOLD, settle_garbage_collector\n"
+        "from mmserve.entrypoints.serve import GC_GEN0_THRESHOLD, settle_garbage_collector\n"
         "before = gc.get_threshold()\n"
         "settle_garbage_collector()\n"
         "print(gc.get_freeze_count() >= 1000, gc.get_threshold()[0] == GC_GEN0_THRESHOLD > before[0],\n"

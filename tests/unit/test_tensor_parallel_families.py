@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.startup import on_every_rank, profile_templates
 from mmserve.testing import make_test_image
 from mmserve.testing.blip2 import make_blip2_checkpoint
 from mmserve.testing.fuyu import make_fuyu_checkpoint
@@ -172,10 +173,12 @@ def test_every_rank_profiles_the_same_layers(tmp_path):
     kw = dict(device="cpu", dtype="float32")
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         engine = llm.engine
-        here, workers = engine._profile_templates(engine.inputs.blank_image_item())
+        here, workers = profile_templates(engine.model, engine.inputs.blank_image_item(), True)
         assert workers[1] is not None and workers[1][1] == engine.model.cross_kv_tokens(here[0])
         caches = list(engine.runner.kv_caches)
-        engine._on_every_rank("profile_prefill", (32, *here), (32, *workers))
+        on_every_rank(
+            engine.runner, engine.tp_workers, "profile_prefill", (32, *here), (32, *workers)
+        )
         assert all(
             a is b for a, b in zip(engine.runner.kv_caches, caches, strict=True)
         )  # its own cache is back

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mmserve.core.outputs import CompletionOutput, Logprob, RequestOutput
-from mmserve.entrypoints import triton_outputs as tout
-from mmserve.entrypoints import triton_protocol as tp
-from mmserve.entrypoints.triton_models import inputs_of, model_config_json, model_metadata
-from mmserve.entrypoints.triton_prompts import build_prompt
-from mmserve.entrypoints.triton_tensors import (
+from mmserve.entrypoints.triton import outputs as tout
+from mmserve.entrypoints.triton import protocol as tp
+from mmserve.entrypoints.triton.models import inputs_of, model_config_json, model_metadata
+from mmserve.entrypoints.triton.prompts import build_prompt
+from mmserve.entrypoints.triton.tensors import (
     check_json_value,
     deserialize_bytes,
     from_generate_value,
@@ -30,7 +30,9 @@ from mmserve.testing import make_test_image
 STATE = SimpleNamespace(
     media=MediaConfig(),
     model_type="llava",
-    engine=SimpleNamespace(engine=SimpleNamespace(inputs=SimpleNamespace(image_token="<image>"))),
+    engine=SimpleNamespace(
+        model_info=SimpleNamespace(image_token="<image>", video_token=None), lora_names=lambda: []
+    ),
 )
 
 
@@ -379,7 +381,7 @@ def test_full_text_puts_the_decoded_prompt_before_the_completion():
 
 
 def test_errors_map_to_triton_http_statuses():
-    from mmserve.engine.engine import EngineOverloaded
+    from mmserve.engine.admission import EngineOverloaded
     from mmserve.entrypoints.state import ServerBusy
 
     assert [
@@ -395,7 +397,7 @@ def test_errors_map_to_triton_http_statuses():
 
 
 def test_llava_next_ensemble_prompt_uses_the_mistral_instruction_format():
-    from mmserve.entrypoints.triton_prompts import build_prompt
+    from mmserve.entrypoints.triton.prompts import build_prompt
 
     assert build_prompt("llava_next", "What is it?", 1) == "[INST] <image>\nWhat is it? [/INST]"
 
@@ -420,18 +422,21 @@ def test_logits_flags_reach_sampling_params_and_logits_fill_the_outputs():
 
 
 def test_word_lists_split_ids_at_their_end_offsets() -> None:
-    from mmserve.entrypoints.triton_tokens import word_lists
+    from mmserve.entrypoints.triton.requests import BatchItem
+    from mmserve.entrypoints.triton.tokens import word_lists
 
-    item = tp._Item({"stop_words_list": np.array([[[5, 6, 7, 0], [2, 3, -1, -1]]], np.int32)}, 0)
+    item = BatchItem({"stop_words_list": np.array([[[5, 6, 7, 0], [2, 3, -1, -1]]], np.int32)}, 0)
     assert word_lists(item, "stop_words_list") == [[5, 6], [7]]
-    assert word_lists(tp._Item({}, 0), "stop_words_list") == []
+    assert word_lists(BatchItem({}, 0), "stop_words_list") == []
     for bad in (
         [[5, 6], [3, -1]],
         [[5, 6], [2, 1]],
         [[5, -6], [2, -1]],
     ):  # past the ids, decreasing, negative
         with pytest.raises(ValueError, match="bad_words_list"):
-            word_lists(tp._Item({"bad_words_list": np.array([bad], np.int32)}, 0), "bad_words_list")
+            word_lists(
+                BatchItem({"bad_words_list": np.array([bad], np.int32)}, 0), "bad_words_list"
+            )
 
 
 def test_token_sequences_are_validated_by_name() -> None:

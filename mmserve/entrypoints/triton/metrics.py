@@ -1,18 +1,18 @@
 """Triton's and TensorRT-LLM's Prometheus metric families on mmserve's /metrics, so that dashboards and inference
 gateways set up for Triton + TensorRT-LLM read mmserve unchanged: per model name the `nv_inference_*` request
-counters and cumulative durations (from the statistics extension's numbers, triton_statistics.py), and for the
+counters and cumulative durations (from the statistics extension's numbers, statistics.py), and for the
 `tensorrt_llm` model the engine gauges `nv_trt_llm_request_metrics{request_type}` (active, max, scheduled,
 context, waiting) and `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type}` (max, free, used, tokens_per,
 fraction)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from mmserve.entrypoints.triton_models import MODEL_VERSION, TRTLLM
-from mmserve.entrypoints.triton_statistics import TritonStatistics
+from mmserve.entrypoints.triton.models import MODEL_VERSION, TRTLLM
+from mmserve.entrypoints.triton.statistics import TritonStatistics
 
 # Triton family name -> (help, statistics phase, what of it: count, or microseconds of its ns)
 _REQUEST_FAMILIES = {
@@ -63,7 +63,7 @@ class TritonCollector:
         self.statistics = statistics
         self.stats_fn = stats_fn
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         by_model = dict(self.statistics.by_model)
         for name, (doc, phase, what) in _REQUEST_FAMILIES.items():
             yield _counter(

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.core.outputs import RequestOutput
-from mmserve.engine.engine import EngineOverloaded
-from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.engine.admission import EngineOverloaded
+from mmserve.entrypoints.openai.responses import OpenAIError
 from mmserve.entrypoints.state import ServerBusy, ServerState
 from mmserve.sampling_params import SamplingParams
 

@@ -1,9 +1,10 @@
 """Pure building of OpenAI answers from engine outputs: error bodies, response bodies, SSE stream chunks,
-usage and logprobs. No I/O and no engine calls; openai_api.py runs the requests and sends these.
+usage and logprobs. No I/O and no engine calls; api.py runs the requests and sends these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel
 
 from mmserve.core.outputs import Logprob, RequestOutput
 from mmserve.entrypoints.json_wire import WireJSONResponse, dumps
-from mmserve.entrypoints.openai_protocol import (
+from mmserve.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -279,7 +280,7 @@ def prompt_logprobs(out: RequestOutput) -> list[dict[str, PromptLogprob] | None]
     ]
 
 
-def echo_logprobs(out: RequestOutput, decode) -> CompletionLogprobs:
+def echo_logprobs(out: RequestOutput, decode: Callable[[list[int]], str]) -> CompletionLogprobs:
     """The echoed prompt's part of a completion's logprobs: each prompt token with its logprob and top
     logprobs (None for the first token, which nothing predicts), offsets from the start of the text."""
     first = decode([out.prompt_token_ids[0]])

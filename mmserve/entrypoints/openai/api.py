@@ -1,9 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/chat/completions (text + images), /v1/completions.
 
-Every request goes through ServerState.generate, once per choice (`n`, see openai_fanout.py). Errors use
+Every request goes through ServerState.generate, once per choice (`n`, see fanout.py). Errors use
 OpenAI's JSON shape {"error": {"message", "type", "param", "code"}}; streams are SSE `data: {chunk}` events
 ending in `data: [DONE]`. A client that disconnects aborts every choice's engine request.
-Request parsing lives in openai_requests.py, the building of answers in openai_responses.py.
+Request parsing lives in requests.py, the building of answers in responses.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.entrypoints.json_wire import WireJSONResponse
-from mmserve.entrypoints.openai_fanout import (
+from mmserve.entrypoints.openai.fanout import (
     ChoiceRun,
     close_choices,
     engine_error,
@@ -29,7 +29,8 @@ from mmserve.entrypoints.openai_fanout import (
     start_beam_choices,
     start_choices,
 )
-from mmserve.entrypoints.openai_protocol import (
+from mmserve.entrypoints.openai.openapi import openai_route
+from mmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -41,7 +42,7 @@ from mmserve.entrypoints.openai_protocol import (
     new_id,
     now,
 )
-from mmserve.entrypoints.openai_requests import (
+from mmserve.entrypoints.openai.requests import (
     beam_width_of,
     chat_params,
     chat_prompt,
@@ -52,7 +53,7 @@ from mmserve.entrypoints.openai_requests import (
     parse_body,
     with_lora,
 )
-from mmserve.entrypoints.openai_responses import (
+from mmserve.entrypoints.openai.responses import (
     OpenAIError,
     ResponseContext,
     chat_chunk,
@@ -64,7 +65,6 @@ from mmserve.entrypoints.openai_responses import (
     sse,
     usage_of,
 )
-from mmserve.entrypoints.openapi_schemas import openai_route
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.streams import merge
 from mmserve.sampling_params import choice_params

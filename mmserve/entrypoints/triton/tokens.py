@@ -2,7 +2,7 @@
 tokenizer, and what its own clients (`inflight_batcher_llm_client.py`) call directly: input_ids / input_lengths /
 request_output_len and TensorRT-LLM's runtime names (runtime_top_k, len_penalty, streaming, stop_words_list as
 [2, L] token lists, embedding_bias over the vocabulary) -> TritonRequests of prompt token ids. `stop` true cancels
-the running requests sent under the same request id. Outputs are built by triton_outputs.py (output_ids,
+the running requests sent under the same request id. Outputs are built by outputs.py (output_ids,
 sequence_length). Pictures come as TensorRT-LLM passes them to this
 model: visual features in `prompt_embedding_table` [F, hidden], which prompt ids from the vocabulary size on
 stand for (multimodal/prompt_table.py)."""
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from mmserve.entrypoints.state import ServerState
-from mmserve.entrypoints.triton_models import ALIASES, MAX_BATCH_SIZE, TRTLLM, TRTLLM_INPUTS
-from mmserve.entrypoints.triton_protocol import (
+from mmserve.entrypoints.triton.models import ALIASES, MAX_BATCH_SIZE, TRTLLM, TRTLLM_INPUTS
+from mmserve.entrypoints.triton.requests import (
+    BatchItem,
     TritonRequest,
-    _Item,
     beam_width,
     check_tensor,
     guided_params,
@@ -49,10 +49,10 @@ async def parse_token_request(
         raise ValueError(f"input_ids: batch size must be in [1, {MAX_BATCH_SIZE}], got {batch}")
     for name, arr in tensors.items():
         check_tensor(TRTLLM, name, arr, batch, SPECS, batch_input="input_ids")
-    return [await _parse_item(state, _Item(tensors, b)) for b in range(batch)]
+    return [await _parse_item(state, BatchItem(tensors, b)) for b in range(batch)]
 
 
-def word_lists(g: _Item, name: str) -> list[list[int]]:
+def word_lists(g: BatchItem, name: str) -> list[list[int]]:
     """TensorRT-LLM's [2, L] word list of one batch item: row 0 the words' token ids end to end, row 1 each
     word's end offset into row 0, padded with -1 (e.g. words [5, 6] and [7]: [[5, 6, 7], [2, 3, -1]])."""
     arr = g.tensors.get(name)
@@ -78,7 +78,7 @@ def word_lists(g: _Item, name: str) -> list[list[int]]:
     return words
 
 
-def _prompt_ids(g: _Item, vocab: int, table_rows: int) -> list[int]:
+def _prompt_ids(g: BatchItem, vocab: int, table_rows: int) -> list[int]:
     ids = g.values("input_ids")
     length = g.scalar("input_lengths")
     if length is None or not 1 <= int(length) <= len(ids):
@@ -96,7 +96,7 @@ def _prompt_ids(g: _Item, vocab: int, table_rows: int) -> list[int]:
     return prompt
 
 
-def _prompt_table(g: _Item) -> np.ndarray | None:
+def _prompt_table(g: BatchItem) -> np.ndarray | None:
     """This item's prompt_embedding_table [F, hidden], checked against prompt_vocab_size (F) when that is given."""
     table = g.tensors.get("prompt_embedding_table")
     if table is None:
@@ -116,7 +116,7 @@ def _prompt_table(g: _Item) -> np.ndarray | None:
     return table
 
 
-def _embedding_bias(g: _Item, vocab: int) -> dict[int, float]:
+def _embedding_bias(g: BatchItem, vocab: int) -> dict[int, float]:
     bias = g.values("embedding_bias")
     if bias is None:
         return {}
@@ -129,7 +129,7 @@ def _embedding_bias(g: _Item, vocab: int) -> dict[int, float]:
     return {int(i): float(bias[i]) for i in np.flatnonzero(bias)}
 
 
-def _sampling_params(g: _Item, vocab: int) -> SamplingParams:
+def _sampling_params(g: BatchItem, vocab: int) -> SamplingParams:
     max_tokens = g.scalar("request_output_len")
     if max_tokens is None or max_tokens <= 0:
         raise ValueError(f"request_output_len must be a single value > 0, got {max_tokens}")
@@ -176,8 +176,8 @@ def _sampling_params(g: _Item, vocab: int) -> SamplingParams:
         raise ValueError(message) from exc
 
 
-async def _parse_item(state: ServerState, g: _Item) -> TritonRequest:
-    vocab = state.engine.engine.text_config.vocab_size
+async def _parse_item(state: ServerState, g: BatchItem) -> TritonRequest:
+    vocab = state.engine.model_info.vocab_size
     params = _sampling_params(g, vocab)
     table = _prompt_table(g)
     prompt: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Running TritonRequests (triton_protocol.py) on the engine: one request's outputs (beam search, sampled
+"""Running TritonRequests (protocol.py, tokens.py) on the engine: one request's outputs (beam search, sampled
 sequences, plain), a batch answered in one response, and the streaming rules of decoupled models (PROTOCOL §1, §6):
 per new text piece or token ids, beams whole, sampled sequences side by side with their sequence_index."""
 
@@ -13,10 +13,11 @@ import numpy as np
 from mmserve.core.outputs import CompletionOutput, RequestOutput, one_output
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.streams import merge
-from mmserve.entrypoints.triton_models import TRTLLM
-from mmserve.entrypoints.triton_outputs import Chunk, full_text, make_outputs
-from mmserve.entrypoints.triton_protocol import TritonRequest, rename_fields
-from mmserve.entrypoints.triton_statistics import Execution
+from mmserve.entrypoints.triton.models import TRTLLM
+from mmserve.entrypoints.triton.outputs import Chunk, full_text, make_outputs
+from mmserve.entrypoints.triton.protocol import rename_fields
+from mmserve.entrypoints.triton.requests import TritonRequest
+from mmserve.entrypoints.triton.statistics import Execution
 from mmserve.sampling_params import SamplingParams, choice_params
 
 
@@ -74,10 +75,6 @@ async def _sampled_sequences(state: ServerState, req: TritonRequest) -> RequestO
     return one_output([t.result() for t in tasks])
 
 
-def _block_size(state: ServerState) -> int:
-    return int(getattr(getattr(state.engine.engine, "kv", None), "block_size", 16))
-
-
 async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.ndarray]:
     """Run every batch item to completion (concurrently) and build the single response's tensors."""
     with state.statistics.execution(reqs[0].model, len(reqs)) as execution:
@@ -120,7 +117,7 @@ async def _infer(
         except BaseExceptionGroup as group_error:
             raise group_error.exceptions[0] from None
         chunks = [t.result() for t in tasks]
-    return make_outputs(chunks, reqs[0].model, _block_size(state))
+    return make_outputs(chunks, reqs[0].model, state.engine.model_info.block_size)
 
 
 async def stream(
@@ -132,7 +129,7 @@ async def stream(
     if not req.stream:
         yield await infer(state, [req]), True
         return
-    block_size = _block_size(state)
+    block_size = state.engine.model_info.block_size
     with state.statistics.execution(
         req.model, 1
     ) as execution:  # a stream closed early counts as a fail

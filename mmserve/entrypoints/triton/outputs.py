@@ -5,12 +5,13 @@ model's timing and KV-cache metrics, and the client's choice of outputs (PROTOCO
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.core.transfer import cdiv
-from mmserve.entrypoints.triton_models import BLS, OUTPUTS, TRTLLM, TRTLLM_OUTPUTS, outputs_of
+from mmserve.entrypoints.triton.models import BLS, OUTPUTS, TRTLLM, TRTLLM_OUTPUTS, outputs_of
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Chunk:
     sequence_index: int = 0  # a streamed response of one of num_return_sequences sampled sequences
 
 
-def full_text(tokenizer, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
+def full_text(tokenizer: Any, out: RequestOutput, exclude_input: bool, index: int = 0) -> str:
     """text_output of a non-streaming response: the decoded prompt, then completion `index` (PROTOCOL §6)."""
     completion = out.outputs[index]
     if exclude_input:

@@ -183,7 +183,7 @@ def outputs_of(model: str) -> tuple[TensorSpec, ...]:
 
 
 # Every text model accepts every input name any of them declares (a superset of Triton), plus the old aliases;
-# the token-level model takes its own (triton_tokens.py).
+# the token-level model takes its own (tokens.py).
 ACCEPTED_INPUTS: dict[str, TensorSpec] = {s.name: s for s in (*_COMMON_INPUTS, *_BLS_EXTRA_INPUTS)}
 for _old, _new in ALIASES.items():
     ACCEPTED_INPUTS[_old] = TensorSpec(

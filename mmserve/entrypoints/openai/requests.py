@@ -5,7 +5,6 @@ Every problem is raised as an OpenAIError 400 (404 for an unknown model) naming 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -14,16 +13,16 @@ from pydantic import BaseModel, ValidationError
 
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, check_length_penalty, unsupported_with_beams
 from mmserve.entrypoints.json_wire import loads_object
-from mmserve.entrypoints.openai_protocol import (
+from mmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
 )
-from mmserve.entrypoints.openai_responses import OpenAIError
+from mmserve.entrypoints.openai.responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 from mmserve.sampling_params import SamplingParams
 
-# Most choices (`n`) one request may ask for. Each choice is its own engine request (openai_fanout.py), so one
+# Most choices (`n`) one request may ask for. Each choice is its own engine request (fanout.py), so one
 # HTTP request holds up to this many of the server's --max-concurrent-requests slots and decode rows.
 MAX_CHOICES = 16
 
@@ -203,7 +202,7 @@ async def _guided(
             )
         kind, guide = "json_schema", json.dumps(schema)
     try:
-        await asyncio.to_thread(state.engine.engine.grammars.compile, kind, guide)
+        await state.engine.compile_guide(kind, guide)
     except ValueError as e:
         raise OpenAIError(400, f"{name}: {str(e).split(': ', 1)[-1]}", param=name) from None
     return {"guided_decoding_type": kind, "guided_decoding_guide": guide}
@@ -248,9 +247,8 @@ def _sampling_params(kw: dict[str, Any], param_names: dict[str, str]) -> Samplin
 
 
 def _default_max_tokens(state: ServerState) -> int:
-    return (
-        state.engine.engine.max_model_len
-    )  # the engine clamps it to what is left after the prompt
+    """max_model_len: the engine clamps it to what is left after the prompt."""
+    return state.engine.model_info.max_model_len
 
 
 async def chat_params(req: ChatCompletionRequest, state: ServerState) -> SamplingParams:
@@ -288,7 +286,7 @@ async def completion_params(req: CompletionRequest, state: ServerState) -> Sampl
 def chat_prompt(messages: list[ChatMessage], state: ServerState) -> dict[str, Any]:
     """The prompt dict the model's chat template makes of `messages`; 400s name `messages`."""
     try:
-        prompt = state.engine.engine.inputs.apply_chat_template([m.to_template() for m in messages])
+        prompt = state.engine.apply_chat_template([m.to_template() for m in messages])
     except (ValueError, TypeError) as e:
         raise OpenAIError(400, f"messages: {e}", param="messages") from None
     except (

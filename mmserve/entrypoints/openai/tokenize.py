@@ -11,10 +11,10 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, StrictInt
 
 from mmserve.entrypoints.json_wire import WireJSONResponse
-from mmserve.entrypoints.openai_protocol import ChatMessage
-from mmserve.entrypoints.openai_requests import chat_prompt, check_model, parse_body
-from mmserve.entrypoints.openai_responses import OpenAIError
-from mmserve.entrypoints.openapi_schemas import DETOKENIZE_RESPONSE, TOKENIZE_RESPONSE, openai_route
+from mmserve.entrypoints.openai.openapi import DETOKENIZE_RESPONSE, TOKENIZE_RESPONSE, openai_route
+from mmserve.entrypoints.openai.protocol import ChatMessage
+from mmserve.entrypoints.openai.requests import chat_prompt, check_model, parse_body
+from mmserve.entrypoints.openai.responses import OpenAIError
 from mmserve.entrypoints.state import ServerState
 
 router = APIRouter()
@@ -51,7 +51,7 @@ async def tokenize(request: Request) -> Response:
     except OpenAIError as e:
         return e.response()
     return WireJSONResponse(
-        {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
+        {"tokens": ids, "count": len(ids), "max_model_len": state.engine.model_info.max_model_len}
     )
 
 
@@ -59,7 +59,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     try:
         state, req = await _parsed(request, DetokenizeRequest)
-        vocab = state.engine.engine.text_config.vocab_size
+        vocab = state.engine.model_info.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
 Request models check types only; value ranges are checked once, by SamplingParams, and the routes in
-openai_api.py name the OpenAI parameter in the 400. Response models follow OpenAI's JSON field for field.
+api.py name the OpenAI parameter in the 400. Response models follow OpenAI's JSON field for field.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class _SamplingFields(_Request):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: StrictInt | None = 1  # choices; null = 1 (openai_requests.num_choices checks the range)
+    n: StrictInt | None = 1  # choices; null = 1 (requests.num_choices checks the range)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -1,12 +1,13 @@
 """KServe v2 gRPC (`inference.GRPCInferenceService`, PROTOCOL §4) on grpc.aio, with tritonclient's generated
 stubs. ModelInfer returns one response; ModelStreamInfer is decoupled: several requests may be in flight
-on one stream, each answered by a response per new text piece and a final-flagged one."""
+on one stream, each answered by a response per new text piece and a final-flagged one. Its interceptors are
+`grpc_interceptors.py`'s."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,19 +17,19 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 import mmserve
-from mmserve.entrypoints import triton_protocol as tp
-from mmserve.entrypoints import triton_run as tr
-from mmserve.entrypoints.restricted_apis import Restriction, grpc_category
 from mmserve.entrypoints.state import ServerState
-from mmserve.entrypoints.triton_models import (
+from mmserve.entrypoints.triton import protocol as tp
+from mmserve.entrypoints.triton import run as tr
+from mmserve.entrypoints.triton.grpc_interceptors import RestrictedProtocols, UnexpectedErrors
+from mmserve.entrypoints.triton.models import (
     BLS,
     MODEL_VERSION,
     has_sequence_parameters,
     model_config,
     model_metadata,
 )
-from mmserve.entrypoints.triton_outputs import select_outputs
-from mmserve.entrypoints.triton_tensors import (
+from mmserve.entrypoints.triton.outputs import select_outputs
+from mmserve.entrypoints.triton.tensors import (
     NP_DTYPES,
     check_datatype,
     check_shape,
@@ -128,13 +129,19 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.state = state
 
     # ---- health and metadata ---------------------------------------------------------------------------
-    async def ServerLive(self, request, context):
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request, context):
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.state.engine.dead_error is None)
 
-    async def ModelReady(self, request, context):
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
         s = self.state
         ready = (
             s.has_model(request.name)
@@ -143,12 +150,14 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
         return pb.ModelReadyResponse(ready=ready)
 
-    async def ServerMetadata(self, request, context):
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
             name="mmserve", version=mmserve.__version__, extensions=EXTENSIONS
         )
 
-    async def _check(self, name: str, version: str, context) -> bool:
+    async def _check(self, name: str, version: str, context: grpc.aio.ServicerContext) -> bool:
         try:
             tp.check_model(self.state, name, version)
             return True
@@ -156,7 +165,9 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             return False
 
-    async def ModelMetadata(self, request, context):
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
         await self._check(request.name, request.version, context)
         meta = model_metadata(request.name)
         return pb.ModelMetadataResponse(
@@ -167,14 +178,18 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[pb.ModelMetadataResponse.TensorMetadata(**t) for t in meta["outputs"]],
         )
 
-    async def ModelConfig(self, request, context):
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
         await self._check(request.name, request.version, context)
         cfg = self.state.config
         return pb.ModelConfigResponse(
             config=model_config(request.name, cfg.decoupled, cfg.accumulate_tokens)
         )
 
-    async def RepositoryIndex(self, request, context):
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
         alive = self.state.engine.dead_error is None
         models = [
             pb.RepositoryIndexResponse.ModelIndex(
@@ -184,7 +199,9 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         ]
         return pb.RepositoryIndexResponse(models=[m for m in models if alive or not request.ready])
 
-    async def ModelStatistics(self, request, context):
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
         state = self.state
         if request.name:
             try:
@@ -197,7 +214,9 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     # ---- inference ---------------------------------------------------------------------------------------
-    async def ModelInfer(self, request, context):
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
         state, error = self.state, None
         try:
             tp.check_model(state, request.model_name, request.model_version)
@@ -215,7 +234,11 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         state.metrics.count_request("grpc:ModelInfer", code.name)
         await context.abort(code, message)
 
-    async def ModelStreamInfer(self, request_iterator, context):
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests are served concurrently; the RPC ends once the client half-closed and all are answered."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
@@ -306,105 +329,6 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             )
         finally:
             queue.put_nowait(_DONE)
-
-
-class RestrictedProtocols(grpc.aio.ServerInterceptor):
-    """gRPC: a call to a restricted group without its metadata value ends UNAVAILABLE, as Triton's does."""
-
-    def __init__(self, restrictions: dict[str, Restriction]) -> None:
-        self.restrictions = restrictions
-
-    async def intercept_service(self, continuation, details):
-        restriction = self.restrictions.get(grpc_category(details.method))
-        handler = await continuation(details)
-        if restriction is None or handler is None:
-            return handler
-        if dict(details.invocation_metadata or ()).get(restriction.header) == restriction.value:
-            return handler
-
-        message = f"This protocol is restricted, expecting header '{restriction.header}'"
-
-        async def refuse(_request, context) -> None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-        async def refuse_stream(requests, context) -> None:
-            # after the client's first message: a stream ended before the client wrote to it reads, on the client,
-            # as a failed write (INTERNAL) instead of this status
-            async for _ in requests:
-                break
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-        return _with_behavior(handler, refuse_stream if handler.request_streaming else refuse)
-
-
-class UnexpectedErrors(grpc.aio.ServerInterceptor):
-    """gRPC: an exception that escapes a handler ends its call with INTERNAL and a message naming it (grpc's own
-    answer would be UNKNOWN with the exception's repr) and is logged; aborts the handler chose pass through."""
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-
-        async def fail(exc: Exception, context) -> None:
-            logger.error("gRPC %s failed", details.method, exc_info=exc)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-            )
-
-        def unary(behavior):
-            async def call(request, context):
-                try:
-                    return await behavior(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:
-                    await fail(exc, context)
-
-            return call
-
-        def streaming(
-            behavior,
-        ):  # an async generator, or a coroutine that writes through the context
-            async def call(request, context):
-                try:
-                    responses = behavior(request, context)
-                    if inspect.isawaitable(responses):
-                        await responses
-                        return
-                    async for response in responses:
-                        yield response
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:
-                    await fail(exc, context)
-
-            return call
-
-        behavior = (
-            handler.unary_unary
-            or handler.unary_stream
-            or handler.stream_unary
-            or handler.stream_stream
-        )
-        return _with_behavior(
-            handler, streaming(behavior) if handler.response_streaming else unary(behavior)
-        )
-
-
-def _with_behavior(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
-    """`handler` (its streaming kind and serializers) running `behavior` instead (the interceptors')."""
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        behavior,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
 
 
 async def start_grpc_server(
