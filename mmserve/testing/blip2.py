@@ -383,8 +383,26 @@ def make_blip2_checkpoint(
     )
     check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
     specs, make = _param_specs(config, s, layout), _maker(s, seed)
+    text = config.text_config
+    generation = (  # T5 as the real repo's: the decoder starts from <pad>, no bos
+        {
+            "decoder_start_token_id": text.decoder_start_token_id,
+            "eos_token_id": text.eos_token_id,
+            "pad_token_id": text.pad_token_id,
+        }
+        if t5
+        else None
+    )
     out = write_checkpoint(
-        out_dir, config, processor, specs, lambda name: name, seed, max_shard_bytes, make_fn=make
+        out_dir,
+        config,
+        processor,
+        specs,
+        lambda name: name,
+        seed,
+        max_shard_bytes,
+        make_fn=make,
+        generation=generation,
     )
     if t5 and layout == "hub":
         path = out / "config.json"

@@ -390,6 +390,13 @@ def make_nougat_checkpoint(
         make_fn=_maker(s, seed),
         # the weights in the model dtype, but the int64 relative-position index buffers save_pretrained writes
         dtype_fn=lambda spec: torch.int64 if spec[2] == "rel_pos_index" else None,
+        generation={
+            "bos_token_id": config.decoder.bos_token_id,
+            "decoder_start_token_id": config.decoder_start_token_id,
+            "eos_token_id": config.decoder.eos_token_id,
+            "forced_eos_token_id": config.decoder.forced_eos_token_id,
+            "pad_token_id": config.decoder.pad_token_id,
+        },
         progress=progress,
     )
 

@@ -356,6 +356,11 @@ def make_pix2struct_checkpoint(
         seed,
         max_shard_bytes,
         make_fn=layer_maker(s, _std, seed),
+        generation={
+            "decoder_start_token_id": config.text_config.pad_token_id,
+            "eos_token_id": config.text_config.eos_token_id,
+            "pad_token_id": config.text_config.pad_token_id,
+        },
         progress=progress,
     )
 

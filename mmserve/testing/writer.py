@@ -203,13 +203,14 @@ def write_checkpoint(
     *,
     make_fn: Callable[[tuple[Any, ...]], torch.Tensor] | None = None,
     dtype_fn: Callable[[tuple[Any, ...]], torch.dtype | None] | None = None,
+    generation: dict[str, int | None] | None = None,
     progress: bool = True,
 ) -> Path:
     """Write a whole checkpoint into ``out_dir`` (created if missing) and return its path.
 
-    Saved: the processor, its image processor on its own, the config, a GenerationConfig of the special ids that
-    transformers derives from the config (bos, eos, pad and, where the config has them, decoder_start and
-    forced_eos), and the weights of ``specs`` in the config's dtype (see :func:`write_sharded_weights` for
+    Saved: the processor, its image processor on its own, the config, a GenerationConfig of `generation`'s
+    special ids (default: the text config's bos, eos and pad; written as given, not as the installed transformers
+    would derive them), and the weights of ``specs`` in the config's dtype (see :func:`write_sharded_weights` for
     ``make_fn`` and ``dtype_fn``). transformers 5 nests the image processor in processor_config.json; the
     standalone preprocessor_config.json is what published repos (and non-transformers loaders) have.
     ``progress``: a bar over the weight bytes on stderr when it is a terminal (see :func:`progress_bar`).
@@ -223,9 +224,14 @@ def write_checkpoint(
     processor.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     config.save_pretrained(out)
-    derived = GenerationConfig.from_model_config(config).to_dict()
-    ids = {k: v for k, v in derived.items() if k.endswith("_token_id") and v is not None}
-    GenerationConfig(**ids).save_pretrained(out)
+    if generation is None:
+        text = config.get_text_config()
+        generation = {
+            "bos_token_id": getattr(text, "bos_token_id", None),
+            "eos_token_id": text.eos_token_id,
+            "pad_token_id": text.pad_token_id,
+        }
+    GenerationConfig(**generation).save_pretrained(out)
     write_sharded_weights(
         out, specs, key_fn, config.dtype, seed, max_shard_bytes, make_fn, progress, dtype_fn
     )
