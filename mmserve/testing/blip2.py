@@ -1,7 +1,7 @@
 """Random BLIP-2 (ViT + Q-Former + OPT or Flan-T5) checkpoints with a Blip2Processor, written offline.
 
-Presets: "tiny" (OPT) and "tiny-t5" (Flan-T5) for CPU tests; "blip2-opt-2.7b" (real shapes, random fp16) and
-"blip2-flan-t5-xl" (real shapes, random bf16; the published repo stores float32) for benchmarks.
+Presets: "tiny" (OPT), "tiny-t5" (Flan-T5) for CPU tests; "blip2-opt-2.7b" (random fp16), "blip2-flan-t5-xl"
+(random bf16; the published repo stores float32) for benchmarks, in real shapes.
 
 The Flan-T5 variant (``text_model="t5"``, as Salesforce/blip2-flan-t5-xl) has an encoder-decoder language model:
 the ``num_query_tokens`` projected Q-Former outputs replace the ``<image>`` placeholders that the processor puts in
@@ -30,6 +30,7 @@ from mmserve.testing.recipe import (
     meta_tensors,
     replace_sizes,
     round_up,
+    special_ids,
     vit_kwargs,
 )
 from mmserve.testing.tokenizer import bpe_token_ids, build_bpe_tokenizer, build_t5_tokenizer
@@ -377,33 +378,15 @@ def make_blip2_checkpoint(
         tok = build_t5_tokenizer(s.text_vocab, s.text_extra_ids)
     else:
         tok = build_bpe_tokenizer([], vocab_size=s.text_vocab)
-    image_processor = BlipImageProcessor(size={"height": s.image_size, "width": s.image_size})
-    processor = Blip2Processor(
-        image_processor=image_processor, tokenizer=tok, num_query_tokens=s.num_query_tokens
-    )
+    size = {"height": s.image_size, "width": s.image_size}
+    processor = Blip2Processor(BlipImageProcessor(size=size), tok, s.num_query_tokens)
     check_token_ids(tok, token_ids(s), {"image": IMAGE_TOKEN}, config.text_config.vocab_size)
     specs, make = _param_specs(config, s, layout), _maker(s, seed)
-    text = config.text_config
-    generation = (  # T5 as the real repo's: the decoder starts from <pad>, no bos
-        {
-            "decoder_start_token_id": text.decoder_start_token_id,
-            "eos_token_id": text.eos_token_id,
-            "pad_token_id": text.pad_token_id,
-        }
-        if t5
-        else None
-    )
-    out = write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        specs,
-        lambda name: name,
-        seed,
-        max_shard_bytes,
-        make_fn=make,
-        generation=generation,
-    )
+    # T5: the decoder starts from <pad>, no bos
+    names = ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+    generation = special_ids(config.text_config, *names) if t5 else None
+    ckpt = (out_dir, config, processor, specs, lambda n: n, seed, max_shard_bytes)
+    out = write_checkpoint(*ckpt, make_fn=make, generation=generation)
     if t5 and layout == "hub":
         path = out / "config.json"
         cfg = json.loads(path.read_text())

@@ -3,8 +3,8 @@ patch embedding + LayerNorm, shifted-window stages with relative position bias t
 LayerNorm -- and whose decoder is an MBart decoder with a cross-attention in every layer, ``MBartForCausalLM``)
 checkpoints with a NougatProcessor, written offline.
 
-Presets: "tiny" for CPU tests (72x48 px pages: 9x6 = 54 encoder tokens of width 64) and "nougat-base" (real shapes,
-config and special token ids, random bf16, written tensor by tensor) for benchmarks.
+Presets: "tiny" for CPU tests (72x48 px pages: 9x6 = 54 encoder tokens of width 64), "nougat-base" (real shapes,
+config and special token ids, random bf16) for benchmarks.
 
 How a page is read: the NougatImageProcessor crops the page's margin (the bounding box of the pixels darker than
 200 after min-max stretching the grayscale), resizes its shorter side to min(height, width) of ``size``, shrinks it
@@ -42,6 +42,7 @@ from mmserve.testing.recipe import (
     layer_maker,
     meta_tensors,
     replace_sizes,
+    special_ids,
 )
 from mmserve.testing.tokenizer import relaid_bpe_spec
 from mmserve.testing.writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
@@ -379,24 +380,14 @@ def make_nougat_checkpoint(
     config = _config_from_sizes(s)
     processor, _ = build_nougat_processor(s)
     specs, key = _param_specs(config, s), partial(checkpoint_key, layout=layout)
+    eos = config.decoder.eos_token_id
     return write_checkpoint(
-        out_dir,
-        config,
-        processor,
-        specs,
-        key,
-        seed,
-        max_shard_bytes,
+        *(out_dir, config, processor, specs, key, seed, max_shard_bytes),
         make_fn=_maker(s, seed),
         # the weights in the model dtype, but the int64 relative-position index buffers save_pretrained writes
         dtype_fn=lambda spec: torch.int64 if spec[2] == "rel_pos_index" else None,
-        generation={
-            "bos_token_id": config.decoder.bos_token_id,
-            "decoder_start_token_id": config.decoder_start_token_id,
-            "eos_token_id": config.decoder.eos_token_id,
-            "forced_eos_token_id": config.decoder.forced_eos_token_id,
-            "pad_token_id": config.decoder.pad_token_id,
-        },
+        generation=special_ids(config.decoder, "bos_token_id", "eos_token_id", "pad_token_id")
+        | {"decoder_start_token_id": config.decoder_start_token_id, "forced_eos_token_id": eos},
         progress=progress,
     )
 

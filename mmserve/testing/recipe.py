@@ -253,3 +253,8 @@ def clip_image_processor(image_size: int, center_crop: bool) -> CLIPImageProcess
         image_mean=CLIP_MEAN,
         image_std=CLIP_STD,
     )
+
+
+def special_ids(config: Any, *names: str) -> dict[str, int | None]:
+    """`names` (special token ids) as `config` has them, for `write_checkpoint`'s `generation`."""
+    return {name: getattr(config, name, None) for name in names}

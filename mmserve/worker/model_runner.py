@@ -20,7 +20,6 @@ from mmserve.core.step import SchedulerOutput
 from mmserve.core.transfer import to_device
 from mmserve.layers.attention import Attention
 from mmserve.lora import LoRAManager
-from mmserve.worker.batch_inputs import attention_metadata
 from mmserve.worker.cross_kv import CrossKVPool
 from mmserve.worker.cuda_graph import DecodeGraphs
 from mmserve.worker.encoder_runner import EncoderRunner
@@ -40,9 +39,10 @@ from mmserve.worker.request_inputs import (
     lora_rows,
 )
 from mmserve.worker.step_batch import FlatBatch, flatten
+from mmserve.worker.step_execution import StepInputs, execute_step
 from mmserve.worker.step_graphs import StepGraphShape, capture_step_graphs
 from mmserve.worker.step_sampling import StepSampling
-from mmserve.worker.tp_mirror import lora_sync, run_mirrored
+from mmserve.worker.tp_mirror import lora_sync, receive_step_tensors
 
 if TYPE_CHECKING:
     from mmserve.worker.tp_workers import TPWorkers
@@ -278,38 +278,25 @@ class ModelRunner:
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph on `batch` (one token per sequence): (logits, final hidden states), a row
         each, views of the graph's buffers valid until its next replay."""
-        if (
-            self.tp is not None
-        ):  # a cross-attention family's decodes also send their pool blocks and lengths
-            self.tp.forward(
-                "decode",
-                (
-                    batch.input_ids,
-                    batch.positions,
-                    batch.slots,
-                    batch.seq_lens,
-                    batch.block_tables,
-                    cross,
-                ),
-                list(batch.fill) if batch.fill is not None else [],
-            )
-        return self.graphs.run(
-            batch.input_ids,
+        inputs = StepInputs(
+            "decode",
             batch.positions,
             batch.slots,
+            batch.qsl,
             batch.seq_lens,
             batch.block_tables,
-            batch.fill,
-            cross,
+            input_ids=batch.input_ids,
+            cross=cross,  # a cross-attention family's decodes: their pool blocks and lengths
         )
+        return self._execute(inputs, list(batch.fill) if batch.fill is not None else [])
 
     def _run_forward(
         self, batch: FlatBatch, rows_by_adapter: dict[str, list[int]], graphs_ok: bool
     ) -> torch.Tensor:
         """The model over every token of `batch` (prefill graphs, piecewise graphs or eager, which applies the LoRA
         adapters of `rows_by_adapter`): final hidden states."""
-        dev, computed, qsl, slots = self.device, batch.seqs, batch.qsl, batch.slots
-        ids = to_device(batch.input_ids, torch.int64, dev)
+        computed, qsl = batch.seqs, batch.qsl
+        ids = to_device(batch.input_ids, torch.int64, self.device)
         if batch.fill is not None:
             ids[batch.fill[0]] = batch.fill[1]
         embeds = self.model.embed_input_ids(ids)
@@ -326,55 +313,39 @@ class ModelRunner:
             kind = "piecewise"
         else:
             kind = "eager"
-        meta, cross_host, written = None, None, []
-        if kind == "eager":
-            meta = attention_metadata(computed, slots, qsl, batch.seq_lens, self.block_size, dev)
-            if (
-                self.uses_cross_attention
-            ):  # encodes and writes new requests' pictures: before the workers start
-                meta.cross, cross_host, written = cross_attention_batch(
-                    computed,
-                    qsl,
-                    self.encoder.encode,
-                    self.model,
-                    self.cross_kv,
-                    self.attn_layers[0].backend,
-                    self.cross_encode_batch,
-                    mirror=self.tp is not None,
-                )
-        if self.tp is not None:
-            self.tp.forward(
-                kind,
-                (
-                    batch.positions,
-                    slots,
-                    qsl,
-                    batch.seq_lens,
-                    batch.block_tables,
-                    rows_by_adapter,
-                    None if cross_host is None else cross_host.for_workers(self.model),
-                ),
-                [embeds, *written],
-            )
-        if kind == "prefill":
-            return self.prefill_graphs.run(
-                embeds, batch.positions, slots, qsl, batch.seq_lens, batch.block_tables
-            )
-        if kind == "piecewise":
-            # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
-            meta = attention_metadata(
-                computed,
-                slots,
-                qsl,
-                batch.seq_lens,
-                self.block_size,
-                dev,
-                self.piecewise_graphs.inputs.slot_mapping[: len(slots)],
-            )
-            return self.piecewise_graphs.run(embeds, batch.positions, slots, meta)
-        return self.run_eager(
-            embeds, to_device(batch.positions, torch.int64, dev), meta, rows_by_adapter
+        inputs = StepInputs(
+            kind,
+            batch.positions,
+            batch.slots,
+            qsl,
+            batch.seq_lens,
+            batch.block_tables,
+            rows_by_adapter=rows_by_adapter,
         )
+        cross_meta, written = None, []
+        if kind == "eager" and self.uses_cross_attention:
+            # encodes and writes new requests' pictures: before the workers start
+            cross_meta, cross_host, written = cross_attention_batch(
+                computed,
+                qsl,
+                self.encoder.encode,
+                self.model,
+                self.cross_kv,
+                self.attn_layers[0].backend,
+                self.cross_encode_batch,
+                mirror=self.tp is not None,
+            )
+            if cross_host is not None and self.tp is not None:
+                inputs.cross = cross_host.for_workers(self.model)
+        return self._execute(inputs, [embeds, *written], cross_meta)[1]
+
+    def _execute(
+        self, inputs: StepInputs, tensors: list[torch.Tensor], cross_meta=None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run the pass here and, under tensor parallelism, on every worker (the same `execute_step`)."""
+        if self.tp is not None:
+            self.tp.forward(inputs, tensors)
+        return execute_step(self, inputs, tensors, cross_meta)
 
     def run_eager(
         self,
@@ -392,7 +363,7 @@ class ModelRunner:
         """A tensor-parallel worker's copy of the driver's adapter change (tp_mirror.lora_sync)."""
         lora_sync(self, removed, name, source, evictable)
 
-    def run_mirrored(self, kind: str, host: tuple, specs: list) -> None:
-        """A tensor-parallel worker's side of a driver's forward (worker/tp_workers.py): the same graph or eager
-        pass over inputs received from rank 0; the hidden states are the driver's business."""
-        run_mirrored(self, kind, host, specs)
+    def run_mirrored(self, inputs: StepInputs) -> None:
+        """A tensor-parallel worker's side of a driver's forward (worker/tp_workers.py): the pass's tensors by
+        broadcast from rank 0, then the same `execute_step`; the outputs are the driver's business."""
+        execute_step(self, inputs, receive_step_tensors(inputs, self.device))

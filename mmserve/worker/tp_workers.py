@@ -6,10 +6,11 @@ lockstep, so the collectives inside the forward passes (the row-parallel linears
 
 - runner calls that run the model (activation profile, KV cache allocation, CUDA graph capture) are sent as
   ("call", name, args) and run by the worker's own ModelRunner with the same arguments;
-- each step's forward is sent as ("forward", kind, host inputs, tensor specs): the host-side layout (positions,
-  KV slots, block tables, query offsets) over a pipe, the device inputs (the embeddings, with the pictures already
-  merged in by the driver, or a decode's token ids filled from the last step's samples) broadcast from rank 0
-  over NCCL (gloo on the CPU), without a host sync on the driver.
+- each step's forward is SPMD: the driver sends ("forward", StepInputs) — the pass and its host-side layout
+  (positions, KV slots, block tables, query offsets) — over a pipe and broadcasts its device inputs (the
+  embeddings, with the pictures already merged in by the driver, or a decode's fill of token ids sampled by the
+  last step) from rank 0 over NCCL (gloo on the CPU), without a host sync; then every rank runs the same
+  `step_execution.execute_step`.
 
 Workers compute hidden states the driver also computes and drop them; sampling, logits and the encoder cache
 live on the driver only.
@@ -25,11 +26,14 @@ import signal
 import socket
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mmserve.distributed import init_tensor_parallel, shutdown_tensor_parallel, tp_broadcast
+
+if TYPE_CHECKING:
+    from mmserve.worker.step_execution import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +121,13 @@ class TPWorkers:
             conn.send(("call", (name, args)))
         return lambda: [self._reply(conn) for conn in self.conns]
 
-    def forward(self, kind: str, host: tuple, tensors: list[torch.Tensor]) -> None:
-        """Have every worker run this step's forward of `kind` (ModelRunner.run_mirrored); broadcasts `tensors`."""
-        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    def forward(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> None:
+        """Have every worker run this pass (ModelRunner.run_mirrored): `inputs` by pipe, then `tensors` by
+        broadcast; the driver runs the same pass right after."""
+        inputs.tensors = [(tuple(t.shape), t.dtype) for t in tensors]
         self.check_alive()
         for conn in self.conns:
-            conn.send(("forward", (kind, host, specs)))
+            conn.send(("forward", inputs))
         for t in tensors:
             tp_broadcast(t.contiguous())
 
@@ -209,7 +214,7 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
                 break
             if op == "forward":
                 try:
-                    runner.run_mirrored(*payload)
+                    runner.run_mirrored(payload)
                 except (
                     Exception
                 ):  # the group cannot go on without this rank: exit (no teardown, which would
