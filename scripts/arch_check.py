@@ -3,7 +3,7 @@
 Prints: import circles, imports that run from a lower layer up to a higher one, capability probes
 (getattr/hasattr on a model or model class) outside ``models/``, family names in code outside ``models/``
 and ``testing/`` (comments, docstrings and help texts aside), files over 400 lines and the length of
-``Engine.step``. ``--strict`` exits 1 when a rule has more findings than it allows (`ALLOWED`, else none);
+``Engine.step`` and the docs that are maps over their size. ``--strict`` exits 1 when a rule has more findings than it allows (`ALLOWED`, else none);
 tests/unit/test_architecture.py runs it.
 """
 
@@ -43,6 +43,10 @@ PROBED = re.compile(
 )
 MAX_LINES = 400
 MAX_STEP_LINES = 25
+DOC_LINES = {
+    "docs/architecture.md": 250,
+    "docs/benchmarks.md": 250,
+}  # maps, not logs (docs/lab/ has those)
 # findings allowed per rule (the issue's bar: a handful of family names, e.g. a default family)
 ALLOWED = {"upward imports": 3, "family names outside models/ and testing/": 5}
 
@@ -139,6 +143,7 @@ def measure() -> dict[str, list[str]]:
         "family names outside models/ and testing/": [],
         f"files over {MAX_LINES} lines": [],
         f"Engine.step over {MAX_STEP_LINES} lines": [],
+        "docs over their size": [],
     }
     graph: dict[str, set[str]] = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -179,6 +184,10 @@ def measure() -> dict[str, list[str]]:
                     if n > MAX_STEP_LINES:
                         found[f"Engine.step over {MAX_STEP_LINES} lines"].append(f"{n} lines")
     found["import circles"] = [" -> ".join(c) for c in find_cycles(graph)]
+    for doc, most in DOC_LINES.items():
+        path = ROOT.parent / doc
+        if path.is_file() and (n := path.read_text().count("\n")) > most:
+            found["docs over their size"].append(f"{doc}: {n} lines (at most {most})")
     return found
 
 
