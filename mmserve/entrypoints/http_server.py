@@ -136,7 +136,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v2/health/ready")
     async def ready() -> Response:
-        return Response(status_code=200 if state.engine.dead_error is None else 503)
+        return Response(status_code=200 if state.ready else 503)
 
     @app.get("/health")
     async def health() -> Response:

@@ -41,11 +41,13 @@ def settle_garbage_collector() -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    """`mmserve serve`: load the engine, serve HTTP (and gRPC) until interrupted, then shut the engine down."""
+    """`mmserve serve`: load the engine, serve HTTP (and gRPC) until a signal, drain (entrypoints/drain.py), then
+    shut the engine down."""
     import uvicorn
 
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.drain import DrainingServer
     from mmserve.entrypoints.state import ServerState
 
     if args.model is None:
@@ -90,11 +92,11 @@ async def serve(args: argparse.Namespace) -> None:
         host=server_config.host,
         port=server_config.http_port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # after the drain: what is left is idle keep-alive connections
         ssl_certfile=server_config.ssl_certfile,
         ssl_keyfile=server_config.ssl_keyfile,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state, server_config.exit_timeout_s)
     scheme = "HTTPS" if server_config.ssl_certfile else "HTTP"
     print(f"{scheme} listening on {server_config.host}:{server_config.http_port}", flush=True)
     print(example_request(server_config.host, server_config.http_port, scheme.lower()), flush=True)

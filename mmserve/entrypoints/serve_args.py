@@ -76,6 +76,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="read each step's tokens back before scheduling the next (no host/GPU overlap)",
     )
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
+    p.add_argument(
+        "--exit-timeout-secs",
+        type=float,
+        default=ServerConfig.exit_timeout_s,
+        help="at SIGTERM / SIGINT: readiness turns 503 and new requests get 503 (gRPC UNAVAILABLE) at once, "
+        "requests in flight get this long to finish, then the server exits 0; a second signal exits at "
+        "once (default %(default)s)",
+    )
     p.add_argument("--max-waiting", type=int, default=4096)
     p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
     p.add_argument(
@@ -261,6 +269,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
+        exit_timeout_s=args.exit_timeout_secs,
         accumulate_tokens=args.accumulate_tokens,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),

@@ -16,6 +16,8 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the checkpoint directory's name
     max_request_bytes: int = 64 * 2**20  # HTTP body / gRPC message cap
     max_concurrent_requests: int = 1024  # beyond this, 503 with Retry-After
+    # at SIGTERM: readiness 503 and new requests refused at once, those in flight get this long to finish
+    exit_timeout_s: float = 30.0
     decoupled: bool = (
         True  # Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces
     )
@@ -42,6 +44,8 @@ class ServerConfig:
             port = getattr(self, name)
             if not -1 <= port <= 65535:
                 raise ValueError(f"{name} must be a port number, got {port}")
+        if not 0 <= self.exit_timeout_s < float("inf"):
+            raise ValueError(f"exit_timeout_secs must be >= 0 seconds, got {self.exit_timeout_s}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         self.http_restrictions = parse_restrictions(

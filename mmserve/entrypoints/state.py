@@ -27,6 +27,10 @@ class ServerBusy(RuntimeError):
     """Too many requests in flight: HTTP 503 with Retry-After / gRPC UNAVAILABLE."""
 
 
+class ServerDraining(ServerBusy):
+    """The server is shutting down: it finishes the requests in flight and takes no new ones (503 / UNAVAILABLE)."""
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -39,6 +43,7 @@ class ServerState:
         init=False
     )  # Triton's statistics extension, per model name
     in_flight: int = 0
+    draining: bool = False  # set at the first SIGTERM / SIGINT (entrypoints/serve.py)
     # a client's request id (Triton's `id`) -> how to end each request running for it (an engine abort, a beam
     # search's stop), which a later request with that id and `stop` true calls (TensorRT-LLM's tensorrt_llm model)
     by_client_id: dict[str, dict[str, Callable[[], None]]] = field(default_factory=dict)
@@ -64,9 +69,16 @@ class ServerState:
     def has_model(self, name: str) -> bool:
         return name in self.model_names
 
+    @property
+    def ready(self) -> bool:
+        """Whether to take new requests: the engine runs and the server is not draining."""
+        return not self.draining and self.engine.dead_error is None
+
     @contextlib.contextmanager
     def _slot(self):
         """One of the server's max_concurrent_requests places, for the duration of a request."""
+        if self.draining:
+            raise ServerDraining("the server is shutting down and takes no new requests")
         if self.in_flight >= self.config.max_concurrent_requests:
             raise ServerBusy(
                 f"{self.in_flight} requests in flight (max {self.config.max_concurrent_requests})"

@@ -24,7 +24,7 @@ from typing import Any
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.admission import EngineOverloaded
 from mmserve.entrypoints.openai.responses import OpenAIError
-from mmserve.entrypoints.state import ServerBusy, ServerState
+from mmserve.entrypoints.state import ServerBusy, ServerDraining, ServerState
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ def engine_error(e: Exception, media_param: str) -> OpenAIError:
     """The OpenAI answer to an exception out of ServerState.generate."""
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, ServerDraining):
+        return OpenAIError(503, str(e), "server_error", code="server_shutting_down")
     if isinstance(e, (ServerBusy, EngineOverloaded)):
         return OpenAIError(
             503, f"the server is overloaded: {e}", "server_error", code="server_overloaded"

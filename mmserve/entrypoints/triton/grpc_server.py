@@ -137,17 +137,13 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.state.engine.dead_error is None)
+        return pb.ServerReadyResponse(ready=self.state.ready)
 
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
         s = self.state
-        ready = (
-            s.has_model(request.name)
-            and request.version in ("", MODEL_VERSION)
-            and s.engine.dead_error is None
-        )
+        ready = s.has_model(request.name) and request.version in ("", MODEL_VERSION) and s.ready
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(

@@ -127,11 +127,7 @@ async def get_model_metadata(request: Request, model: str, version: str = "") ->
 @_model_route("/ready", "GET")
 async def get_model_ready(request: Request, model: str, version: str = "") -> Response:
     state = _state(request)
-    ready = (
-        state.has_model(model)
-        and version in ("", MODEL_VERSION)
-        and state.engine.dead_error is None
-    )
+    ready = state.has_model(model) and version in ("", MODEL_VERSION) and state.ready
     return Response(status_code=200 if ready else 400)
 
 
