@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -94,7 +95,9 @@ class LLM:
                 max_stop_sequence_chars=max_stop_sequence_chars,
             ),
         )
-        self.engine = Engine(config, media or MediaConfig(allow_private_urls=True))
+        # the user's own process: local files (relative to the working directory) and private URLs are theirs
+        local = MediaConfig(allow_private_urls=True, allowed_local_media_path=os.sep)
+        self.engine = Engine(config, media or local)
         try:
             for name, path in (lora_modules or {}).items():  # prompts name one with {"lora": name}
                 self.engine.add_lora(name, path)

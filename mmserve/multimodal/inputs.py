@@ -74,17 +74,18 @@ def _resolve(
 
 
 def _read_local(path: str, config: MediaConfig, field: str) -> bytes:
-    """Read a file under allowed_local_media_path; relative paths are taken relative to that directory."""
+    """Read a file under allowed_local_media_path; relative paths are taken relative to that directory, or to the
+    working directory when it is the filesystem's root (every file allowed: the offline `LLM`'s default)."""
     if config.allowed_local_media_path is None:
         raise media_error(
             field,
             "local file paths are disabled; set allowed_local_media_path to allow a directory",
         )
     root = os.path.realpath(config.allowed_local_media_path)
+    base = os.getcwd() if root == os.path.realpath(os.sep) else root
     try:
-        target = os.path.realpath(
-            os.path.join(root, path)
-        )  # follows symlinks, so links out are caught too
+        # realpath follows symlinks, so links out are caught too
+        target = os.path.realpath(os.path.join(base, path))
     except (OSError, ValueError) as exc:
         raise media_error(field, f"invalid path {path!r:.120}") from exc
     if os.path.commonpath([root, target]) != root:

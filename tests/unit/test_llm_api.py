@@ -24,6 +24,20 @@ def _ids(llm, prompt, params=GREEDY):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_the_offline_api_reads_local_files_by_default(llm, tmp_path, monkeypatch):
+    """In the user's own process any local path works: relative to the working directory, or absolute (the
+    servers keep local files off unless --allowed-local-media-path names a directory)."""
+    img = make_test_image(5)
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "cat.png").write_bytes(image_to_png_bytes(img))
+    monkeypatch.chdir(tmp_path / "pics")
+    want = _ids(llm, {"prompt": PROMPT, "images": [img]})
+    for source in ["cat.png", str(tmp_path / "pics" / "cat.png"), "../pics/cat.png"]:
+        assert _ids(llm, {"prompt": PROMPT, "images": [source]}) == want
+    with pytest.raises(ValueError, match="images\\[0\\]: cannot open 'missing.png'"):
+        _ids(llm, {"prompt": PROMPT, "images": ["missing.png"]})
+
+
 def test_every_image_source_gives_the_same_answer(llm, tmp_path):
     img = make_test_image(7)
     path = tmp_path / "img.png"
