@@ -12,6 +12,7 @@ from tqdm import tqdm
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.core.outputs import RequestOutput, one_output
 from mmserve.engine.engine import Engine
+from mmserve.models.hub import resolve_checkpoint
 from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.sampling_params import RequestLimits, SamplingParams, choice_params
 
@@ -21,7 +22,8 @@ PREPROCESS_AHEAD = 16
 
 
 class LLM:
-    """Offline generation over one checkpoint.
+    """Offline generation over one checkpoint: a local directory or a hub model ID (`revision`, `download_dir`;
+    `HF_HUB_OFFLINE=1` reads the hub cache only).
 
     Example:
         llm = LLM(model_dir)
@@ -59,10 +61,12 @@ class LLM:
         tensor_parallel_size: int = 1,
         max_stop_sequences: int = RequestLimits.max_stop_sequences,
         max_stop_sequence_chars: int = RequestLimits.max_stop_sequence_chars,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model,
+                resolve_checkpoint(model, revision, download_dir),
                 dtype=dtype,
                 device=device,
                 max_model_len=max_model_len,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from mmserve.entrypoints.serve_args import (
     build_engine_config,
@@ -55,11 +56,27 @@ async def serve(args: argparse.Namespace) -> None:
 
         args.model = str(default_model_dir())
         print(f"serving the embedded demo model at {args.model}", flush=True)
+    from mmserve.models.hub import CheckpointError, check_servable, is_hub_id, resolve_checkpoint
+
     try:
         media = build_media_config(args)
         server_config = build_server_config(args)
+    except (
+        ValueError
+    ) as exc:  # a bad port, restriction or limit: a usage error before the model loads
+        raise SystemExit(f"mmserve serve: {exc}") from None
+    try:
+        model_dir = resolve_checkpoint(args.model, args.revision, args.download_dir)
+        check_servable(model_dir)
+    except CheckpointError as exc:  # one line, argparse's usage status
+        print(f"mmserve serve: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if is_hub_id(args.model):  # served under its hub ID, as vLLM names it
+        server_config.served_model_name = server_config.served_model_name or args.model
+    args.model = model_dir
+    try:
         engine_config = build_engine_config(args)
-    except ValueError as exc:  # a bad port, restriction, limit or engine setting: a usage error before the model loads
+    except ValueError as exc:  # an engine setting: a usage error before the model loads
         raise SystemExit(f"mmserve serve: {exc}") from None
     engine = Engine(engine_config, media)
     for spec in args.lora_modules:

@@ -75,6 +75,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read each step's tokens back before scheduling the next (no host/GPU overlap)",
     )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="with a hub model ID: the branch, tag or commit to serve (default: main)",
+    )
+    p.add_argument(
+        "--download-dir",
+        default=None,
+        help="with a hub model ID: the cache to download into and read from (default: the hub cache, "
+        "HF_HUB_CACHE / HF_HOME); HF_HUB_OFFLINE=1 reads the cache only, HF_TOKEN opens gated repos",
+    )
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
     p.add_argument(
         "--exit-timeout-secs",
