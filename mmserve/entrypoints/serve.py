@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from mmserve.entrypoints.serve_args import (
@@ -12,6 +13,7 @@ from mmserve.entrypoints.serve_args import (
     build_media_config,
     build_server_config,
 )
+from mmserve.entrypoints.server_config import ServerConfig
 
 
 def example_request(host: str, port: int, scheme: str = "http") -> str:
@@ -23,6 +25,22 @@ def example_request(host: str, port: int, scheme: str = "http") -> str:
         '"image_url_input": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC", '
         '"max_tokens": 16}\'\n'
     )
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """ValueError naming the flag when the HTTP or gRPC port is taken (before minutes of model loading)."""
+    for flag, port in [("--http-port", config.http_port), ("--grpc-port", config.grpc_port)]:
+        if port <= 0:  # 0: the OS picks one; -1: no gRPC server
+            continue
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                sock.bind((config.host, port))
+            except OSError as exc:
+                raise ValueError(
+                    f"{flag} {port}: cannot listen on {config.host}:{port} ({exc.strerror})"
+                ) from None
 
 
 GC_GEN0_THRESHOLD = 20_000  # Python's default is 700
@@ -58,12 +76,11 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"serving the embedded demo model at {args.model}", flush=True)
     from mmserve.models.hub import CheckpointError, check_servable, is_hub_id, resolve_checkpoint
 
-    try:
+    try:  # a bad or taken port, restriction or limit: a usage error before the model loads
         media = build_media_config(args)
         server_config = build_server_config(args)
-    except (
-        ValueError
-    ) as exc:  # a bad port, restriction or limit: a usage error before the model loads
+        check_ports_free(server_config)
+    except ValueError as exc:
         raise SystemExit(f"mmserve serve: {exc}") from None
     try:
         model_dir = resolve_checkpoint(args.model, args.revision, args.download_dir)

@@ -1,6 +1,6 @@
-"""`mmserve serve org/name` serves a Hugging Face hub model ID from the hub cache (here a cache written by the test,
-read with HF_HUB_OFFLINE=1: no network), under that ID; a model argument that names no servable checkpoint stops
-`serve` with one line and status 2, before any model loads."""
+"""Start-up of `mmserve serve`: `serve org/name` serves a Hugging Face hub model ID from the hub cache (here a cache
+written by the test, read with HF_HUB_OFFLINE=1: no network), under that ID; a model argument that names no servable
+checkpoint stops `serve` with one line and status 2, and a taken port stops it, before any model loads."""
 
 from __future__ import annotations
 
@@ -93,3 +93,23 @@ def test_a_model_that_is_no_servable_checkpoint_stops_serve_in_one_line(
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
     assert re.search(message, lines[0]) and lines[0].startswith("mmserve serve: ")
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_taken_port_stops_serve_before_the_model_loads(flag, tiny_llava_dir):
+    import os
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--grpc-port" if flag == "--http-port" else "--http-port"
+        cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", tiny_llava_dir]
+        cmd += ["--device", "cpu", flag, str(port), other, "0"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert (
+        f"mmserve serve: {flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"
+        in (run.stderr)
+    )
