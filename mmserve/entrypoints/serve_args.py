@@ -4,6 +4,7 @@ media limits (`build_media_config`) and the frontends' (`build_server_config`). 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from mmserve.entrypoints.server_config import ServerConfig
@@ -85,6 +86,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with a hub model ID: the cache to download into and read from (default: the hub cache, "
         "HF_HUB_CACHE / HF_HOME); HF_HUB_OFFLINE=1 reads the cache only, HF_TOKEN opens gated repos",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MMSERVE_API_KEY"),
+        help="clients must send `Authorization: Bearer KEY` (the OpenAI SDK's api_key; gRPC: the metadata "
+        "triton-grpc-protocol-authorization) for inference and metadata; health stays open; default: "
+        "$MMSERVE_API_KEY. The same as --http-restricted-api / --grpc-restricted-protocol "
+        "'inference,metadata:Authorization=Bearer KEY'",
     )
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
     p.add_argument(
@@ -284,6 +293,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         accumulate_tokens=args.accumulate_tokens,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
+        api_key=args.api_key,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         grpc_use_ssl=args.grpc_use_ssl,

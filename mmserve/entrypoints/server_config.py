@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from mmserve.entrypoints.restricted_apis import GRPC_HEADER_PREFIX, Restriction, parse_restrictions
 
+API_KEY_GROUPS = (
+    "inference,metadata"  # what --api-key covers; health and statistics stay open for probes
+)
+
 
 @dataclass
 class ServerConfig:
@@ -27,6 +31,9 @@ class ServerConfig:
     # Triton's endpoint access limits, "APIS:KEY=VALUE" each (entrypoints/restricted_apis.py)
     http_restricted_api: tuple[str, ...] = ()
     grpc_restricted_protocol: tuple[str, ...] = ()
+    # OpenAI-style key: the inference and metadata APIs need `Authorization: Bearer <key>` (gRPC: the metadata
+    # `triton-grpc-protocol-authorization`); sugar over the two options above
+    api_key: str | None = field(default=None, repr=False)
     http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options (mutual: clients must
@@ -48,11 +55,14 @@ class ServerConfig:
             raise ValueError(f"exit_timeout_secs must be >= 0 seconds, got {self.exit_timeout_s}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        self.http_restrictions = parse_restrictions(
-            self.http_restricted_api, "--http-restricted-api"
+        keyed = (f"{API_KEY_GROUPS}:authorization=Bearer {self.api_key}",) if self.api_key else ()
+        option = "--http-restricted-api (with --api-key)" if keyed else "--http-restricted-api"
+        self.http_restrictions = parse_restrictions(self.http_restricted_api + keyed, option)
+        option = (
+            "--grpc-restricted-protocol (with --api-key)" if keyed else "--grpc-restricted-protocol"
         )
         self.grpc_restrictions = parse_restrictions(
-            self.grpc_restricted_protocol, "--grpc-restricted-protocol", GRPC_HEADER_PREFIX
+            self.grpc_restricted_protocol + keyed, option, GRPC_HEADER_PREFIX
         )
         self._check_tls()
 

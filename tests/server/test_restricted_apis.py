@@ -246,3 +246,40 @@ def test_the_serve_bench_sends_headers_and_keeps_no_secret(restricted, tmp_path,
     assert main([*common, "--out", str(tmp_path / "x.json")]) == 0
     refused = json.loads((tmp_path / "x.json").read_text())["results"]["rate_sweep"][0]["mmserve"]
     assert refused["failed"] == 2 and "restricted" in str(refused["errors"])
+
+
+def test_api_key_puts_inference_and_metadata_behind_a_bearer_token(
+    tiny_llava_dir, tmp_path_factory, monkeypatch
+):
+    """`--api-key` (here from $MMSERVE_API_KEY) is the OpenAI-style key over both protocols; health stays open."""
+    monkeypatch.setenv("MMSERVE_API_KEY", "s3cret")
+    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("api-key-logs")) as handle:
+        url = handle.http_url
+        assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 403
+        assert httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE).status_code == 403
+        bearer = {"Authorization": "Bearer s3cret"}
+        name = httpx.get(f"{url}/v1/models", headers=bearer).json()["data"][0]["id"]
+        with pytest.raises(openai.PermissionDeniedError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        done = client.completions.create(model=name, prompt="hi", max_tokens=2)
+        assert done.usage.completion_tokens == 2
+        with grpcclient.InferenceServerClient(handle.grpc_url) as grpc_client:
+            assert grpc_client.is_server_ready()
+            with pytest.raises(InferenceServerException, match="This protocol is restricted"):
+                grpc_client.infer("ensemble", _request())
+            header = {"triton-grpc-protocol-authorization": "Bearer s3cret"}
+            text = grpc_client.infer("ensemble", _request(), headers=header).as_numpy("text_output")
+            assert text[0].decode().startswith("USER:")
+        assert "s3cret" not in handle.log()
+
+
+def test_api_key_and_a_restriction_of_the_same_group_conflict():
+    from mmserve.entrypoints.server_config import ServerConfig
+
+    with pytest.raises(
+        ValueError, match=r"with --api-key.*'inference' can not be in more than one"
+    ):
+        ServerConfig(api_key="k", http_restricted_api=("inference:x=y",))
+    assert "zebra" not in repr(ServerConfig(api_key="zebra"))  # logs and tracebacks keep no secret
