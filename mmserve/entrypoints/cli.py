@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve | client | demo-model | bench | models."""
+"""`mmserve` command line: serve | client | demo-model | bench | models | collect-env; `--version`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def _demo_model(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import mmserve
+
     parser = argparse.ArgumentParser(prog="mmserve", description="Multimodal LLM inference server")
+    parser.add_argument("--version", action="version", version=f"mmserve {mmserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(
         sub.add_parser(
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("bench", help="benchmarks (latency, throughput, serve)", add_help=False)
     sub.add_parser("models", help="list supported architectures")
+    sub.add_parser("collect-env", help="versions, GPUs and settings, for a bug report")
     args, rest = parser.parse_known_args(argv)
     if args.command == "client":
         from mmserve.entrypoints.client import main as client_main
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             _demo_model(args)
         except ValueError as exc:  # an unknown family or preset: a usage error, not a traceback
             demo.error(str(exc))
+    elif args.command == "collect-env":
+        from mmserve.entrypoints.collect_env import environment_report
+
+        print(environment_report())
     elif args.command == "models":
         from mmserve.models.registry import supported_architectures
 

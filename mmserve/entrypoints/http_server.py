@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 
 from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai.responses import edge_error_response
@@ -119,6 +120,15 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.mm = state
 
     app.add_middleware(RestrictedApis, restrictions=state.config.http_restrictions)
+    if (
+        state.config.allowed_origins
+    ):  # outside the restrictions: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     app.add_middleware(LimitsAndCounts, state=state)  # refusals are counted too
     app.add_middleware(UnexpectedErrors)  # added last = outermost: covers the other middlewares too
 

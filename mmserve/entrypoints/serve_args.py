@@ -95,6 +95,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "$MMSERVE_API_KEY. The same as --http-restricted-api / --grpc-restricted-protocol "
         "'inference,metadata:Authorization=Bearer KEY'",
     )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="browser origins that may call the HTTP API (CORS), e.g. https://app.example.com; * for any "
+        "(default: none, no CORS headers)",
+    )
     p.add_argument("--max-concurrent-requests", type=int, default=1024)
     p.add_argument(
         "--exit-timeout-secs",
@@ -294,6 +301,7 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         api_key=args.api_key,
+        allowed_origins=tuple(args.allowed_origins),
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         grpc_use_ssl=args.grpc_use_ssl,

@@ -34,6 +34,8 @@ class ServerConfig:
     # OpenAI-style key: the inference and metadata APIs need `Authorization: Bearer <key>` (gRPC: the metadata
     # `triton-grpc-protocol-authorization`); sugar over the two options above
     api_key: str | None = field(default=None, repr=False)
+    # browser origins allowed to call the API (CORS); "*" allows any; none: no CORS headers are sent
+    allowed_origins: tuple[str, ...] = ()
     http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options (mutual: clients must

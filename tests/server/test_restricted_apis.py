@@ -45,6 +45,11 @@ def restricted(tiny_llava_dir, tmp_path_factory):
 
 def test_http_inference_needs_the_header_and_other_groups_stay_open(restricted):
     url = restricted.http_url
+    origin = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    assert (
+        "access-control-allow-origin"
+        not in httpx.options(f"{url}/v1/models", headers=origin).headers
+    )
     refused = httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE)
     assert refused.status_code == 403
     assert refused.json() == {"error": "This API is restricted, expecting header 'authorization'"}
@@ -253,9 +258,19 @@ def test_api_key_puts_inference_and_metadata_behind_a_bearer_token(
 ):
     """`--api-key` (here from $MMSERVE_API_KEY) is the OpenAI-style key over both protocols; health stays open."""
     monkeypatch.setenv("MMSERVE_API_KEY", "s3cret")
-    with start_server(tiny_llava_dir, tmp_path_factory.mktemp("api-key-logs")) as handle:
+    logs = tmp_path_factory.mktemp("api-key-logs")
+    with start_server(tiny_llava_dir, logs, "--allowed-origins", "https://app.example") as handle:
         url = handle.http_url
         assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+        # CORS: a browser's preflight carries no key; the page's request then gets the origin back
+        cors = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        preflight = httpx.options(f"{url}/v1/completions", headers=cors)
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(
+            f"{url}/v1/completions", headers={**cors, "Origin": "https://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
         assert httpx.get(f"{url}/v1/models").status_code == 403
         assert httpx.post(f"{url}/v2/models/ensemble/generate", json=GENERATE).status_code == 403
         bearer = {"Authorization": "Bearer s3cret"}
@@ -265,6 +280,8 @@ def test_api_key_puts_inference_and_metadata_behind_a_bearer_token(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         done = client.completions.create(model=name, prompt="hi", max_tokens=2)
         assert done.usage.completion_tokens == 2
+        page = httpx.get(f"{url}/v1/models", headers={**bearer, "Origin": "https://app.example"})
+        assert page.headers["access-control-allow-origin"] == "https://app.example"
         with grpcclient.InferenceServerClient(handle.grpc_url) as grpc_client:
             assert grpc_client.is_server_ready()
             with pytest.raises(InferenceServerException, match="This protocol is restricted"):
