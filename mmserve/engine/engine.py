@@ -19,7 +19,7 @@ from mmserve.engine.guided import GrammarCache
 from mmserve.engine.kv_cache import chain_block_hashes
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.startup import start_engine
+from mmserve.engine.startup import start_engine, stop_workers
 from mmserve.engine.step_stats import StepStats
 from mmserve.lora.trtllm_format import adapter_from_trtllm
 from mmserve.multimodal.media_limits import MediaConfig
@@ -75,11 +75,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at TP=1)."""
-        if self.tp_workers is not None:
-            self.runner.release_cuda_graphs()  # before the group goes (ModelRunner.release_cuda_graphs)
-            self.tp_workers.close()
-            self.tp_workers = None
-            self.runner.tp = None
+        stop_workers(self.runner, self.tp_workers)
+        self.tp_workers = None
 
     def add_lora(self, name: str, path: str) -> None:
         """Load the PEFT LoRA adapter at `path`; prompts name it with {"lora": name}. ValueError if it does not fit."""

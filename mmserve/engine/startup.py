@@ -97,11 +97,19 @@ def start_engine(config: EngineConfig, media: MediaConfig | None) -> EngineParts
         runner.tp = tp_workers
         return _build(config, device, tp_workers, loaded, inputs, runner)
     except BaseException:
-        if tp_workers is not None:
-            if runner is not None:
-                runner.release_cuda_graphs()  # before the group goes (ModelRunner.release_cuda_graphs)
-            tp_workers.close()
+        stop_workers(runner, tp_workers)
         raise
+
+
+def stop_workers(runner: ModelRunner | None, tp_workers: TPWorkers | None) -> None:
+    """Stop the tensor-parallel worker processes, the runner's CUDA graphs first (NCCL will not tear down a
+    communicator a captured graph still uses: ModelRunner.release_cuda_graphs); nothing to do at TP=1."""
+    if tp_workers is None:
+        return
+    if runner is not None:
+        runner.release_cuda_graphs()
+        runner.tp = None
+    tp_workers.close()
 
 
 def _build(config, device, tp_workers, loaded, inputs, runner) -> EngineParts:

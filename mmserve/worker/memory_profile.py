@@ -54,7 +54,7 @@ def peak_activation_bytes(
         # cross-attention families encode a request's images when its first chunk runs, not per placeholder
         copies = (
             runner.cross_encode_batch
-            if runner.uses_cross_attention
+            if runner.model.family.cross_attention
             else cdiv(num_tokens, template.length) + 1
         )
         with runner.encoder.kernels():
@@ -120,10 +120,10 @@ def profile_prefill(
         block_size=runner.block_size,
     )
     positions = torch.arange(num_tokens, device=dev)
-    if runner.uses_mrope:
+    if runner.model.family.mrope:
         positions = positions.expand(3, -1)
     embeds = runner.model.embed_input_ids(torch.zeros(num_tokens, dtype=torch.int64, device=dev))
-    if runner.uses_cross_attention and (template is not None or cross_template is not None):
+    if runner.model.family.cross_attention and (template is not None or cross_template is not None):
         # the prompt attends one picture's encoder output, as a request's steps do (an encoder-decoder's
         # decoder has nothing to attend without it)
         if template is not None:
@@ -171,7 +171,7 @@ def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_pe
     keys/values (`cross_kv_budget`, bytes; with a fixed pool, in that proportion to it)."""
     runner.cross_kv_budget = 0
     if cache_config.num_blocks is not None:
-        if runner.uses_cross_attention:
+        if runner.model.family.cross_attention:
             f = cache_config.cross_kv_cache_fraction
             runner.cross_kv_budget = int(
                 cache_config.num_blocks * runner.kv_bytes_per_block() * f / (1 - f)
@@ -189,7 +189,7 @@ def kv_pool_blocks(runner: ModelRunner, cache_config: CacheConfig, activation_pe
     else:
         budget = cache_config.kv_cache_size_gb * 2**30
         source = f"kv_cache_size_gb {cache_config.kv_cache_size_gb}"
-    if runner.uses_cross_attention:
+    if runner.model.family.cross_attention:
         runner.cross_kv_budget = int(budget * cache_config.cross_kv_cache_fraction)
         budget -= runner.cross_kv_budget
         source += f", less cross_kv_cache_fraction {cache_config.cross_kv_cache_fraction} of it"

@@ -63,8 +63,6 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.model = model
-        self.uses_mrope = model.family.mrope  # positions [3, T] (Qwen2-VL)
-        self.uses_cross_attention = model.family.cross_attention  # Mllama
         self.cross_kv_budget = 0  # bytes for the cross-attention pool (num_blocks_for)
         self.cross_kv: CrossKVPool | None = (
             None  # requests' encoder keys/values (allocate_cross_kv)
@@ -212,7 +210,7 @@ class ModelRunner:
 
     def cross_kv_num_blocks(self) -> int:
         """Blocks of the cross-attention pool that `cross_kv_budget` (set by plan_kv_cache) pays for."""
-        if not self.uses_cross_attention:
+        if not self.model.family.cross_attention:
             return 0
         return CrossKVPool.blocks_for(
             self.model.cross_kv_layout(), self.dtype, self.cross_kv_budget, self.block_size
@@ -221,7 +219,7 @@ class ModelRunner:
     def allocate_cross_kv(self, num_blocks: int) -> None:
         """The cross-attention pool of a cross-attention family, num_blocks large (cross_kv_num_blocks, the
         smallest over the tensor-parallel ranks: a request's blocks have the same ids on every rank)."""
-        if not self.uses_cross_attention:
+        if not self.model.family.cross_attention:
             return
         self.cross_kv = None  # the old pool's memory goes back before the new one is taken
         self.cross_kv = CrossKVPool(
@@ -250,7 +248,7 @@ class ModelRunner:
             return self.sampling.sample(
                 [s.request for s in loads], self.model.compute_logits(loaded)
             )
-        batch = flatten(computed, prev, self.block_size, self.device, self.uses_mrope)
+        batch = flatten(computed, prev, self.block_size, self.device, self.model.family.mrope)
         rows_by_adapter = (
             lora_rows(computed, batch.qsl) if self.lora is not None and self.lora.adapters else {}
         )
@@ -300,7 +298,7 @@ class ModelRunner:
         if batch.fill is not None:
             ids[batch.fill[0]] = batch.fill[1]
         embeds = self.model.embed_input_ids(ids)
-        if not self.uses_cross_attention:
+        if not self.model.family.cross_attention:
             self.encoder.merge(computed, qsl, embeds)
         n = len(batch.input_ids)
         if (
@@ -323,7 +321,7 @@ class ModelRunner:
             rows_by_adapter=rows_by_adapter,
         )
         cross_meta, written = None, []
-        if kind == "eager" and self.uses_cross_attention:
+        if kind == "eager" and self.model.family.cross_attention:
             # encodes and writes new requests' pictures: before the workers start
             cross_meta, cross_host, written = cross_attention_batch(
                 computed,

@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from mmserve.testing import make_checkpoint
 from tests.server.conftest import start_server
+from tests.server.test_triton_grpc import inputs
 
 TOKENS = 1800  # long enough to be in flight for seconds (the checkpoint below has 2048 positions)
 BODY = {
@@ -66,19 +67,13 @@ def _openai_stream(url: str, out: dict) -> None:
 
 
 def _grpc_inputs() -> list:
-    inputs = []
-    for name, value, dtype, wire in [
-        ("text_input", BODY["text_input"].encode(), object, "BYTES"),
-        ("max_tokens", TOKENS, np.int32, "INT32"),
-        ("min_tokens", TOKENS, np.int32, "INT32"),
-        ("temperature", 0.0, np.float32, "FP32"),
-        ("stream", True, bool, "BOOL"),
-    ]:
-        arr = np.array([[value]], dtype=dtype)
-        tensor = grpcclient.InferInput(name, list(arr.shape), wire)
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
-    return inputs
+    return inputs(
+        text_input=np.array([[BODY["text_input"].encode()]], dtype=object),
+        max_tokens=np.array([[TOKENS]], np.int32),
+        min_tokens=np.array([[TOKENS]], np.int32),
+        temperature=np.array([[0.0]], np.float32),
+        stream=np.array([[True]]),
+    )
 
 
 def _grpc_stream(url: str, out: dict) -> None:

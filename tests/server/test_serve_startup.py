@@ -5,7 +5,10 @@ checkpoint stops `serve` with one line and status 2, and a taken port stops it, 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +32,9 @@ def hub_cache(tiny_llava_dir, tmp_path_factory) -> Path:
     return cache
 
 
-def _serve(model: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _serve(model: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model, "--device", "cpu"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(cmd + list(flags), capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_a_hub_model_id_is_served_from_the_cache_under_its_id(hub_cache, tmp_path, monkeypatch):
@@ -76,9 +79,6 @@ def _bad_dir(tmp_path: Path, config: dict | None) -> str:
 def test_a_model_that_is_no_servable_checkpoint_stops_serve_in_one_line(
     case, message, hub_cache, tmp_path
 ):
-    import os
-    import re
-
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     model = {
         "hub-missing": lambda: "acme/missing",
@@ -97,17 +97,12 @@ def test_a_model_that_is_no_servable_checkpoint_stops_serve_in_one_line(
 
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
 def test_a_taken_port_stops_serve_before_the_model_loads(flag, tiny_llava_dir):
-    import os
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         other = "--grpc-port" if flag == "--http-port" else "--http-port"
-        cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", tiny_llava_dir]
-        cmd += ["--device", "cpu", flag, str(port), other, "0"]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        run = _serve(tiny_llava_dir, dict(os.environ), flag, str(port), other, "0")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
     assert (
         f"mmserve serve: {flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"
