@@ -77,10 +77,15 @@ class LMShape(TextShape):
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config.json: its `text_config`, the `decoder` of a vision-encoder-decoder,
-    else itself."""
+    """The language model's part of a config.json: its `text_config` (`llm_cfg` in VILA's layout), the `decoder` of
+    a vision-encoder-decoder, else itself."""
     decoder = cfg.get("decoder")
-    return cfg.get("text_config") or (decoder if isinstance(decoder, dict) else None) or cfg
+    return (
+        cfg.get("text_config")
+        or cfg.get("llm_cfg")
+        or (decoder if isinstance(decoder, dict) else None)
+        or cfg
+    )
 
 
 _LINEAR_BYTES = {

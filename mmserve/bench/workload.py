@@ -197,9 +197,12 @@ class PromptTemplate:
     """
 
     def __init__(self, model_dir: str) -> None:
-        from transformers import AutoProcessor
+        from mmserve.models.loader import load_hf_config
+        from mmserve.models.registry import get_model_class
 
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        config = load_hf_config(model_dir)
+        model_cls = get_model_class(config)
+        self.processor = model_cls.build_processor(model_dir, config)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.image_token: str = getattr(self.processor, "image_token", None) or "<image>"
         self.chat_template = getattr(self.processor, "chat_template", None)
@@ -209,12 +212,6 @@ class PromptTemplate:
         )
         self.drawn_text = False
         if not self.chat_template:
-            from transformers import AutoConfig
-
-            from mmserve.models.registry import get_model_class
-
-            config = AutoConfig.from_pretrained(model_dir)
-            model_cls = get_model_class(config)
             self.placeholder_in_prompt = model_cls.family.placeholder_in_prompt
             if model_cls.family.encoder_decoder:
                 self.decoder_prompt = lambda text: model_cls.decoder_prompt_ids(
@@ -301,7 +298,16 @@ def image_size_of(model_dir: str) -> int:
     """The side of the square bench images: the vision tower's input size where the config fixes one (llava
     336, llava_next 336 (its anyres then tiles it), llava_onevision 384, blip2 224), else 336 (qwen2_vl)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int((cfg.get("vision_config") or {}).get("image_size") or DEFAULT_IMAGE_SIZE)
+    size = (cfg.get("vision_config") or {}).get("image_size")
+    if (
+        size is None and "vision_config" not in cfg
+    ):  # a family reading its parts itself (VILA's sub-folders)
+        from mmserve.models.loader import load_hf_config
+
+        size = getattr(
+            getattr(load_hf_config(model_dir), "vision_config", None), "image_size", None
+        )
+    return int(size or DEFAULT_IMAGE_SIZE)
 
 
 def make_images(n: int, size: int, seed: int = 0) -> list[Any]:

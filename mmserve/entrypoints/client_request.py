@@ -95,12 +95,15 @@ class Request:
 
 
 def _preprocessed(args: argparse.Namespace, images: list[Image.Image]) -> np.ndarray:
-    """The seed's HF preprocessing: pixel_values of the processor in --hf_model_dir, FP16 [1, N, 3, H, W]."""
+    """The seed's preprocessing: pixel_values of the checkpoint in --hf_model_dir as its family's processor
+    prepares them (the HF processor, or the family's own, e.g. VILA's), FP16 [1, N, 3, H, W]."""
     if not Path(args.hf_model_dir).exists():
         raise ClientError(f"--hf_model_dir {args.hf_model_dir} does not exist")
-    from transformers import AutoProcessor
+    from mmserve.models.loader import load_hf_config
+    from mmserve.models.registry import get_model_class
 
-    processor = AutoProcessor.from_pretrained(args.hf_model_dir)
+    config = load_hf_config(args.hf_model_dir)
+    processor = get_model_class(config).build_processor(args.hf_model_dir, config)
     image_processor = getattr(processor, "image_processor", processor)
     pixels = image_processor(images, return_tensors="pt")["pixel_values"]
     if pixels.dim() != 4:

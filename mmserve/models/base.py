@@ -4,7 +4,12 @@ encoder through cross-attention :class:`CrossAttentionLM`, for encoder-decoders 
 A family class wraps a vision encoder and a language model (``self.language_model``) and carries its declared
 :class:`~mmserve.models.family.FamilySpec` as ``family``. Two parts of the server use it:
 
+* the loader (on the class): ``load_config`` reads the checkpoint's config (default ``AutoConfig``) and
+  ``checkpoint_weights`` lists its (name, tensor) pairs (default: the safetensors at its root), for families
+  whose published layout is not a transformers one (sub-folders, ``.bin`` shards, a ``.nemo`` archive);
 * :class:`~mmserve.multimodal.processors.InputProcessor` (on the class, before any model exists):
+  ``build_processor`` gives the processor (default ``AutoProcessor``; a family without one returns its own with
+  the same call: ``processor(text=..., images=..., return_tensors="pt")``, ``.tokenizer``, ``.image_token``);
   ``build_mm_items`` cuts the HF processor's output into one ``MultiModalItem`` per image / video;
   ``mrope_positions`` (M-RoPE families) gives the prompt's (t, h, w) positions; ``processor_kwargs`` what every
   processor call needs; encoder-decoders' ``decoder_prompt_ids`` / ``call_processor``.
@@ -39,6 +44,28 @@ class MultiModalCausalLM(nn.Module):
     family: ClassVar[FamilySpec] = TEXT_ONLY  # set by models.family.register_family
     # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
     weight_renames: list[tuple[str, str]] = []
+
+    @classmethod
+    def load_config(cls, model_dir: str) -> Any:
+        """The checkpoint's config, with ``architectures`` naming this family; the default reads ``config.json``
+        through transformers' ``AutoConfig``."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir)
+
+    @classmethod
+    def checkpoint_weights(cls, model_dir: str) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs, one at a time; the default streams the root's safetensors."""
+        from mmserve.models.weights import iter_safetensors
+
+        return iter_safetensors(model_dir)
+
+    @classmethod
+    def build_processor(cls, model_dir: str, hf_config: Any) -> Any:
+        """The checkpoint's processor: text + pictures -> ``input_ids`` and the encoder's inputs."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_dir)
 
     @classmethod
     def build_mm_items(

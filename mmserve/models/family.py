@@ -56,6 +56,8 @@ class FamilySpec:
     # HF config.architectures[0] values it serves; `config_matches` decides between families sharing one
     architectures: tuple[str, ...] = ()
     config_matches: Callable[[Any], bool] | None = None
+    # a checkpoint without config.json, recognised by this file in its directory (NeVA's "model.nemo")
+    checkpoint_file: str | None = None
     # HF config.model_type spellings (and the seeds' names) its Triton prompt format answers to
     model_types: tuple[str, ...] = ()
     # None: no pre/post prompt, the processor's own placeholders

@@ -17,14 +17,19 @@ from mmserve.models.quantization import (
     fuse_activation_quantization,
     quantize_model,
 )
-from mmserve.models.registry import get_model_class
-from mmserve.models.weights import iter_safetensors
+from mmserve.models.registry import class_for_checkpoint, get_model_class
 
 logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: str):
+    """The checkpoint's config as its family reads it (`MultiModalCausalLM.load_config`: `AutoConfig` unless the
+    family's published layout needs its own reader); `AutoConfig` for an architecture no family serves, so the
+    error that follows names it."""
     path = Path(model_dir)
+    cls = class_for_checkpoint(path)
+    if cls is not None:
+        return cls.load_config(str(model_dir))
     if not (path / "config.json").exists():
         raise ValueError(
             f"{model_dir!r} is not a Hugging Face checkpoint directory (no config.json)"
@@ -94,7 +99,7 @@ def build_model(
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(old)
-    model.load_weights(iter_safetensors(model_dir))
+    model.load_weights(cls.checkpoint_weights(model_dir))
     if quantization is not None:
         converted = quantize_model(model, quantization)
         if device.type == "cuda":

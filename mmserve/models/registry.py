@@ -7,8 +7,10 @@ spec alone); the first lookup imports every module of `models/` once, so a new f
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mmserve.models.family import FamilySpec, TextShape
@@ -96,6 +98,30 @@ def family_for_config(hf_config: Any) -> FamilySpec:
         f"architecture {archs[0] if archs else '(none given in config.json)'!r} is not supported; "
         f"supported architectures: {', '.join(supported)}"
     )
+
+
+def class_for_checkpoint(model_dir: str | Path) -> type | None:
+    """The class that reads this checkpoint directory's config: by `config.json`'s `architectures` (any family
+    serving one; `config_matches` decides later, on the config it reads), else by a family's `checkpoint_file`;
+    None when no family claims it."""
+    _discover()
+    path = Path(model_dir)
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            archs = json.loads(config.read_text()).get("architectures") or []
+        except (ValueError, AttributeError):
+            return None
+        for arch in archs:
+            for name, cls in _CLASSES.items():
+                if arch in _SPECS[name].architectures:
+                    return cls
+        return None
+    for name, cls in _CLASSES.items():
+        marker = _SPECS[name].checkpoint_file
+        if marker and (path / marker).is_file():
+            return cls
+    return None
 
 
 def get_model_class(hf_config: Any) -> type:

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoProcessor
 
 from mmserve.core.multimodal import MultiModalItem, ProcessedInputs
 from mmserve.multimodal.bounded_lru import BoundedLRU, inputs_bytes, tensor_bytes
@@ -87,7 +86,7 @@ class InputProcessor:
         self._recent_lock = threading.Lock()
         self.model_cls = model_cls
         self.media = media or MediaConfig()
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.processor = model_cls.build_processor(model_dir, hf_config)
         # what every processor call of this family needs (Pix2Struct VQA: the font its question is drawn in)
         self._family_kwargs = model_cls.processor_kwargs(
             model_dir, hf_config, self.media.header_font_path

@@ -13,7 +13,10 @@ from mmserve.models import registry
 # families written by a preset of another family's writer: family -> (writer's family, preset)
 WRITTEN_AS_PRESET = {"blip2_t5": ("blip2", "tiny-t5"), "qwen2_5_vl": ("qwen2_vl", "tiny-2.5")}
 # the keys that the bench (`--family`), `mmserve demo-model --family` and the tests name
-KNOWN = "blip2 fuyu kosmos2 llava llava_next llava_onevision mllama nougat pix2struct pixtral qwen2_vl".split()
+KNOWN = (
+    "blip2 cogvlm cogvlm2 fuyu kosmos2 llava llava_next llava_onevision mllama nougat pix2struct pixtral "
+    "qwen2_vl vila"
+).split()
 
 
 def test_families_are_the_testing_modules_checkpoint_writers():
@@ -27,7 +30,7 @@ def test_families_are_the_testing_modules_checkpoint_writers():
         assert module.CHECKPOINT_WRITERS[family] is getattr(module, name)
         assert testing.checkpoint_writers()[family] is getattr(module, name)
     with pytest.raises(
-        ValueError, match="unknown model family 'nope'; known families: blip2, fuyu"
+        ValueError, match="unknown model family 'nope'; known families: blip2, cogvlm"
     ):
         testing.make_checkpoint("nope", "/nonexistent")
 
@@ -47,7 +50,7 @@ def test_a_family_with_two_writers_is_an_error(monkeypatch):
     "spec", [s for s in registry.families() if s.architectures], ids=lambda s: s.name
 )
 def test_every_family_with_a_checkpoint_format_has_a_writer(spec):
-    """A family without architectures (a seeds' model type no class loads yet, e.g. vila) has nothing to write."""
+    """A family without architectures (a seeds' model type no class loads) has nothing to write."""
     family, preset = WRITTEN_AS_PRESET.get(spec.name, (spec.name, "tiny"))
     assert family in testing.FAMILIES, f"no checkpoint writer of {spec.name} in mmserve.testing"
     module = importlib.import_module(testing.FAMILIES[family].split(":")[0])
