@@ -15,7 +15,7 @@ WRITTEN_AS_PRESET = {"blip2_t5": ("blip2", "tiny-t5"), "qwen2_5_vl": ("qwen2_vl"
 # the keys that the bench (`--family`), `mmserve demo-model --family` and the tests name
 KNOWN = (
     "blip2 cogvlm cogvlm2 fuyu kosmos2 llava llava_next llava_onevision mllama nougat pix2struct pixtral "
-    "qwen2_vl vila"
+    "neva qwen2_vl vila"
 ).split()
 
 

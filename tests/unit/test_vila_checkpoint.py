@@ -87,3 +87,16 @@ def test_prompt_ids_tokenize_each_chunk_as_vila_does(vila_dir):
     assert ids.count(processor.tokenizer.bos_token_id) == 1
     with pytest.raises(ValueError, match="2 <image> placeholder"):
         processor.prompt_ids(text, 1)
+
+
+def test_roofline_reads_the_llm_part(vila_dir):
+    """The bench's weight-read roofline counts VILA's Llama (`llm_cfg`) as transformers builds it: its matrices,
+    norms and lm_head, not its embedding table."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from mmserve.bench.roofline import lm_shape
+
+    with torch.device("meta"):
+        llm = LlamaForCausalLM(AutoConfig.from_pretrained(vila_dir / "llm"))
+    expected = 4 * sum(p.numel() for n, p in llm.named_parameters() if "embed_tokens" not in n)
+    assert lm_shape(str(vila_dir), "float32").weight_bytes == expected
