@@ -68,6 +68,10 @@ class AttentionMetadata:
     num_decodes: int = 0
     # families with cross-attention layers (Mllama): the step's sequences with media; None for all others
     cross: CrossAttentionBatch | None = None
+    # families with per-modality weights (FamilySpec.media_rows): [R] int64 rows of the flat batch that are
+    # picture tokens; None when the step has none (decode steps, text, CUDA graphs)
+    media_rows: torch.Tensor | None = None
+    text_rows: torch.Tensor | None = None  # the other rows, with media_rows
 
     @property
     def num_seqs(self) -> int:

@@ -35,8 +35,9 @@ class ProcessedInputs:
     prompt: str | None
     prompt_token_ids: list[int]
     mm_items: list[MultiModalItem] = field(default_factory=list)
-    mrope_positions: torch.Tensor | None = None  # [3, P] for M-RoPE families (Qwen2-VL)
-    mrope_delta: int = 0  # decode position p maps to p + delta on all 3 axes
+    # [3, P] for M-RoPE families (Qwen2-VL), [1, P] for a family's own 1-D positions (CogVLM); None: indices
+    prompt_positions: torch.Tensor | None = None
+    position_delta: int = 0  # decode position p maps to p + delta (on all 3 axes)
     lora: str | None = None  # the LoRA adapter the request names (checked by the engine)
     # (block size, chained KV block hashes of the prompt's full blocks), made by Engine.preprocess
     block_hashes: tuple[int, list[bytes]] | None = None

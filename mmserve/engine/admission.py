@@ -97,7 +97,7 @@ class Admission:
         )
         req.cross_blocks_needed = cross_blocks
         req.grammar = guide
-        req.mrope_positions, req.mrope_delta = inputs.mrope_positions, inputs.mrope_delta
+        req.prompt_positions, req.position_delta = inputs.prompt_positions, inputs.position_delta
         req.lora, req.hash_salt = (
             inputs.lora,
             self.lora.hash_salt(inputs.lora),

@@ -208,7 +208,7 @@ async def beam_search_steps(
             inputs,
             prompt_token_ids=inputs.prompt_token_ids + beam.tokens,
             block_hashes=None,
-            mrope_positions=_mrope_positions(inputs, len(beam.tokens)),
+            prompt_positions=_prompt_positions(inputs, len(beam.tokens)),
         )
         last = None
         async for out in engine.generate_processed(
@@ -264,10 +264,14 @@ async def beam_search_steps(
     yield output(search.results(), True)
 
 
-def _mrope_positions(inputs, generated: int):
+def _prompt_positions(inputs, generated: int):
     """M-RoPE families: the prompt's [3, P] positions extended over the beam's tokens (text: p + delta on each axis)."""
-    if inputs.mrope_positions is None or not generated:
-        return inputs.mrope_positions
-    p = inputs.mrope_positions.shape[1]
-    tail = torch.arange(p, p + generated, dtype=inputs.mrope_positions.dtype) + inputs.mrope_delta
-    return torch.cat([inputs.mrope_positions, tail.expand(3, -1)], dim=1)
+    if inputs.prompt_positions is None or not generated:
+        return inputs.prompt_positions
+    p = inputs.prompt_positions.shape[1]
+    tail = (
+        torch.arange(p, p + generated, dtype=inputs.prompt_positions.dtype) + inputs.position_delta
+    )
+    return torch.cat(
+        [inputs.prompt_positions, tail.expand(len(inputs.prompt_positions), -1)], dim=1
+    )

@@ -104,10 +104,9 @@ class Request:
         self.num_context_logits = 0  # prompt positions whose logits are stored
         self.prompt_logprobs: list = []  # prompt_logprobs: entries of prompt tokens 1 .. P - 1
         self.generation_logits: list[torch.Tensor] = []  # [V] fp32 per generated token
-        self.mrope_positions: torch.Tensor | None = (
-            None  # [3, P] prompt positions of M-RoPE families
-        )
-        self.mrope_delta = 0  # generated token at p sits at p + delta
+        # prompt positions: [3, P] of M-RoPE families, [1, P] of a family's own 1-D ones; None: the indices
+        self.prompt_positions: torch.Tensor | None = None
+        self.position_delta = 0  # generated token at p sits at p + delta
         self.max_output_tokens = params.max_tokens  # the engine lowers it to what fits
         # async scheduling: the last `num_pending` output ids are PLACEHOLDER until their step's tokens
         # reach the host; `last_sample_row` is this request's row among the latest launched step's samples
@@ -116,18 +115,18 @@ class Request:
 
     def positions(self, start: int, end: int) -> torch.Tensor | range:
         """Rotary positions of tokens [start, end): a range (for M-RoPE families the same on all three axes,
-        as for generated tokens), or [3, n] for M-RoPE prompt tokens."""
-        if self.mrope_positions is None:
+        as for generated tokens), or [3, n] ([1, n]: a family's own 1-D positions) for prompt tokens."""
+        if self.prompt_positions is None:
             return range(start, end)
         p = self.num_prompt_tokens
         if start >= p:  # decode: no tensor per request per step
-            return range(start + self.mrope_delta, end + self.mrope_delta)
+            return range(start + self.position_delta, end + self.position_delta)
         parts = []
         if start < p:
-            parts.append(self.mrope_positions[:, start : min(end, p)])
+            parts.append(self.prompt_positions[:, start : min(end, p)])
         if end > p:
-            gen = torch.arange(max(start, p), end) + self.mrope_delta
-            parts.append(gen.expand(3, -1))
+            gen = torch.arange(max(start, p), end) + self.position_delta
+            parts.append(gen.expand(len(self.prompt_positions), -1))
         return torch.cat(parts, dim=1)
 
     @property

@@ -11,7 +11,7 @@ A family class wraps a vision encoder and a language model (``self.language_mode
   ``build_processor`` gives the processor (default ``AutoProcessor``; a family without one returns its own with
   the same call: ``processor(text=..., images=..., return_tensors="pt")``, ``.tokenizer``, ``.image_token``);
   ``build_mm_items`` cuts the HF processor's output into one ``MultiModalItem`` per image / video;
-  ``mrope_positions`` (M-RoPE families) gives the prompt's (t, h, w) positions; ``processor_kwargs`` what every
+  ``prompt_positions`` (spec ``mrope`` / ``own_positions``) gives the prompt's (t, h, w) or own 1-D positions; ``processor_kwargs`` what every
   processor call needs; encoder-decoders' ``decoder_prompt_ids`` / ``call_processor``.
 * the model runner (on the instance): ``get_mm_embeddings`` encodes items, ``embed_input_ids`` embeds
   the prompt (item embeddings are then written over the placeholders), ``forward`` runs the language
@@ -37,7 +37,7 @@ class MultiModalCausalLM(nn.Module):
     """Base of the family classes: the text path delegates to ``self.language_model``.
 
     Subclasses set ``self.language_model`` in ``__init__`` and implement ``build_mm_items``,
-    ``get_mm_embeddings`` and ``load_weights``; M-RoPE families (spec ``mrope``) also ``mrope_positions``.
+    ``get_mm_embeddings`` and ``load_weights``; families with positions of their own (spec ``mrope``, ``own_positions``) also ``prompt_positions``.
     """
 
     language_model: nn.Module
@@ -76,8 +76,11 @@ class MultiModalCausalLM(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def mrope_positions(cls, hf_config: Any, enc: Any, ids: list[int]) -> tuple[torch.Tensor, int]:
-        """M-RoPE families: the prompt's positions [3, P] (t, h, w) and the delta of the positions after it."""
+    def prompt_positions(
+        cls, hf_config: Any, enc: Any, ids: list[int]
+    ) -> tuple[torch.Tensor | None, int]:
+        """The prompt's positions, [3, P] (t, h, w) for M-RoPE, [1, P] for a family's own 1-D positions (None: the
+        tokens' indices), and the delta of every position after the prompt (generated token p sits at p + delta)."""
         raise NotImplementedError
 
     @classmethod

@@ -67,8 +67,11 @@ class FamilySpec:
     # cross: the text attends the encoder through cross-attention layers (Mllama); encoder_decoder: the
     # prompt is the decoder's (Nougat); both need a CrossAttentionLM class (models/base.py)
     attention: AttentionKind = "self"
-    # positions [3, T] (t, h, w) instead of [T]; the class defines mrope_positions
+    # positions [3, T] (t, h, w) instead of [T]; the class defines prompt_positions
     mrope: bool = False
+    # 1-D positions of its own rather than the tokens' indices (CogVLM: a picture's tokens share one); the class
+    # defines prompt_positions ([1, P])
+    own_positions: bool = False
     # False: the HF processor lays out the placeholder tokens itself
     placeholder_in_prompt: bool = True
     # encoder-decoders whose encoder input holds the text (BLIP-2 T5, Pix2Struct VQA)
@@ -77,6 +80,10 @@ class FamilySpec:
     encoder_cuda_graphs: bool = False
     # cross-attention families whose decode steps replay CUDA graphs
     cross_decode_graphs: bool = False
+    # linear layers whose weights depend on each token's modality (CogVLM's visual expert, XComposer2's Partial
+    # LoRA): which rows of a picture's span take the picture's weights, "span" (all) or "span_but_last" (its
+    # last token, CogVLM's eoi, takes the text's); the runner passes them as `AttentionMetadata.media_rows`
+    media_rows: Literal["span", "span_but_last"] | None = None
     # its HF processor takes a batch's pictures as one list per prompt (the transformers baseline's batches)
     images_per_prompt_lists: bool = False
 

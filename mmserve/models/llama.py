@@ -176,7 +176,10 @@ def llama_text_shape(text: dict) -> TextShape:
     return TextShape(
         **sizes,
         intermediate=int(text["intermediate_size"]),
-        kv_heads=int(text.get("num_key_value_heads") or sizes["heads"]),
+        # CogVLM2's config.json names its kv heads num_multi_query_heads
+        kv_heads=int(
+            text.get("num_key_value_heads") or text.get("num_multi_query_heads") or sizes["heads"]
+        ),
         qkv_bias=attention_bias or "qwen2" in str(text.get("model_type", "")),
         o_bias=attention_bias,
         mlp_bias=bool(text.get("mlp_bias", False)),

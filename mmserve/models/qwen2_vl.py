@@ -108,7 +108,7 @@ class Qwen2VLForConditionalGeneration(MultiModalCausalLM):
         return items  # ProcessedInputs puts them in prompt order
 
     @classmethod
-    def mrope_positions(cls, hf_config, enc, ids: list[int]) -> tuple[torch.Tensor, int]:
+    def prompt_positions(cls, hf_config, enc, ids: list[int]) -> tuple[torch.Tensor, int]:
         """The prompt's (t, h, w) positions [3, P] and the decode offset delta, as transformers' get_rope_index:
         a vision run starting at position s takes (s + t, s + h, s + w) over its merged grid, and the text
         after it continues at s + max(h, w) (merged units). `enc` None (text only): positions p, delta 0.

@@ -62,4 +62,4 @@ def inputs_bytes(inputs: ProcessedInputs) -> int:
     n = 40 * len(inputs.prompt_token_ids) + sum(
         tensor_bytes(m.data.values()) for m in inputs.mm_items
     )
-    return n + (inputs.mrope_positions.nbytes if inputs.mrope_positions is not None else 0)
+    return n + (inputs.prompt_positions.nbytes if inputs.prompt_positions is not None else 0)

@@ -43,7 +43,7 @@ class InputProcessor:
 
     The model class supplies the family-specific part: `build_mm_items(hf_config, enc, ids, image_keys,
     video_keys)` turns the HF processor's outputs into MultiModalItems, and, for M-RoPE families,
-    `mrope_positions(hf_config, enc, ids)` gives the prompt's 3-axis positions.
+    `prompt_positions(hf_config, enc, ids)` gives the prompt's 3-axis (or own 1-D) positions.
     """
 
     KEYS = {
@@ -172,7 +172,7 @@ class InputProcessor:
                     prompt.get("prompt_table_extra_ids"),
                 )
                 return ProcessedInputs(text, ids, items, lora=lora)
-            return self._with_mrope(ProcessedInputs(text, list(token_ids), lora=lora), None)
+            return self._with_positions(ProcessedInputs(text, list(token_ids), lora=lora), None)
         if prompt.get("prompt_table") is not None:
             raise ValueError(
                 "prompt_table: goes with prompt_token_ids (ids from the vocabulary size on mark its rows)"
@@ -189,7 +189,7 @@ class InputProcessor:
                 ids = self.processor(text=text, return_tensors="pt")["input_ids"][0].tolist()
             if not ids:
                 raise ValueError("prompt is empty")
-            return self._with_mrope(ProcessedInputs(text, ids, lora=lora), None)
+            return self._with_positions(ProcessedInputs(text, ids, lora=lora), None)
         ids_given = prompt.get("image_ids")
         if ids_given is not None and len(ids_given) != len(images):
             raise ValueError(f"image_ids has {len(ids_given)} entries for {len(images)} images")
@@ -262,7 +262,7 @@ class InputProcessor:
             enc["pixel_values"] = pixel_values
         ids = enc["input_ids"][0].tolist()
         items = self.model_cls.build_mm_items(self.hf_config, enc, ids, image_keys, video_keys)
-        out = self._with_mrope(ProcessedInputs(text, ids, items, lora=lora), enc)
+        out = self._with_positions(ProcessedInputs(text, ids, items, lora=lora), enc)
         with self._recent_lock:
             self._recent.put(cache_key, out)  # shared read-only by the requests that hit it
         return out
@@ -300,10 +300,11 @@ class InputProcessor:
         extra = {"device": kwargs["device"]} if "device" in kwargs else {}
         return dict(self.processor.image_processor(kwargs["images"], return_tensors="pt", **extra))
 
-    def _with_mrope(self, out: ProcessedInputs, enc) -> ProcessedInputs:
-        """M-RoPE families: every prompt, text-only too (enc None), gets its [3, P] positions."""
-        if self.model_cls.family.mrope:
-            out.mrope_positions, out.mrope_delta = self.model_cls.mrope_positions(
+    def _with_positions(self, out: ProcessedInputs, enc) -> ProcessedInputs:
+        """Families with positions of their own (M-RoPE, CogVLM): every prompt, text-only too (enc None), gets
+        them."""
+        if self.model_cls.family.mrope or self.model_cls.family.own_positions:
+            out.prompt_positions, out.position_delta = self.model_cls.prompt_positions(
                 self.hf_config, enc, out.prompt_token_ids
             )
         return out

@@ -38,7 +38,7 @@ def prompt_table_items(
         raise ValueError(
             f"prompt_table_extra_ids: {len(extra_ids)} ids for a prompt of {len(ids)} tokens"
         )
-    if model_cls.family.mrope or model_cls.family.cross_attention:
+    if model_cls.family.mrope or model_cls.family.own_positions or model_cls.family.cross_attention:
         raise ValueError(
             f"prompt_table: not supported for {model_cls.__name__} (its pictures do not enter the "
             "prompt as embeddings); send the images"

@@ -33,8 +33,9 @@ def num_leading_decodes(query_start_loc: list[int]) -> int:
 def cat_positions(parts: list, mrope: bool) -> torch.Tensor:
     """Per-request positions (ranges; for M-RoPE ranges meaning all three axes, or [3, n] tensors) -> [T], or
     [3, T] for M-RoPE, int64 on the host."""
-    if not mrope:
-        return host_tensor([p for r in parts for p in r], torch.int64)
+    if not mrope:  # ranges, or [1, n] tensors of a family's own positions
+        flat = [r[0].tolist() if isinstance(r, torch.Tensor) else r for r in parts]
+        return host_tensor([p for r in flat for p in r], torch.int64)
     out = np.empty(
         (3, sum(len(r) if isinstance(r, range) else r.shape[1] for r in parts)), dtype=np.int64
     )

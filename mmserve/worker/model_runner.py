@@ -37,6 +37,7 @@ from mmserve.worker.request_inputs import (
     cross_decode_inputs,
     lora_row_groups,
     lora_rows,
+    media_rows,
 )
 from mmserve.worker.step_batch import FlatBatch, flatten
 from mmserve.worker.step_execution import StepInputs, execute_step
@@ -252,7 +253,11 @@ class ModelRunner:
         rows_by_adapter = (
             lora_rows(computed, batch.qsl) if self.lora is not None and self.lora.adapters else {}
         )
-        graphs_ok = not rows_by_adapter
+        rule = self.model.family.media_rows
+        media = media_rows(computed, batch.qsl, rule) if rule is not None else []
+        graphs_ok = (
+            not rows_by_adapter and not media
+        )  # graphs bake no rows in: these steps run eagerly
         cross = None
         if (
             graphs_ok
@@ -270,7 +275,7 @@ class ModelRunner:
         ):
             # 1-token prompt chunks ride here too and sample nothing
             return self.sampling.finish(batch, *self._run_decode_graph(batch, cross), loads, loaded)
-        hidden = self._run_forward(batch, rows_by_adapter, graphs_ok)
+        hidden = self._run_forward(batch, rows_by_adapter, graphs_ok, media)
         return self.sampling.finish(batch, None, hidden, loads, loaded)
 
     def _run_decode_graph(self, batch: FlatBatch, cross) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,10 +294,14 @@ class ModelRunner:
         return self._execute(inputs, list(batch.fill) if batch.fill is not None else [])
 
     def _run_forward(
-        self, batch: FlatBatch, rows_by_adapter: dict[str, list[int]], graphs_ok: bool
+        self,
+        batch: FlatBatch,
+        rows_by_adapter: dict[str, list[int]],
+        graphs_ok: bool,
+        media: list[int],
     ) -> torch.Tensor:
         """The model over every token of `batch` (prefill graphs, piecewise graphs or eager, which applies the LoRA
-        adapters of `rows_by_adapter`): final hidden states."""
+        adapters of `rows_by_adapter` and gives the model the picture rows `media`): final hidden states."""
         computed, qsl = batch.seqs, batch.qsl
         ids = to_device(batch.input_ids, torch.int64, self.device)
         if batch.fill is not None:
@@ -319,6 +328,7 @@ class ModelRunner:
             batch.seq_lens,
             batch.block_tables,
             rows_by_adapter=rows_by_adapter,
+            media_rows=media,
         )
         cross_meta, written = None, []
         if kind == "eager" and self.model.family.cross_attention:

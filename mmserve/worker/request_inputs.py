@@ -23,6 +23,20 @@ def lora_rows(computed: list, qsl: list[int]) -> dict[str, list[int]]:
     return rows
 
 
+def media_rows(computed: list, qsl: list[int], rule: str) -> list[int]:
+    """Rows of the flat batch that are picture tokens by the family's `media_rows` rule ("span": a picture's whole
+    placeholder run; "span_but_last": all of it but its last token), from each item's span and the chunk scheduled,
+    never from the chunk's edges: a chunk cut anywhere gives the rows an uncut prompt would."""
+    rows: list[int] = []
+    trim = 1 if rule == "span_but_last" else 0
+    for i, s in enumerate(computed):
+        start, stop = s.start, s.start + s.num_tokens
+        for item in s.request.mm_items:
+            lo, hi = max(item.offset, start), min(item.offset + item.length - trim, stop)
+            rows.extend(range(qsl[i] + lo - start, qsl[i] + hi - start))
+    return rows
+
+
 def lora_row_groups(rows: dict[str, list[int]], lora, device: torch.device) -> list:
     """(adapter, its rows on the device) for each adapter of `rows` (lora_rows; `lora`: a LoRAManager)."""
     return [(lora.get(name), to_device(r, torch.int64, device)) for name, r in rows.items()]

@@ -42,6 +42,9 @@ class StepInputs:
         None  # decode graphs embed the ids themselves; other passes get embeddings
     )
     rows_by_adapter: dict[str, list[int]] = field(default_factory=dict)
+    media_rows: list[int] = field(
+        default_factory=list
+    )  # eager passes of FamilySpec.media_rows families
     # decode: the cross-attention pool's blocks and lengths of each row; eager: the step's new pictures' states
     # (CrossStepHost.for_workers), whose keys/values every rank projects for its own heads
     cross: Any = None
@@ -100,5 +103,10 @@ def execute_step(
         meta.cross = cross_batch_from_host(
             inputs.cross, tensors[1:], runner.model, runner.cross_kv, runner.attn_layers[0].backend
         )
+    if inputs.media_rows:
+        taken = set(inputs.media_rows)
+        text = [r for r in range(len(inputs.slots)) if r not in taken]
+        meta.media_rows = to_device(inputs.media_rows, torch.int64, runner.device)
+        meta.text_rows = to_device(text, torch.int64, runner.device)
     positions = to_device(inputs.positions, torch.int64, runner.device)
     return None, runner.run_eager(embeds, positions, meta, inputs.rows_by_adapter)

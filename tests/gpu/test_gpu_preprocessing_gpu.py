@@ -183,7 +183,7 @@ def test_qwen2_vl_image_preprocessing_on_gpu(qwen2_vl_dir, images):
     }
     got, want = gpu.process(prompt), cpu.process(prompt)
     assert got.prompt_token_ids == want.prompt_token_ids
-    assert torch.equal(got.mrope_positions, want.mrope_positions)
+    assert torch.equal(got.prompt_positions, want.prompt_positions)
     assert len(got.mm_items) == len(images)
     for k, (image, g, w) in enumerate(zip(images, got.mm_items, want.mm_items)):
         what = f"image {k} ({image.size[0]}x{image.size[1]})"

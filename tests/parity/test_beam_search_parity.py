@@ -134,7 +134,9 @@ def test_qwen2_vl_beams_extend_their_m_rope_positions(tmp_path_factory):
 
         async def run():
             inputs = await engine.preprocess({"prompt": text, "images": [image]})
-            assert inputs.mrope_delta != 0  # the picture's positions run ahead of the token count
+            assert (
+                inputs.position_delta != 0
+            )  # the picture's positions run ahead of the token count
             return await beam_search(
                 engine, inputs, SamplingParams(max_tokens=N), 3, 0.5, "qwen-beams"
             )

@@ -77,7 +77,7 @@ def _image_runs(llm: LLM, prompt: dict) -> list[tuple[int, int]]:
     return [(m.offset, m.end) for m in llm.engine.inputs.process(prompt).mm_items]
 
 
-def test_mrope_positions_match_transformers_get_rope_index(qwen_dir, llm):
+def test_prompt_positions_match_transformers_get_rope_index(qwen_dir, llm):
     model, processor = _load(qwen_dir, "cpu")
     cases = [
         {"prompt": _chat("just text")},
@@ -109,8 +109,8 @@ def test_mrope_positions_match_transformers_get_rope_index(qwen_dir, llm):
             ref, delta = ref[:, 0], int(delta)
         else:
             ref, delta = torch.arange(enc["input_ids"].shape[1]).expand(3, -1), 0
-        assert torch.equal(ours.mrope_positions, ref)
-        assert ours.mrope_delta == delta
+        assert torch.equal(ours.prompt_positions, ref)
+        assert ours.position_delta == delta
 
 
 def test_single_image_matches_transformers(qwen_dir, llm):
@@ -175,7 +175,7 @@ def test_same_image_hits_the_prefix_cache_with_right_positions(qwen_dir, llm):
     ((offset, end),) = _image_runs(llm, second)
     out = llm.generate([second], GREEDY, use_tqdm=False)[0]
     assert out.metrics.num_cached_tokens >= end - 3  # every full block up to the image's end
-    assert llm.engine.inputs.process(second).mrope_delta < 0
+    assert llm.engine.inputs.process(second).position_delta < 0
     _check(qwen_dir, second, out)
 
 
@@ -205,14 +205,14 @@ def test_decode_positions_right_after_a_long_image(qwen_dir, llm):
     }
     processed = llm.engine.inputs.process(prompt)
     ((offset, end),) = _image_runs(llm, prompt)
-    assert end - offset == 64 and processed.mrope_delta == -(64 - 8)
+    assert end - offset == 64 and processed.position_delta == -(64 - 8)
     assert (
         end == len(processed.prompt_token_ids) - 1
     )  # only <|vision_end|> between image and decode
     _check(qwen_dir, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0])
 
 
-def test_preempted_requests_resume_with_mrope_positions(qwen_dir):
+def test_preempted_requests_resume_with_prompt_positions(qwen_dir):
     llm = LLM(
         qwen_dir,
         device="cpu",
@@ -313,9 +313,10 @@ def test_qwen2_5_vl_windowed_tower_and_video_time_positions_match(qwen25_dir):
         enc["second_per_grid_ts"],
     )
     ours = llm.engine.inputs.process(prompt)
-    assert torch.equal(ours.mrope_positions, ref[:, 0]) and ours.mrope_delta == int(delta)
+    assert torch.equal(ours.prompt_positions, ref[:, 0]) and ours.position_delta == int(delta)
     video = ours.mm_items[0]
     assert (
-        video.modality == "video" and ours.mrope_positions[0, video.end - 1] - video.offset >= 2 * 3
+        video.modality == "video"
+        and ours.prompt_positions[0, video.end - 1] - video.offset >= 2 * 3
     )
     _check(qwen25_dir, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0])

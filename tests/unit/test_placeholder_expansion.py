@@ -64,8 +64,11 @@ def _same(a, b) -> None:
         assert x.data.keys() == y.data.keys()
         for key in x.data:
             assert torch.equal(x.data[key], y.data[key]), key
-    if a.mrope_positions is not None or b.mrope_positions is not None:
-        assert torch.equal(a.mrope_positions, b.mrope_positions) and a.mrope_delta == b.mrope_delta
+    if a.prompt_positions is not None or b.prompt_positions is not None:
+        assert (
+            torch.equal(a.prompt_positions, b.prompt_positions)
+            and a.position_delta == b.position_delta
+        )
 
 
 def test_shortcut_gives_the_processors_inputs(family_dir, monkeypatch):
