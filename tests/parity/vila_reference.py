@@ -67,10 +67,10 @@ def process_image(image: Image.Image, processor, aspect: str, device: str = "cpu
 def flat_square(x: torch.Tensor) -> torch.Tensor:
     n, w, h, c = x.size()
     if w % 2 == 1:
-        x = torch.cat([x, torch.zeros((n, 1, h, c), dtype=x.dtype)], dim=1)
+        x = torch.cat([x, torch.zeros((n, 1, h, c), dtype=x.dtype, device=x.device)], dim=1)
         n, w, h, c = x.size()
     if h % 2 == 1:
-        x = torch.cat([x, torch.zeros((n, w, 1, c), dtype=x.dtype)], dim=2)
+        x = torch.cat([x, torch.zeros((n, w, 1, c), dtype=x.dtype, device=x.device)], dim=2)
         n, w, h, c = x.size()
     x = x.view(n, w, h // 2, c * 2).permute(0, 2, 1, 3).contiguous()
     return x.view(n, h // 2, w // 2, c * 4)
