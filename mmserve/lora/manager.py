@@ -44,6 +44,8 @@ class LoRAManager:
         self.names: tuple[str, ...] = ()
         self._groups: list[RowGroup] | None = None
         self._hooked: set[str] = set()
+        if model.builtin_lora is not None:  # a family's own (XComposer2's Partial LoRA): pinned
+            self.install(model.builtin_lora, evictable=False)
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load the PEFT adapter at `path` as `name` (replacing one of that name). ValueError if it does not fit."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from torch import nn
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.models.family import TEXT_ONLY, FamilySpec
+
+if TYPE_CHECKING:
+    from mmserve.lora.adapter import LoRAAdapter
 
 
 class MultiModalCausalLM(nn.Module):
@@ -44,6 +47,8 @@ class MultiModalCausalLM(nn.Module):
     family: ClassVar[FamilySpec] = TEXT_ONLY  # set by models.family.register_family
     # (checkpoint prefix, our prefix) pairs of the family's weight names, first match wins (models/weights.py)
     weight_renames: list[tuple[str, str]] = []
+    # an adapter the checkpoint itself carries (spec media_lora: XComposer2's Partial LoRA), built by load_weights
+    builtin_lora: LoRAAdapter | None = None
 
     @classmethod
     def load_config(cls, model_dir: str) -> Any:

@@ -84,6 +84,9 @@ class FamilySpec:
     # LoRA): which rows of a picture's span take the picture's weights, "span" (all) or "span_but_last" (its
     # last token, CogVLM's eoi, takes the text's); the runner passes them as `AttentionMetadata.media_rows`
     media_rows: Literal["span", "span_but_last"] | None = None
+    # LoRA applies to picture rows only (XComposer2's Partial LoRA): the model's `builtin_lora` unless the request
+    # names its own adapter, which then replaces it
+    media_lora: bool = False
     # its HF processor takes a batch's pictures as one list per prompt (the transformers baseline's batches)
     images_per_prompt_lists: bool = False
 

@@ -37,6 +37,7 @@ from mmserve.worker.request_inputs import (
     cross_decode_inputs,
     lora_row_groups,
     lora_rows,
+    media_lora_rows,
     media_rows,
 )
 from mmserve.worker.step_batch import FlatBatch, flatten
@@ -250,11 +251,19 @@ class ModelRunner:
                 [s.request for s in loads], self.model.compute_logits(loaded)
             )
         batch = flatten(computed, prev, self.block_size, self.device, self.model.family.mrope)
-        rows_by_adapter = (
-            lora_rows(computed, batch.qsl) if self.lora is not None and self.lora.adapters else {}
-        )
-        rule = self.model.family.media_rows
+        family = self.model.family
+        rule = family.media_rows
         media = media_rows(computed, batch.qsl, rule) if rule is not None else []
+        if family.media_lora:
+            builtin = self.model.builtin_lora
+            names = builtin.name if builtin is not None else None
+            rows_by_adapter = media_lora_rows(computed, batch.qsl, rule, names) if media else {}
+        else:
+            rows_by_adapter = (
+                lora_rows(computed, batch.qsl)
+                if self.lora is not None and self.lora.adapters
+                else {}
+            )
         graphs_ok = (
             not rows_by_adapter and not media
         )  # graphs bake no rows in: these steps run eagerly

@@ -37,6 +37,21 @@ def media_rows(computed: list, qsl: list[int], rule: str) -> list[int]:
     return rows
 
 
+def media_lora_rows(
+    computed: list, qsl: list[int], rule: str, builtin: str | None
+) -> dict[str, list[int]]:
+    """A `media_lora` family's LoRA rows: each sequence's picture rows (`media_rows`), by its own adapter, else by
+    the model's built-in one (`builtin`: its name, None for none)."""
+    rows: dict[str, list[int]] = {}
+    for i, s in enumerate(computed):
+        name = s.request.lora or builtin
+        if name is not None:
+            picture = media_rows([s], [qsl[i], qsl[i + 1]], rule)
+            if picture:
+                rows.setdefault(name, []).extend(picture)
+    return rows
+
+
 def lora_row_groups(rows: dict[str, list[int]], lora, device: torch.device) -> list:
     """(adapter, its rows on the device) for each adapter of `rows` (lora_rows; `lora`: a LoRAManager)."""
     return [(lora.get(name), to_device(r, torch.int64, device)) for name, r in rows.items()]

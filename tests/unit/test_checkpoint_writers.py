@@ -14,8 +14,8 @@ from mmserve.models import registry
 WRITTEN_AS_PRESET = {"blip2_t5": ("blip2", "tiny-t5"), "qwen2_5_vl": ("qwen2_vl", "tiny-2.5")}
 # the keys that the bench (`--family`), `mmserve demo-model --family` and the tests name
 KNOWN = (
-    "blip2 cogvlm cogvlm2 fuyu kosmos2 llava llava_next llava_onevision mllama nougat pix2struct pixtral "
-    "neva qwen2_vl vila"
+    "blip2 cogvlm cogvlm2 fuyu internlm_xcomposer2 kosmos2 llava llava_next llava_onevision mllama "
+    "neva nougat pix2struct pixtral qwen2_vl vila"
 ).split()
 
 

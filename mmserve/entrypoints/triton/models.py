@@ -4,7 +4,7 @@ shared by REST and gRPC."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
@@ -21,6 +21,9 @@ class TensorSpec:
     datatype: str  # wire name: BYTES, INT32, FP16, ...
     dims: tuple[int, ...]  # without the batch dimension
     optional: bool = True
+    # another accepted shape (ensemble image_input: [batch, 3, H, W], one picture per item, as the XComposer2
+    # seed's ensemble declares it)
+    alt_dims: tuple[int, ...] | None = None
 
 
 def _specs(text: str) -> tuple[TensorSpec, ...]:
@@ -65,6 +68,9 @@ prompt_table_extra_id UINT64 1
 embedding_bias_words BYTES -1
 embedding_bias_weights FP32 -1
 """)
+_COMMON_INPUTS = tuple(
+    replace(s, alt_dims=(3, -1, -1)) if s.name == "image_input" else s for s in _COMMON_INPUTS
+)
 
 _BLS_EXTRA_INPUTS = _specs("""
 exclude_input_in_output BOOL 1
@@ -150,7 +156,8 @@ total_draft_tokens INT32 1
 
 
 def _ensemble_inputs() -> tuple[TensorSpec, ...]:
-    return _COMMON_INPUTS
+    # the LoRA task tensors as the tensorrtllm_backend ensemble (and the XComposer2 seed's) declares them
+    return (*_COMMON_INPUTS, *_named(_BLS_EXTRA_INPUTS, "lora_task_id lora_weights lora_config"))
 
 
 def _bls_inputs() -> tuple[TensorSpec, ...]:

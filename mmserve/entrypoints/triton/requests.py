@@ -66,9 +66,12 @@ def check_tensor(
     want, got = _KINDS.get(spec.datatype, "int"), _kind(arr)
     if got != want and not (want == "float" and got == "int"):
         raise ValueError(f"{name}: expected datatype {spec.datatype}, got {arr.dtype} ({got} data)")
-    ndim_ok = arr.ndim == len(spec.dims) + 1 or (spec.dims == (1,) and arr.ndim == 1)
-    fixed_ok = arr.ndim != len(spec.dims) + 1 or all(
-        d < 0 or d == n for d, n in zip(spec.dims, arr.shape[1:])
+    dims = spec.dims
+    if spec.alt_dims is not None and arr.ndim == len(spec.alt_dims) + 1:
+        dims = spec.alt_dims
+    ndim_ok = arr.ndim == len(dims) + 1 or (dims == (1,) and arr.ndim == 1)
+    fixed_ok = arr.ndim != len(dims) + 1 or all(
+        d < 0 or d == n for d, n in zip(dims, arr.shape[1:])
     )
     if not (ndim_ok and fixed_ok):
         raise ValueError(

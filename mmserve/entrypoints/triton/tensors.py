@@ -223,7 +223,10 @@ def image_arrays(name: str, pixels: np.ndarray, sizes: np.ndarray | None) -> lis
 
 
 def pixel_values(arr: np.ndarray) -> torch.Tensor:
-    """image_input [N, C, H, W] or [N, H, W, C] (already preprocessed) -> float32 [N, 3, H, W]."""
+    """image_input [N, C, H, W] or [N, H, W, C] (already preprocessed; one picture: [3, H, W]) -> float32
+    [N, 3, H, W]."""
+    if arr.ndim == 3 and arr.shape[0] == 3:
+        arr = arr[None]
     if arr.ndim != 4:
         raise ValueError(
             f"image_input: expected [batch, num_images, C, H, W] preprocessed pixels, "
