@@ -111,7 +111,13 @@ def lm_shape(
     from mmserve.models.quantization import checkpoint_quantization
     from mmserve.models.registry import text_shape
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    file = Path(model_dir) / "config.json"
+    if file.is_file():
+        config = json.loads(file.read_text())
+    else:  # a family's own layout (a NeVA's .nemo): its text config as the family reads it
+        from mmserve.models.loader import load_hf_config, text_config_of
+
+        config = text_config_of(load_hf_config(model_dir)).to_dict()
     model_dtype = torch_dtype(dtype)
     cache_dtype = CacheConfig(kv_cache_dtype=kv_cache_dtype).cache_dtype(model_dtype)
     return LMShape(

@@ -73,7 +73,11 @@ class ModelSource:
     def resolve(self) -> str:
         """The checkpoint directory; a preset's checkpoint is built on first use and reused after."""
         if self.model is not None:
-            if not (Path(self.model) / "config.json").is_file():
+            from mmserve.models.registry import class_for_checkpoint
+
+            if not (Path(self.model) / "config.json").is_file() and not class_for_checkpoint(
+                self.model
+            ):
                 raise FileNotFoundError(f"{self.model} has no config.json")
             return self.model
         assert self.preset is not None and self.family is not None
@@ -297,16 +301,16 @@ def prompt_variants(template: PromptTemplate, spec: PromptSpec, n: int) -> list[
 def image_size_of(model_dir: str) -> int:
     """The side of the square bench images: the vision tower's input size where the config fixes one (llava
     336, llava_next 336 (its anyres then tiles it), llava_onevision 384, blip2 224), else 336 (qwen2_vl)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    file = Path(model_dir) / "config.json"
+    cfg = json.loads(file.read_text()) if file.is_file() else {}
     size = (cfg.get("vision_config") or {}).get("image_size")
     if (
         size is None and "vision_config" not in cfg
-    ):  # a family reading its parts itself (VILA's sub-folders)
+    ):  # a family reading its parts itself (VILA, NeVA)
         from mmserve.models.loader import load_hf_config
 
-        size = getattr(
-            getattr(load_hf_config(model_dir), "vision_config", None), "image_size", None
-        )
+        vision = getattr(load_hf_config(model_dir), "vision_config", None)
+        size = getattr(vision, "image_size", None)
     return int(size or DEFAULT_IMAGE_SIZE)
 
 

@@ -20,9 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 
 from mmserve.core.multimodal import MultiModalItem
 from mmserve.models.base import MultiModalCausalLM, check_single_image
@@ -31,10 +29,9 @@ from mmserve.models.eva2_clip import EVA2CLIPModel
 from mmserve.models.family import FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.registry import register_family
+from mmserve.models.split_prompt import SquarePictures
 from mmserve.models.weights import load_weights
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 LLAMA3_VOCAB = (
     128256  # v2's published config.json leaves out num_multi_query_heads (its default: 8)
 )
@@ -57,34 +54,19 @@ def cogvlm_version(fields: dict[str, Any]) -> int:
 
 
 class CogVLMProcessor:
-    """Text (+ one picture) → `input_ids` [1, P], `pixel_values` [1, 3, S, S] (bicubic resize to the square, CLIP
-    normalisation) and `image_spans`; called as an HF processor."""
+    """Text (+ one picture) → `input_ids` [1, P], `pixel_values` [1, 3, S, S] and `image_spans`; called as an HF
+    processor."""
 
     def __init__(self, tokenizer: Any, image_size: int, rows: int) -> None:
-        self.tokenizer, self.image_size, self.rows = tokenizer, image_size, rows
+        self.tokenizer, self.rows = tokenizer, rows
+        self.image_processor = SquarePictures(image_size)
         self.chat_template = CHAT_TEMPLATE
-        self.image_processor = self._pixels
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
         return self.tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, **kwargs)
 
-    def _pixels(self, images: list[Image.Image], **kwargs: Any) -> dict[str, torch.Tensor]:
-        side = self.image_size
-        out = []
-        for im in images:
-            rgb = np.asarray(im.convert("RGB").resize((side, side), Image.BICUBIC), np.float32)
-            x = torch.from_numpy(rgb / 255.0).permute(2, 0, 1)
-            out.append(
-                (x - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]
-            )
-        return {"pixel_values": torch.stack(out)}
-
     def __call__(
-        self,
-        text: str,
-        images: list[Image.Image] | None = None,
-        return_tensors: str = "pt",
-        **kw: Any,
+        self, text: str, images: list | None = None, return_tensors: str = "pt", **kw: Any
     ) -> dict[str, Any]:
         tok = self.tokenizer
         n = self.rows if images else 0
@@ -96,7 +78,7 @@ class CogVLMProcessor:
             "image_spans": [(1, n)] if n else [],
         }
         if images:
-            out["pixel_values"] = self._pixels(images)["pixel_values"]
+            out["pixel_values"] = self.image_processor(images)["pixel_values"]
         return out
 
 

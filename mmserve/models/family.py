@@ -56,7 +56,7 @@ class FamilySpec:
     # HF config.architectures[0] values it serves; `config_matches` decides between families sharing one
     architectures: tuple[str, ...] = ()
     config_matches: Callable[[Any], bool] | None = None
-    # a checkpoint without config.json, recognised by this file in its directory (NeVA's "model.nemo")
+    # a checkpoint without config.json, recognised by a file in its directory matching this pattern ("*.nemo")
     checkpoint_file: str | None = None
     # HF config.model_type spellings (and the seeds' names) its Triton prompt format answers to
     model_types: tuple[str, ...] = ()

@@ -49,7 +49,12 @@ def resolve_checkpoint(
             f"model {model!r}: no such directory (and not a hub model ID of the form org/name)"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"model {model!r}: {path} has no config.json, so it is no checkpoint")
+        from mmserve.models.registry import class_for_checkpoint
+
+        if class_for_checkpoint(path) is None:  # a family's own layout (a NeVA's .nemo) needs none
+            raise CheckpointError(
+                f"model {model!r}: {path} has no config.json, so it is no checkpoint"
+            )
     return path
 
 

@@ -28,10 +28,10 @@ from mmserve.layers.linear import ReplicatedLinear
 from mmserve.lora.adapter import LoRAAdapter, LoRATarget
 from mmserve.models.base import MultiModalCausalLM
 from mmserve.models.clip import CLIPVisionTower
-from mmserve.models.cogvlm import CogVLMProcessor
 from mmserve.models.family import FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.registry import register_family
+from mmserve.models.split_prompt import SplitPromptProcessor, SquarePictures
 from mmserve.models.weights import load_weights
 
 IMAGE_TAG = "<ImageHere>"
@@ -75,38 +75,6 @@ def iter_bin_shards(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         raise FileNotFoundError(f"no pytorch_model*.bin weights in {model_dir}")
     for name in files:
         yield from torch.load(root / name, map_location="cpu", weights_only=True, mmap=True).items()
-
-
-class XComposer2Processor(CogVLMProcessor):
-    """CogVLM's picture transform at `img_size`; the text cut at `<ImageHere>`, every part with BOS."""
-
-    image_token = IMAGE_TAG
-
-    def __init__(self, tokenizer: Any, image_size: int, rows: int) -> None:
-        super().__init__(tokenizer, image_size, rows)
-        self.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
-
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, **kwargs
-        )
-
-    def __call__(
-        self, text: str, images: list | None = None, return_tensors: str = "pt", **kw: Any
-    ) -> dict[str, Any]:
-        parts = text.split(IMAGE_TAG)
-        ids: list[int] = []
-        spans = []
-        for i, part in enumerate(parts):
-            if part:
-                ids += self.tokenizer(part).input_ids
-            if i < len(parts) - 1:
-                spans.append((len(ids), self.rows))
-                ids += [self.tokenizer.unk_token_id] * self.rows
-        out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "image_spans": spans}
-        if images:
-            out["pixel_values"] = self._pixels(images)["pixel_values"]
-        return out
 
 
 @register_family(
@@ -186,13 +154,22 @@ class InternLMXComposer2ForCausalLM(MultiModalCausalLM):
         return iter_bin_shards(model_dir)
 
     @classmethod
-    def build_processor(cls, model_dir: str, hf_config: Any) -> XComposer2Processor:
+    def build_processor(cls, model_dir: str, hf_config: Any) -> SplitPromptProcessor:
         # the tokenizer files alone: AutoTokenizer would follow config.json's auto_map to remote code
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
         v = hf_config.vision_config
-        return XComposer2Processor(tokenizer, v.image_size, (v.image_size // v.patch_size) ** 2)
+        rows = (v.image_size // v.patch_size) ** 2
+        return SplitPromptProcessor(
+            tokenizer,
+            SquarePictures(v.image_size),
+            IMAGE_TAG,
+            rows,
+            tokenizer.unk_token_id,
+            special_tokens=True,
+            chat_template=tokenizer.chat_template or CHAT_TEMPLATE,
+        )
 
     @classmethod
     def build_mm_items(

@@ -119,7 +119,7 @@ def class_for_checkpoint(model_dir: str | Path) -> type | None:
         return None
     for name, cls in _CLASSES.items():
         marker = _SPECS[name].checkpoint_file
-        if marker and (path / marker).is_file():
+        if marker and any(p.is_file() for p in path.glob(marker)):
             return cls
     return None
 

@@ -390,3 +390,26 @@ def test_rotary_percentage_and_layernorm1p_matter(ckpts, tmp_path):
     )
     assert w.abs().mean() < 0.5  # stored around zero
     torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (64,), w + 1, b, 1e-5))
+
+
+def test_the_family_reads_the_nemo_and_the_roofline_counts_its_decoder(tmp_path):
+    """mmserve's NeVA config from the .nemo alone; the bench's weight-read roofline equals the decoder's
+    parameters but its embedding table (tied here: counted once more as the head)."""
+    from mmserve.bench.roofline import lm_shape
+    from mmserve.config import ModelConfig
+    from mmserve.models.loader import load_hf_config, load_model
+
+    model_dir = make_neva_checkpoint(tmp_path / "n", preset="tiny-swiglu")
+    config = load_hf_config(str(model_dir))
+    assert config.architectures == ["NevaForCausalLM"] and config.image_token_len == 4
+    model = load_model(
+        ModelConfig(model=str(model_dir), dtype="float32"), torch.device("cpu")
+    ).model
+    lm = model.language_model
+    decoder = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+    head = (
+        0
+        if any(n.startswith("lm_head") for n, _ in lm.named_parameters())
+        else lm.lm_head.weight.numel()
+    )
+    assert lm_shape(str(model_dir), "float32").weight_bytes == 4 * (decoder + head)
