@@ -104,9 +104,9 @@ def model_record(source: ModelSource | None, model_dir: str | None) -> dict[str,
     """What the result JSON says about the checkpoint: path, family, preset and HF architecture."""
     arch = None
     if model_dir is not None:
-        arch = (
-            json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None]
-        )[0]
+        from mmserve.models.loader import load_hf_config
+
+        arch = (load_hf_config(model_dir).architectures or [None])[0]
     return {
         "path": model_dir,
         "family": source.family if source else None,

@@ -62,6 +62,10 @@ def test_staggered_batch_prefix_hits_and_chunks_match(xc_dir, device):
     hit = llm.generate([again], GREEDY, use_tqdm=False)[0]
     assert hit.metrics.num_cached_tokens >= 16
     _check(xc_dir, again, hit, device)
+    other = {"prompt": prompts[1]["prompt"], "images": [make_test_image(77, (36, 30))]}
+    miss = llm.generate([other], GREEDY, use_tqdm=False)[0]
+    assert miss.metrics.num_cached_tokens <= miss.prompt_token_ids.index(0)  # not past the picture
+    _check(xc_dir, other, miss, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -39,7 +39,7 @@ def _check(model_dir: str, prompt: dict, out, device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_picture_and_text_only_match_the_reference(neva_dir, device):
     llm = LLM(neva_dir, device=device, dtype="float32")
-    for prompt in (_prompt(0, 1), _prompt(1, 0)):
+    for prompt in (_prompt(0, 1), _prompt(1, 0), _prompt(2, 2)):
         _check(neva_dir, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], device)
 
 
@@ -62,6 +62,11 @@ def test_staggered_batch_prefix_hits_chunks_and_preemption_match(neva_dir, devic
     hit = llm.generate([again], GREEDY, use_tqdm=False)[0]
     assert hit.metrics.num_cached_tokens >= 8
     _check(neva_dir, again, hit, device)
+    other = {"prompt": prompts[1]["prompt"], "images": [make_test_image(77, (40, 32))]}
+    miss = llm.generate([other], GREEDY, use_tqdm=False)[0]
+    placeholder = llm.engine.inputs.processor.placeholder_id
+    assert miss.metrics.num_cached_tokens <= miss.prompt_token_ids.index(placeholder)
+    _check(neva_dir, other, miss, device)
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from openai import OpenAI
-from tritonclient.utils import np_to_triton_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from mmserve import LLM, SamplingParams
 from mmserve.testing import image_to_data_uri, make_test_image
@@ -150,3 +150,20 @@ def test_a_sent_task_replaces_the_built_in_partial_lora(xc, tmp_path):
     )[0]
     assert with_zero_task.endswith(without.outputs[0].text)
     assert with_zero_task != _infer(server, None)
+
+
+def test_a_picture_of_the_wrong_size_is_a_400_naming_it(xc):
+    server, _, _ = xc
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    arrays = {
+        "text_input": np.array([[TEXT.encode()]], dtype=object),
+        "max_tokens": np.array([[4]], np.int32),
+        "image_input": np.zeros((1, 3, 20, 20), np.float16),  # the tower takes 28 px
+    }
+    inputs = []
+    for name, arr in arrays.items():
+        inputs.append(grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype)))
+        inputs[-1].set_data_from_numpy(arr)
+    with pytest.raises(InferenceServerException, match="image_input.*28, 28"):
+        client.infer("ensemble", inputs)
+    assert _infer(server, None)  # the server keeps serving

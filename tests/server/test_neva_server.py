@@ -23,7 +23,9 @@ PICTURE = make_test_image(51, (44, 40))
 
 @pytest.fixture(scope="module")
 def neva(tmp_path_factory):
-    model_dir = str(make_neva_checkpoint(tmp_path_factory.mktemp("neva_server"), preset="tiny-swiglu"))
+    model_dir = str(
+        make_neva_checkpoint(tmp_path_factory.mktemp("neva_server"), preset="tiny-swiglu")
+    )
     with start_server(model_dir, tmp_path_factory.mktemp("neva-logs")) as handle:
         yield handle, LLM(model_dir, device="cpu")
 

@@ -223,6 +223,39 @@ def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
         assert _positive(row["roofline"]["ms_per_step"])
 
 
+# the families transformers has no class of: no baseline, the roofline from the family's own config
+NO_HF_FAMILIES = {
+    "vila": "LlavaLlamaModel",
+    "cogvlm": "CogVLMForCausalLM",
+    "internlm_xcomposer2": "InternLMXComposer2ForCausalLM",
+    "neva": "NevaForCausalLM",
+}
+
+
+@pytest.mark.parametrize("family", sorted(NO_HF_FAMILIES))
+def test_latency_bench_runs_the_families_without_a_transformers_class(
+    family, family_work_dir, tmp_path
+):
+    args = ["latency", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir]
+    args += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "2"]
+    args += [
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--baseline",
+        "none",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
+    assert main(args) == 0
+    result = strict_json((tmp_path / "r.json").read_text())
+    assert result["errors"] == [] and result["model"]["architecture"] == NO_HF_FAMILIES[family]
+    (row,) = result["results"]
+    assert not row.get("hf")  # no baseline to run
+    assert _positive(row["mmserve"]["decode_tok_s"]) and _positive(row["roofline"]["ms_per_step"])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_CASES))
 def test_throughput_bench_runs_a_family_preset_against_its_transformers_class(
     family, family_work_dir, tmp_path
