@@ -21,6 +21,7 @@ from typing import Any
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.engine import Engine
 from mmserve.engine.model_info import ModelInfo
+from mmserve.multimodal.prompt_media import aload_prompt_media
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.tp_workers import WorkerDied
 
@@ -83,7 +84,9 @@ class AsyncEngine:
             yield out
 
     async def preprocess(self, prompt: str | dict[str, Any]):
-        """Engine.preprocess on a preprocessing thread: the prompt's ProcessedInputs."""
+        """Engine.preprocess on a preprocessing thread: the prompt's ProcessedInputs (its pictures loaded first, for
+        every API, by `aload_prompt_media`)."""
+        prompt = await aload_prompt_media(prompt, self.engine.inputs.media)
         return await asyncio.get_running_loop().run_in_executor(
             self._preprocess, self.engine.preprocess, prompt
         )

@@ -1,5 +1,10 @@
 """A prompt dict's media parts, checked and loaded: images/videos as lists, preprocessed pixel values, videos
-as decoded frames [F, H, W, 3] (sources decoded, given frames checked against the media limits)."""
+as decoded frames [F, H, W, 3] (sources decoded, given frames checked against the media limits).
+
+Pictures are loaded here for every API: a server's (`AsyncEngine.preprocess`) by `aload_prompt_media`, its downloads
+concurrent under the media limits' deadline, before the preprocessing thread; the offline API's by the input
+processor (`load_images`). A frontend passes the sources on as they came, with the name of the field that carried
+them (`MEDIA_FIELD`), which its errors then name."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmserve.multimodal.inputs import load_video_bytes
+from mmserve.multimodal.inputs import aload_images, load_video_bytes
 from mmserve.multimodal.media_limits import MediaConfig, check_picture_size
 from mmserve.multimodal.video import decode_video
 
@@ -18,6 +23,21 @@ def as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+MEDIA_FIELD = "media_field"  # prompt key: the API field the pictures came in (errors name it)
+
+
+async def aload_prompt_media(prompt: Any, config: MediaConfig) -> Any:
+    """A server's prompt with its pictures loaded (any source: URL, data URI, path, bytes, array; fetched at once,
+    decoded in worker threads) and checked against `config`; MediaError (a ValueError) names the field and index."""
+    if not isinstance(prompt, dict) or (not prompt.get("images") and MEDIA_FIELD not in prompt):
+        return prompt
+    out = dict(prompt)
+    field = out.pop(MEDIA_FIELD, None) or "images"
+    if out.get("images"):
+        out["images"] = await aload_images(as_list(out["images"]), config, field=field)
+    return out
 
 
 def check_pixel_values(pixel_values: Any) -> torch.Tensor:

@@ -25,6 +25,7 @@ from mmserve.entrypoints.triton.tensors import (
     to_raw,
 )
 from mmserve.multimodal.media_limits import MediaConfig
+from mmserve.multimodal.prompt_media import aload_prompt_media
 from mmserve.testing import make_test_image
 
 STATE = SimpleNamespace(
@@ -45,11 +46,19 @@ def _scalar(value, dtype) -> np.ndarray:
 
 
 def parse(model="ensemble", **tensors):
+    """The requests of these tensors, their pictures loaded as the engine loads them (AsyncEngine.preprocess:
+    aload_prompt_media), so a bad picture fails here naming its Triton field, as it fails the request."""
     base = {"text_input": _bytes("What is this?"), "max_tokens": _scalar(8, np.int32)}
     base.update(tensors)
-    return asyncio.run(
-        tp.parse_request(STATE, model, {k: v for k, v in base.items() if v is not None})
-    )
+
+    async def parse_and_load():
+        tensors = {k: v for k, v in base.items() if v is not None}
+        reqs = await tp.parse_request(STATE, model, tensors)
+        for req in reqs:
+            req.prompt = await aload_prompt_media(req.prompt, STATE.media)
+        return reqs
+
+    return asyncio.run(parse_and_load())
 
 
 # ---- codecs ------------------------------------------------------------------------------------------
@@ -128,7 +137,8 @@ def test_config_json_has_proto_field_names_and_integer_dims():
     cfg = model_config_json("tensorrt_llm_bls", decoupled=True, accumulate_tokens=False)
     text = next(i for i in cfg["input"] if i["name"] == "text_input")
     assert text["data_type"] == "TYPE_STRING" and text["dims"] == [1] and text["optional"] is False
-    assert cfg["max_batch_size"] == 8 and cfg["model_transaction_policy"] == {"decoupled": True}
+    # the server passes --max-num-seqs; its default is 64
+    assert cfg["max_batch_size"] == 64 and cfg["model_transaction_policy"] == {"decoupled": True}
     assert cfg["parameters"]["accumulate_tokens"] == {"string_value": "False"}
 
 

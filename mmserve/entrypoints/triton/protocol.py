@@ -40,7 +40,7 @@ from mmserve.entrypoints.triton.requests import (
 )
 from mmserve.entrypoints.triton.tensors import image_arrays, pixel_values
 from mmserve.entrypoints.triton.tokens import parse_token_request
-from mmserve.multimodal.inputs import aload_images
+from mmserve.multimodal.prompt_media import MEDIA_FIELD
 from mmserve.sampling_params import SamplingParams
 
 IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
@@ -153,7 +153,7 @@ async def _parse_item(state: ServerState, model: str, g: BatchItem) -> TritonReq
     bias = _embedding_bias(state, g)
     if bias:
         params = dataclasses.replace(params, logit_bias=bias)
-    field, prompt, num_images, num_videos = await _media(state, g)
+    field, prompt, num_images, num_videos = _media(state, g)
     extra_id = g.scalar("prompt_table_extra_id")
     if extra_id is not None and extra_id < 1:
         raise ValueError(f"prompt_table_extra_id must be >= 1, got {extra_id}")
@@ -199,7 +199,7 @@ async def _parse_item(state: ServerState, model: str, g: BatchItem) -> TritonReq
     )
 
 
-async def _media(state: ServerState, g: BatchItem) -> tuple[str | None, dict[str, Any], int, int]:
+def _media(state: ServerState, g: BatchItem) -> tuple[str | None, dict[str, Any], int, int]:
     """The item's picture input, if any: (its name, the prompt keys it fills, images, videos)."""
     given = [name for name in IMAGE_INPUTS if name in g.tensors]
     if len(given) > 1:
@@ -220,13 +220,12 @@ async def _media(state: ServerState, g: BatchItem) -> tuple[str | None, dict[str
     if field == "image_bytes_input":
         sizes = g.tensors["image_sizes_input"][g.b] if "image_sizes_input" in g.tensors else None
         arrays = image_arrays(field, g.tensors[field][g.b], sizes)
-        return field, {"images": await aload_images(arrays, media, field=field)}, len(arrays), 0
+        return field, {"images": arrays, MEDIA_FIELD: field}, len(arrays), 0
     if field == "image_url_input":
         urls = g.strings(field)
         if any(not u.strip() for u in urls):
             raise ValueError("image_url_input: empty URL")
-        images = await aload_images([u.strip() for u in urls], media, field=field)
-        return field, {"images": images}, len(urls), 0
+        return field, {"images": [u.strip() for u in urls], MEDIA_FIELD: field}, len(urls), 0
     frames = g.tensors[field][
         g.b
     ]  # video_bytes_input: decoded frames [F, H, W, 3] (or [F, 3, H, W])
