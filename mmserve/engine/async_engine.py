@@ -139,7 +139,7 @@ class AsyncEngine:
         """Abort a request (no-op if it already finished). Safe from any thread."""
         self._commands.put(("abort", request_id))
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
     def step_stats(self) -> dict[str, dict[str, float]]:

@@ -248,7 +248,7 @@ class Engine:
                 self.scheduler.prompt_ends.forget(self.kv.prompt_digest(s.request))
 
     # ---- introspection -------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -265,6 +265,9 @@ class Engine:
             "prefix_cache_hit_tokens": self.kv.stats.hit_tokens,
             "prefix_cache_queried_tokens": self.kv.stats.queried_tokens,
             "encoder_cache_hit_rate": self.runner.encoder.cache.hit_rate,
+            "encoder_cache_hits": self.runner.encoder.cache.hits,
+            "encoder_cache_queries": self.runner.encoder.cache.hits
+            + self.runner.encoder.cache.misses,
             "prompt_end_cache_hits": self.scheduler.prompt_ends.hits
             if self.scheduler.prompt_ends
             else 0,
@@ -273,4 +276,12 @@ class Engine:
             if (cross := self.scheduler.cross_blocks) is not None
             else 0.0,
             "cross_kv_cache_blocks_total": cross.num_blocks if cross is not None else 0,
+            "running_lora_adapters": _lora_names(self.scheduler.running),
+            "waiting_lora_adapters": _lora_names(self.scheduler.waiting),
+            "max_loras": self.config.model.max_loras,
         }
+
+
+def _lora_names(requests) -> str:
+    """The adapters of these requests, comma-separated, sorted (the LoRA info gauge's label)."""
+    return ",".join(sorted({r.lora for r in list(requests) if r.lora is not None}))

@@ -1,11 +1,18 @@
-"""Prometheus metrics of the server: request counts, latency histograms, token counters, engine gauges."""
+"""Prometheus metrics of the server: request counts, latency histograms, token counters, engine gauges.
+
+Every `mmserve_*` sample carries a `model_name` label (the served name), so replicas' metrics aggregate by model.
+What sums over replicas is a counter: cache queries and hits (`mmserve_prefix_cache_queried_tokens` /
+`_hit_tokens`, `mmserve_encoder_cache_queries` / `_hits`), `mmserve_preemptions`; the hit-rate gauges stay for
+dashboards that read them. `mmserve_lora_requests_info` is the running / waiting LoRA adapters as labels (value: the
+scrape time), as vLLM's `vllm:lora_requests_info` that the Kubernetes Gateway API Inference Extension reads."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.core.step import STEP_KINDS
@@ -31,39 +38,31 @@ _LATENCY_BUCKETS = (
 class Metrics:
     """One registry per server (tests run several servers in one process)."""
 
-    def __init__(self, stats_fn, step_stats_fn=None) -> None:
+    def __init__(self, stats_fn, step_stats_fn=None, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
         self.requests = Counter(
             "mmserve_requests",
             "Requests by endpoint and HTTP/gRPC status",
-            ["endpoint", "status"],
+            ["model_name", "endpoint", "status"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "mmserve_time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, m, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.ttft = histogram("mmserve_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram(
+            "mmserve_inter_token_latency_seconds", "Mean time between output tokens per request"
         )
-        self.itl = Histogram(
-            "mmserve_inter_token_latency_seconds",
-            "Mean time between output tokens per request",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "mmserve_e2e_request_latency_seconds",
-            "Arrival to finish",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.e2e = histogram("mmserve_e2e_request_latency_seconds", "Arrival to finish")
         self.prompt_tokens = Counter(
-            "mmserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
+            "mmserve_prompt_tokens", "Prompt tokens of finished requests", m, registry=r
+        ).labels(model_name)
         self.generation_tokens = Counter(
-            "mmserve_generation_tokens", "Generated tokens", registry=r
-        )
+            "mmserve_generation_tokens", "Generated tokens", m, registry=r
+        ).labels(model_name)
         self._stats_fn = stats_fn
         gauges = {
             "num_running": ("mmserve_num_requests_running", "Requests in the running batch"),
@@ -100,14 +99,17 @@ class Metrics:
             ),
         }
         for key, (name, doc) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(
+            Gauge(name, doc, m, registry=r).labels(model_name).set_function(
                 lambda key=key: float(self._stats_fn().get(key, 0.0))
             )
+        r.register(_EngineCounters(stats_fn, model_name))
         if step_stats_fn is not None:
             r.register(_StepCollector(step_stats_fn))
 
     def count_request(self, endpoint: str, status: int | str) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.requests.labels(
+            model_name=self.model_name, endpoint=endpoint, status=str(status)
+        ).inc()
 
     def on_finished(self, out: RequestOutput) -> None:
         """Record latency and token counts of a finished request."""
@@ -160,3 +162,49 @@ class _StepCollector:
             seconds.add_metric([kind, "host"], t["host_s"])
             seconds.add_metric([kind, "device_wait"], t["device_wait_s"])
         yield from (steps, tokens, seconds)
+
+
+# stats() key -> (counter family, help): what sums over replicas
+_COUNTERS = {
+    "prefix_cache_queried_tokens": (
+        "mmserve_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache",
+    ),
+    "prefix_cache_hit_tokens": (
+        "mmserve_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache",
+    ),
+    "encoder_cache_queries": (
+        "mmserve_encoder_cache_queries",
+        "Pictures looked up in the encoder cache",
+    ),
+    "encoder_cache_hits": ("mmserve_encoder_cache_hits", "Pictures found in the encoder cache"),
+    "num_preemptions": ("mmserve_preemptions", "Requests preempted (recomputed later)"),
+}
+
+
+class _EngineCounters:
+    """The engine's cumulative cache and preemption counts as counters, and the LoRA info gauge."""
+
+    def __init__(self, stats_fn, model_name: str) -> None:
+        self.stats_fn, self.model_name = stats_fn, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats_fn()
+        for key, (name, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(s.get(key, 0)))
+            yield family
+        lora = GaugeMetricFamily(
+            "mmserve_lora_requests_info",
+            "LoRA adapters of running and waiting requests (value: the scrape's Unix time)",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        labels = [
+            self.model_name,
+            str(s.get("running_lora_adapters", "")),
+            str(s.get("waiting_lora_adapters", "")),
+            str(int(s.get("max_loras", 0))),
+        ]
+        lora.add_metric(labels, time.time())
+        yield lora

@@ -49,7 +49,7 @@ class ServerState:
     by_client_id: dict[str, dict[str, Callable[[], None]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine.stats, self.engine.step_stats)
+        self.metrics = Metrics(self.engine.stats, self.engine.step_stats, self.model_name)
         self.statistics = TritonStatistics()
         self.metrics.registry.register(TritonCollector(self.statistics, self.engine.stats))
 

@@ -153,7 +153,13 @@ def test_metrics_show_the_cross_attention_pool(mllama_server):
     text = httpx.get(f"{mllama_server.http_url}/metrics", timeout=30).text
 
     def value(name: str) -> float:
-        return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(name + " ")))
+        return float(
+            next(
+                ln.split()[-1]
+                for ln in text.splitlines()
+                if ln.startswith((name + " ", name + "{"))
+            )
+        )
 
     assert value("mmserve_cross_kv_cache_blocks_total") > 0
     assert value("mmserve_cross_kv_cache_usage_ratio") == 0

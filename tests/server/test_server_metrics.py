@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,14 +16,19 @@ CHAT = "/v1/chat/completions"
 
 
 def scrape(server) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of the server's /metrics."""
+    """{(sample name, sorted labels but model_name): value} of the server's /metrics; every mmserve_* sample names
+    the served model (`model_name`: the checkpoint directory's name here), so replicas aggregate by model."""
     resp = httpx.get(f"{server.http_url}/metrics", timeout=30)
     assert resp.status_code == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(resp.text)
-        for s in family.samples
-    }
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            if s.name.startswith("mmserve_") and not s.name.startswith("mmserve_engine_step"):
+                assert labels.pop("model_name") == Path(server.model_dir).name, s
+            if s.name != "mmserve_lora_requests_info":
+                out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 def value(metrics: dict, name: str, **labels: str) -> float:
@@ -144,6 +150,40 @@ def test_same_image_and_prompt_twice_hits_the_prefix_cache(server):
     assert value(metrics, "mmserve_prefix_cache_hit_rate") > 0
     # an exact repeat: its first token came from the first request's kept final hidden state
     assert value(metrics, "mmserve_prompt_end_cache_hits") == before + 1
+
+
+def test_cache_queries_hits_and_preemptions_are_counters(server):
+    """Counters sum over replicas (ratio gauges cannot): prefix-cache tokens queried and hit, encoder-cache pictures
+    queried and hit, preemptions; and the LoRA info gauge the Gateway API Inference Extension reads."""
+    before = scrape(server)
+    assert chat(server, image_content(35), system="One.").status_code == 200
+    assert (
+        chat(server, image_content(35), system="One.").status_code == 200
+    )  # the same prompt: a prefix hit
+    assert (
+        chat(server, image_content(35), system="Two, longer.").status_code == 200
+    )  # encoder-cache hit
+    after = scrape(server)
+    grew = lambda name: value(after, name) - value(before, name)  # noqa: E731
+    assert (
+        grew("mmserve_prefix_cache_queried_tokens_total")
+        >= grew("mmserve_prefix_cache_hit_tokens_total")
+        > 0
+    )
+    assert (
+        grew("mmserve_encoder_cache_queries_total") >= 2
+        and grew("mmserve_encoder_cache_hits_total") >= 1
+    )
+    assert ("mmserve_preemptions_total", ()) in after
+    text = httpx.get(f"{server.http_url}/metrics", timeout=30).text
+    (info,) = [
+        s
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "mmserve_lora_requests_info"
+    ]
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
+    assert int(info.labels["max_lora"]) >= 1 and info.value > 1.7e9  # the scrape time
 
 
 def test_same_image_after_a_different_prefix_hits_the_encoder_cache(server):

@@ -121,7 +121,9 @@ BAD_INFER = [
 
 def kv_usage(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
-    return float(re.search(r"^mmserve_kv_cache_usage_ratio (\S+)", text, re.M).group(1))
+    return float(
+        re.search(r"^mmserve_kv_cache_usage_ratio(?:\{[^}]*\})? (\S+)", text, re.M).group(1)
+    )
 
 
 def wait_kv(url: str, predicate, timeout: float = 10.0) -> float:
@@ -271,7 +273,11 @@ def test_overload_gives_503_and_a_disconnected_stream_frees_kv_and_its_slot(busy
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return float(
-        next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " "))
+        next(
+            line.split()[-1]
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        )
     )
 
 
