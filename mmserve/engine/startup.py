@@ -175,14 +175,20 @@ def _build(config, device, tp_workers, loaded, inputs, runner) -> EngineParts:
         image_token=inputs.image_token,
         video_token=inputs.video_token,
     )
+    kv_tokens = num_blocks * config.cache.block_size
     logger.info(
-        "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)",
+        "engine ready: %s on %s (%s); KV cache %d tokens (%d blocks of %d, %s): %.1f requests of the "
+        "full %d tokens at once (max_num_seqs %d)",
         type(model).__name__,
         device,
         loaded.dtype,
+        kv_tokens,
         num_blocks,
         config.cache.block_size,
         runner.kv_dtype,
+        kv_tokens / max_model_len,
+        max_model_len,
+        config.scheduler.max_num_seqs,
     )
     return EngineParts(
         device=device,

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai.responses import edge_error_response
+from mmserve.entrypoints.request_ids import RequestIds
 from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
 
@@ -130,6 +131,7 @@ def build_app(state: ServerState) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(LimitsAndCounts, state=state)  # refusals are counted too
+    app.add_middleware(RequestIds)  # outside the refusals: theirs carry the id too
     app.add_middleware(UnexpectedErrors)  # added last = outermost: covers the other middlewares too
 
     @app.exception_handler(RequestValidationError)

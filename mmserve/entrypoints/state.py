@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from mmserve.core.outputs import RequestOutput
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.metrics import Metrics
+from mmserve.entrypoints.request_ids import engine_request_id
 from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.entrypoints.triton.metrics import TritonCollector
 from mmserve.entrypoints.triton.statistics import TritonStatistics
@@ -99,7 +99,7 @@ class ServerState:
         """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
         `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones.
         `client_id` (the client's own id, may repeat) lets `cancel` find it."""
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or engine_request_id()
         with (
             self._slot(),
             self._registered(client_id, request_id, lambda: self.engine.abort(request_id)),
@@ -146,7 +146,7 @@ class ServerState:
         """Beam search (engine/beam_search.py) under the same cap and metrics as generate: one request however
         many beams; the metrics count the best beam's tokens. `stream`: the running beams after each step too.
         `cancel(client_id)` ends it after the step in flight, with the beams it has (finish reason "abort")."""
-        request_id, stop = uuid.uuid4().hex, asyncio.Event()
+        request_id, stop = engine_request_id(), asyncio.Event()
         with self._slot(), self._registered(client_id, request_id, stop.set):
             inputs = await self.engine.preprocess(prompt)
             async with contextlib.aclosing(

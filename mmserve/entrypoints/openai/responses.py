@@ -31,6 +31,7 @@ from mmserve.entrypoints.openai.protocol import (
     TopLogprob,
     Usage,
 )
+from mmserve.entrypoints.request_ids import log_client_error
 
 _RETRY_AFTER_S = "1"
 
@@ -60,6 +61,8 @@ class OpenAIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> WireJSONResponse:
+        if 400 <= self.status < 500:
+            log_client_error(self.status, self.message)
         headers = {"Retry-After": _RETRY_AFTER_S} if self.status == 503 else None
         return WireJSONResponse(self.body(), status_code=self.status, headers=headers)
 

@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import mmserve
 from mmserve.entrypoints.json_wire import WireJSONResponse, dumps, loads_object
+from mmserve.entrypoints.request_ids import log_client_error
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton import protocol as tp
 from mmserve.entrypoints.triton import run as tr
@@ -66,9 +67,10 @@ def _error(exc: BaseException) -> WireJSONResponse:
     if status == 500 and not isinstance(exc, ConnectionAbortedError):
         logger.error("request failed: %r", exc, exc_info=exc)
     headers = {"Retry-After": "1"} if status == 503 else None
-    return WireJSONResponse(
-        {"error": str(exc) or type(exc).__name__}, status_code=status, headers=headers
-    )
+    message = str(exc) or type(exc).__name__
+    if 400 <= status < 500:
+        log_client_error(status, message)
+    return WireJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def _model_route(suffix: str, method: str, **docs: Any) -> Callable:
