@@ -5,7 +5,9 @@ Tests and benchmarks use these instead of a model hub; transformers loads every 
 A family's checkpoint writer lives in its own module of this package, which names the families it writes in a
 module-level ``CHECKPOINT_WRITERS = {"family": make_family_checkpoint}``. :data:`FAMILIES` is found from those
 on first use (every module of the package imported once), so a new family needs no line here. Its first key is
-the demo model's family, the others follow by name.
+the demo model's family, the others follow by name. The same module may declare what the shared tests need
+to know of those families, ``TEST_CASES = {"family": FamilyCase(...)}`` (:mod:`mmserve.testing.cases`), which
+:func:`family_cases` collects.
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ import os
 import pkgutil
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.images import image_to_data_uri, image_to_png_bytes, make_test_image
 from mmserve.testing.llava import checkpoint_key, llava_config, llava_sizes, make_llava_checkpoint
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 
 __all__ = [
     "FAMILIES",
+    "FamilyCase",
     "build_bpe_tokenizer",
     "checkpoint_key",
     "checkpoint_writers",
     "default_model_dir",
+    "family_cases",
     "image_to_data_uri",
     "image_to_png_bytes",
     "llava_config",
@@ -42,6 +47,7 @@ DEMO_FAMILY = "llava"  # the embedded demo model's: FAMILIES' first key
 DEMO_SUBDIR = "demo-llava-v1"  # bump the suffix when the tiny recipe changes
 
 _WRITERS: dict[str, Callable[..., Path]] = {}
+_CASES: dict[str, FamilyCase] = {}
 if TYPE_CHECKING:
     FAMILIES: dict[
         str, str
@@ -57,17 +63,44 @@ def checkpoint_writers() -> dict[str, Callable[..., Path]]:
     """
     if not _WRITERS:
         found: dict[str, Callable[..., Path]] = {}
-        for info in pkgutil.iter_modules(__path__):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            for family, writer in getattr(module, "CHECKPOINT_WRITERS", {}).items():
-                if family in found:
-                    raise ValueError(
-                        f"model family {family!r} has two checkpoint writers: "
-                        f"{_path(found[family])} and {_path(writer)}"
-                    )
-                found[family] = writer
+        for _, family, writer in _declared("CHECKPOINT_WRITERS"):
+            if family in found:
+                raise ValueError(
+                    f"model family {family!r} has two checkpoint writers: "
+                    f"{_path(found[family])} and {_path(writer)}"
+                )
+            found[family] = writer
         _WRITERS.update(sorted(found.items(), key=lambda item: (item[0] != DEMO_FAMILY, item[0])))
     return _WRITERS
+
+
+def family_cases() -> dict[str, FamilyCase]:
+    """family -> what the shared tests need to know of it, from the ``TEST_CASES`` of the module that writes it, in
+    :func:`checkpoint_writers`' order; families without one are left out.
+
+    A case declared by a module that does not write the family is an error.
+    """
+    if not _CASES:
+        writers = checkpoint_writers()
+        found: dict[str, FamilyCase] = {}
+        for module, family, case in _declared("TEST_CASES"):
+            writer = writers.get(family)
+            if writer is None or writer.__module__ != module:
+                raise ValueError(
+                    f"{module} declares a test case of model family {family!r}, written by "
+                    f"{_path(writer) if writer else 'no module'}"
+                )
+            found[family] = case
+        _CASES.update((family, found[family]) for family in writers if family in found)
+    return _CASES
+
+
+def _declared(attr: str) -> Iterator[tuple[str, str, Any]]:
+    """(module, family, value) of every module's ``attr`` dict, every module of this package imported once."""
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for family, value in getattr(module, attr, {}).items():
+            yield module.__name__, family, value
 
 
 def _path(writer: Callable[..., Path]) -> str:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     LayerSpec,
     check_layout,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 IMAGE_TOKEN = "<image>"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Blip2Sizes:
     """Every size a preset fixes; any field can be overridden by keyword."""
 
@@ -397,3 +397,4 @@ def make_blip2_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"blip2": make_blip2_checkpoint}
+TEST_CASES = {"blip2": FamilyCase(prompt="Question: what is {}? Answer:", bench_input_len=20)}

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.cogvlm_layout import (
     ROPE_BASE,
     config_dict,
@@ -365,3 +366,4 @@ def make_cogvlm2_checkpoint(out_dir: str | Path, *, preset: str = "tiny-v2", **k
 
 
 CHECKPOINT_WRITERS = {"cogvlm": make_cogvlm_checkpoint, "cogvlm2": make_cogvlm2_checkpoint}
+TEST_CASES = {"cogvlm": FamilyCase(bench_input_len=8)}

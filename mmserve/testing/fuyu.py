@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     HUB_TEXT_NAMES,
     LayerSpec,
@@ -394,3 +395,6 @@ def make_fuyu_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"fuyu": make_fuyu_checkpoint}
+TEST_CASES = {
+    "fuyu": FamilyCase(prompt="What is number {} here?", image_size=(40, 30), bench_input_len=20)
+}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     check_divides,
     check_token_ids,
@@ -396,3 +397,4 @@ def write_xcomposer2_lora_task(
 
 
 CHECKPOINT_WRITERS = {"internlm_xcomposer2": make_internlm_xcomposer2_checkpoint}
+TEST_CASES = {"internlm_xcomposer2": FamilyCase(bench_input_len=8)}

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     LayerSpec,
     check_divides,
@@ -390,3 +391,4 @@ def make_kosmos2_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"kosmos2": make_kosmos2_checkpoint}
+TEST_CASES = {"kosmos2": FamilyCase(prompt="<grounding> An image of {}", bench_input_len=20)}

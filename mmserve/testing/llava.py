@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     HUB_TEXT_NAMES,
     ParamSpec,
@@ -313,3 +314,4 @@ def make_llava_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"llava": make_llava_checkpoint}
+TEST_CASES = {"llava": FamilyCase(placeholder="<image>")}

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.llava import (
     build_llava_tokenizer,
     checkpoint_key,
@@ -238,3 +239,10 @@ def make_llava_next_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"llava_next": make_llava_next_checkpoint}
+TEST_CASES = {
+    "llava_next": FamilyCase(
+        prompt="[INST] <image>\ntell me about {} [/INST]",
+        image_size=(50, 70),
+        placeholder="<image>",
+    )
+}

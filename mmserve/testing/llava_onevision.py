@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.llava import feature_layer, llava_param_specs
 from mmserve.testing.llava_next import next_checkpoint_key
 from mmserve.testing.recipe import (
@@ -261,3 +262,10 @@ def make_llava_onevision_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"llava_onevision": make_llava_onevision_checkpoint}
+TEST_CASES = {
+    "llava_onevision": FamilyCase(
+        prompt="<|im_start|>user <image>\nwhat is {}<|im_end|>\n<|im_start|>assistant\n",
+        image_size=(50, 70),
+        placeholder="<image>",
+    )
+}

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     CLIP_MEAN,
     CLIP_STD,
@@ -394,3 +395,4 @@ def patches_per_tile(s: MllamaSizes) -> int:
 
 
 CHECKPOINT_WRITERS = {"mllama": make_mllama_checkpoint}
+TEST_CASES = {"mllama": FamilyCase(bench_input_len=60)}

@@ -41,7 +41,7 @@ import torch
 import yaml
 from transformers import PreTrainedConfig
 
-from mmserve.testing import recipe, writer
+from mmserve.testing import cases, recipe, writer
 from mmserve.testing.tokenizer import build_bpe_tokenizer
 
 if TYPE_CHECKING:
@@ -70,9 +70,8 @@ class NevaSizes:
     query_groups: int | None = 2  # None: one per head (MHA)
     kv_channels: int | None = None  # None: hidden // heads
     ffn: int = 128
-    text_vocab: int = (
-        407  # base BPE ids, then <extra_id_0..7> and <pad>: 416 ids, no unreachable rows
-    )
+    # base BPE ids, then <extra_id_0..7> and <pad>: 416 ids, no unreachable rows
+    text_vocab: int = 407
     vocab_multiple: int = 16  # make_vocab_size_divisible_by
     max_position: int = 256
     normalization: str = "layernorm1p"  # layernorm1p | layernorm | rmsnorm
@@ -398,3 +397,4 @@ def prompt_ids(
 
 
 CHECKPOINT_WRITERS = {"neva": make_neva_checkpoint}
+TEST_CASES = {"neva": cases.FamilyCase(bench_input_len=8)}

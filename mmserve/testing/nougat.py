@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mmserve.models.donut_swin import relative_position_index
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     LayerSpec,
     check_divides,
@@ -393,3 +394,4 @@ def make_nougat_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"nougat": make_nougat_checkpoint}
+TEST_CASES = {"nougat": FamilyCase(bench_input_len=20)}

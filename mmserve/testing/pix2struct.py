@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mmserve.models.pix2struct import builtin_font_bytes
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     LayerSpec,
     check_layout,
@@ -366,3 +367,4 @@ def make_pix2struct_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"pix2struct": make_pix2struct_checkpoint}
+TEST_CASES = {"pix2struct": FamilyCase(bench_input_len=20)}

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.llava import checkpoint_key, feature_layer, llava_param_specs
 from mmserve.testing.recipe import (
     CLIP_MEAN,
@@ -250,3 +251,9 @@ def make_pixtral_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"pixtral": make_pixtral_checkpoint}
+# expansions are rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
+TEST_CASES = {
+    "pixtral": FamilyCase(
+        prompt="[INST][IMG]tell me about {}[/INST]", image_size=(40, 56), placeholder="[IMG]"
+    )
+}

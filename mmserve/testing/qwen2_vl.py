@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     CLIP_MEAN,
     CLIP_STD,
@@ -388,3 +389,12 @@ def make_qwen2_vl_checkpoint(
 
 
 CHECKPOINT_WRITERS = {"qwen2_vl": make_qwen2_vl_checkpoint}
+TEST_CASES = {
+    "qwen2_vl": FamilyCase(
+        prompt="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what is {}?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        image_size=(56, 84),
+        placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        bench_input_len=56,
+    )
+}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mmserve.testing.cases import FamilyCase
 from mmserve.testing.recipe import (
     check_divides,
     decoder_kwargs,
@@ -282,3 +283,4 @@ def make_vila_checkpoint(
 
 PRESETS["tiny-pad"] = dataclasses.replace(PRESETS["tiny"], image_aspect_ratio="pad")
 CHECKPOINT_WRITERS = {"vila": make_vila_checkpoint}
+TEST_CASES = {"vila": FamilyCase(bench_input_len=8)}

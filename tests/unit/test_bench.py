@@ -6,16 +6,21 @@ Timings here only have to exist and be positive; their values are never checked 
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import transformers
 
 from mmserve.bench.cli import main
 from mmserve.bench.report import write_outputs
 from mmserve.bench.roofline import lm_shape
 from mmserve.bench.serve_config import ServeConfig
 from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
+from mmserve.models import registry
+from mmserve.testing import FAMILIES, family_cases
 from tests.conftest import strict_json
 
 
@@ -147,16 +152,25 @@ def test_throughput_bench_runs_same_requests_through_llm_generate_and_hf(tiny_ll
 
 # ---- other families: --family NAME --preset tiny, the transformers baseline by config.architectures ----
 
-# family -> (--input-len: at least its template's own tokens with the tiny BPE, HF architecture)
-FAMILY_CASES = {
-    "qwen2_vl": (56, "Qwen2VLForConditionalGeneration"),
-    "blip2": (20, "Blip2ForConditionalGeneration"),
-    "mllama": (60, "MllamaForConditionalGeneration"),
-    "fuyu": (20, "FuyuForCausalLM"),
-    "kosmos2": (20, "Kosmos2ForConditionalGeneration"),
-    "nougat": (20, "VisionEncoderDecoderModel"),
-    "pix2struct": (20, "Pix2StructForConditionalGeneration"),
-}
+
+def _family_config(family: str, preset: str) -> Any:
+    """The config of ``family``'s ``preset``, from its testing module's ``<family>_config``."""
+    module = importlib.import_module(FAMILIES[family].split(":")[0])
+    return getattr(module, f"{family}_config")(preset)
+
+
+def _bench_cases(in_transformers: bool) -> dict[str, tuple[int, str]]:
+    """family -> (--input-len, its tiny preset's architecture) of the families whose FamilyCase declares a
+    bench_input_len, those transformers has a class of (``in_transformers``) or the others."""
+    cases = {
+        family: (case.bench_input_len, _family_config(family, "tiny").architectures[0])
+        for family, case in family_cases().items()
+        if case.bench_input_len is not None
+    }
+    return {f: c for f, c in cases.items() if hasattr(transformers, c[1]) == in_transformers}
+
+
+FAMILY_CASES = _bench_cases(in_transformers=True)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +215,9 @@ def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
     result = strict_json((tmp_path / "r.json").read_text())
     assert result["errors"] == []
     model = result["model"]
+    spec = registry.family_named(family)
     assert (model["family"], model["preset"], model["architecture"]) == (family, "tiny", arch)
+    assert arch in spec.architectures
     assert Path(model["path"]).name == f"{family}-tiny" and model["text_tokens"] == input_len
     assert [r["batch_size"] for r in result["results"]] == [
         1
@@ -212,9 +228,9 @@ def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
                 _positive(row[engine][k]) for k in ("ttft_ms", "decode_ms_per_step", "decode_tok_s")
             )
         assert row["mmserve"]["prompt_tokens"] == row["hf"]["prompt_tokens"]
-        # + the image's tokens, but for an encoder-decoder, whose prompt is its decoder's (Deplot's: the start token
-        # alone, the question is drawn on the picture)
-        want = {"nougat": input_len, "pix2struct": 1}.get(family)
+        # + the image's tokens, but for an encoder-decoder, whose prompt is its decoder's (the start token alone
+        # where its encoder reads the text: Deplot's question is drawn on the picture)
+        want = (1 if spec.encoder_reads_text else input_len) if spec.encoder_decoder else None
         assert (
             row["mmserve"]["prompt_tokens"] == want
             if want
@@ -224,33 +240,22 @@ def test_latency_bench_runs_a_family_preset_against_its_transformers_class(
 
 
 # the families transformers has no class of: no baseline, the roofline from the family's own config
-NO_HF_FAMILIES = {
-    "vila": "LlavaLlamaModel",
-    "cogvlm": "CogVLMForCausalLM",
-    "internlm_xcomposer2": "InternLMXComposer2ForCausalLM",
-    "neva": "NevaForCausalLM",
-}
+NO_HF_FAMILIES = _bench_cases(in_transformers=False)
 
 
 @pytest.mark.parametrize("family", sorted(NO_HF_FAMILIES))
 def test_latency_bench_runs_the_families_without_a_transformers_class(
     family, family_work_dir, tmp_path
 ):
+    input_len, arch = NO_HF_FAMILIES[family]
     args = ["latency", "--family", family, "--preset", "tiny", "--work-dir", family_work_dir]
-    args += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "2"]
-    args += [
-        "--warmup",
-        "0",
-        "--iters",
-        "1",
-        "--baseline",
-        "none",
-        "--out",
-        str(tmp_path / "r.json"),
-    ]
+    args += ["--device", "cpu", "--batch-sizes", "1", "--input-len", str(input_len)]
+    args += ["--output-len", "2", "--warmup", "0", "--iters", "1", "--baseline", "none"]
+    args += ["--out", str(tmp_path / "r.json")]
     assert main(args) == 0
     result = strict_json((tmp_path / "r.json").read_text())
-    assert result["errors"] == [] and result["model"]["architecture"] == NO_HF_FAMILIES[family]
+    assert result["errors"] == [] and result["model"]["architecture"] == arch
+    assert arch in registry.family_named(family).architectures
     (row,) = result["results"]
     assert not row.get("hf")  # no baseline to run
     assert _positive(row["mmserve"]["decode_tok_s"]) and _positive(row["roofline"]["ms_per_step"])
@@ -362,16 +367,10 @@ def test_prompt_has_exactly_the_asked_text_tokens(tiny_llava_dir):
 def _all_presets() -> list[tuple[str, str]]:
     """(family, preset) of every family transformers has a class of; the others' roofline is checked in their own
     checkpoint tests, against the transformers model of their text part (e.g. tests/unit/test_vila_checkpoint.py)."""
-    import importlib
-
-    import transformers
-
     from mmserve.bench.workload import family_presets
-    from mmserve.testing import FAMILIES
 
     def in_transformers(family: str) -> bool:
-        module = importlib.import_module(FAMILIES[family].split(":")[0])
-        config = getattr(module, f"{family}_config")(family_presets(family)[0])
+        config = _family_config(family, family_presets(family)[0])
         return hasattr(transformers, config.architectures[0])
 
     return [(f, p) for f in FAMILIES if in_transformers(f) for p in family_presets(f)]
@@ -404,16 +403,9 @@ def _lm_bytes(model, dtype_bytes: int, vlm: bool) -> int:
 
 @pytest.mark.parametrize(("family", "preset"), _all_presets())
 def test_roofline_weight_bytes_match_the_transformers_language_model(family, preset, tmp_path):
-    import importlib
-
     import torch
-    import transformers
 
-    from mmserve.testing import FAMILIES
-
-    config = getattr(importlib.import_module(FAMILIES[family].split(":")[0]), f"{family}_config")(
-        preset
-    )
+    config = _family_config(family, preset)
     config.save_pretrained(tmp_path)
     with torch.device("meta"):  # shapes only: the 7B presets cost no memory
         model = getattr(transformers, config.architectures[0])(config)

@@ -1,4 +1,5 @@
-"""The placeholder expansion shortcut gives exactly the HF processor's inputs, for every placeholder family."""
+"""The placeholder expansion shortcut gives exactly the HF processor's inputs, for each family whose testing
+module declares the placeholder its prompts write (`FamilyCase.placeholder`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,12 @@ from mmserve.models.loader import load_hf_config
 from mmserve.models.registry import get_model_class
 from mmserve.multimodal.placeholder_expansion import PlaceholderExpansion, expansion_runs
 from mmserve.multimodal.processors import InputProcessor
-from mmserve.testing import make_checkpoint, make_test_image
+from mmserve.testing import family_cases, make_checkpoint, make_test_image
 
-# per family: the placeholder as the prompt writes it, and image sizes whose token counts differ (anyres,
-# dynamic resolution) or not (LLaVA-1.5)
 FAMILIES = {
-    "llava": "<image>",
-    "llava_next": "<image>",
-    "llava_onevision": "<image>",
-    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "pixtral": "[IMG]",  # expansions are rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
+    f: case.placeholder for f, case in family_cases().items() if case.placeholder is not None
 }
+# image sizes whose token counts differ (anyres, dynamic resolution) or not (LLaVA-1.5)
 SIZES = [(48, 40), (40, 48), (64, 32), (48, 40)]
 
 

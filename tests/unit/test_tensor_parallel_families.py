@@ -4,7 +4,8 @@ Fuyu: Persimmon with q/k LayerNorms; LLaVA-NeXT / OneVision: any-resolution tile
 sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm); Llama 3.2 Vision's
 cross-attention over a staggered batch (each rank's own keys/values in its pool); preempted requests recompute
 (Mllama re-encoding its pictures) and still give one process's tokens; every rank's activation profile runs the
-same layers. The family table and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
+same layers. The family table (each family whose testing module declares a `FamilyCase.prompt` and whose spec
+is tensor_parallel) and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -15,38 +16,15 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.startup import on_every_rank, profile_templates
-from mmserve.testing import make_test_image
-from mmserve.testing.blip2 import make_blip2_checkpoint
-from mmserve.testing.fuyu import make_fuyu_checkpoint
-from mmserve.testing.kosmos2 import make_kosmos2_checkpoint
-from mmserve.testing.llava_next import make_llava_next_checkpoint
-from mmserve.testing.llava_onevision import make_llava_onevision_checkpoint
-from mmserve.testing.pixtral import make_pixtral_checkpoint
-from mmserve.testing.qwen2_vl import make_qwen2_vl_checkpoint
+from mmserve.models import registry
+from mmserve.testing import family_cases, make_checkpoint, make_test_image
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=2)
-_QWEN = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
 FAMILIES = {
-    "qwen2_vl": (make_qwen2_vl_checkpoint, lambda i: _QWEN.format(f"what is {i}?"), (56, 84)),
-    "blip2": (make_blip2_checkpoint, lambda i: f"Question: what is {i}? Answer:", None),
-    "fuyu": (make_fuyu_checkpoint, lambda i: f"What is number {i} here?", (40, 30)),
-    "llava_next": (
-        make_llava_next_checkpoint,
-        lambda i: f"[INST] <image>\ntell me about {i} [/INST]",
-        (50, 70),
-    ),
-    "llava_onevision": (
-        make_llava_onevision_checkpoint,
-        lambda i: f"<|im_start|>user <image>\nwhat is {i}<|im_end|>\n<|im_start|>assistant\n",
-        (50, 70),
-    ),
-    "pixtral": (
-        make_pixtral_checkpoint,
-        lambda i: f"[INST][IMG]tell me about {i}[/INST]",
-        (40, 56),
-    ),
-    "kosmos2": (make_kosmos2_checkpoint, lambda i: f"<grounding> An image of {i}", None),
+    family: case
+    for family, case in family_cases().items()
+    if case.prompt is not None and registry.family_named(family).tensor_parallel
 }
 
 
@@ -65,11 +43,12 @@ DEVICES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_shards_give_one_process_tokens(family, tmp_path, device):
-    make, text, size = FAMILIES[family]
-    model_dir = str(make(tmp_path / family, preset="tiny", seed=0))
+    case = FAMILIES[family]
+    model_dir = str(make_checkpoint(family, tmp_path / family, preset="tiny", seed=0))
+    size = case.image_size
     prompts = [
         {
-            "prompt": text(i),
+            "prompt": case.prompt.format(i),
             "images": [make_test_image(3 * i + 1, size) if size else make_test_image(3 * i + 1)],
         }
         for i in range(2)
