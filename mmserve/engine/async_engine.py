@@ -21,6 +21,7 @@ from typing import Any
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.engine import Engine
 from mmserve.engine.model_info import ModelInfo
+from mmserve.engine.stats_log import StatsLog
 from mmserve.multimodal.prompt_media import aload_prompt_media
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.tp_workers import WorkerDied
@@ -178,7 +179,9 @@ class AsyncEngine:
                     )
 
     def _loop(self) -> None:
+        stats = StatsLog(self.engine)
         while not self._stopped.is_set():
+            stats.tick()
             block = not self.engine.has_unfinished()
             try:
                 cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()

@@ -219,6 +219,10 @@ class Engine:
             self.step_stats.idle_host_s += host_s
             return
         self.step_stats.launched(sched.kind, sched.num_batched_tokens, len(sched.scheduled), host_s)
+        for s in sched.scheduled:
+            prompt = s.request.num_prompt_tokens
+            self.step_stats.prompt_tokens += max(0, min(s.start + s.num_tokens, prompt) - s.start)
+            self.step_stats.sampled_tokens += bool(s.samples)
         if host_s > SLOW_STEP_S:
             self._log_slow_step(sched, host_s)
 

@@ -33,6 +33,8 @@ class StepStats:
         default_factory=lambda: {k: StepKindTotals() for k in STEP_KINDS}
     )
     idle_host_s: float = 0.0  # step() calls that launched nothing (only collected results)
+    prompt_tokens: int = 0  # prompt tokens computed (chunks; prefix-cache hits are not computed)
+    sampled_tokens: int = 0  # tokens sampled (a request's first token and each decode's)
 
     @property
     def device_wait_s(self) -> float:
@@ -52,6 +54,7 @@ class StepStats:
     def reset(self) -> None:
         self.kinds = {k: StepKindTotals() for k in STEP_KINDS}
         self.idle_host_s = 0.0
+        self.prompt_tokens = self.sampled_tokens = 0
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{kind: {steps, tokens, sequences, host_s, device_wait_s, wall_s}} plus {"idle": {host_s}}."""
