@@ -59,22 +59,50 @@ def resolve_dtype(
 class ModelConfig:
     """Which checkpoint, on which device, in which precision."""
 
-    model: str  # path of a Hugging Face checkpoint directory
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    device: str = "auto"  # auto | cpu | cuda[:N]
-    max_model_len: int | None = None  # prompt + output tokens; None = the checkpoint's limit
-    seed: int = 0  # global sampling RNG seed
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    enforce_eager: bool = (
-        False  # True: no CUDA graphs (decode steps, short prefills, vision towers)
+    model: str = field(metadata=dict(help="path of a Hugging Face checkpoint directory"))
+    dtype: str = field(
+        default="auto",
+        metadata=dict(
+            help="weights and activations: auto (the checkpoint's on GPU, float32 kept as float16; "
+            "float32 on CPU) | float32 | float16 | bfloat16"
+        ),
     )
-    preprocess_on_gpu: bool = (
-        True  # on CUDA, resize/normalise images on the GPU (decoding stays on CPU)
+    device: str = field(
+        default="auto", metadata=dict(help="auto (cuda when present, else cpu) | cpu | cuda[:N]")
     )
-    # None: as the checkpoint is (FP8 checkpoints load as FP8); "fp8": decoder linears to e4m3 at load
-    quantization: str | None = None
-    max_loras: int = 8  # LoRA adapters loaded at once (Engine.add_lora)
-    tensor_parallel_size: int = 1  # GPUs the language model is sharded over (one process each)
+    max_model_len: int | None = field(
+        default=None,
+        metadata=dict(help="prompt + output tokens of one request; none: the checkpoint's limit"),
+    )
+    seed: int = field(default=0, metadata=dict(help="global sampling RNG seed"))
+    attention_backend: str = field(
+        default="auto", metadata=dict(help="auto (triton on CUDA, torch on CPU) | torch | triton")
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=dict(help="no CUDA graphs (decode steps, short prefills, vision towers)"),
+    )
+    preprocess_on_gpu: bool = field(
+        default=True,
+        metadata=dict(
+            help="on CUDA, resize and normalise images on the GPU (decoding stays on the CPU)"
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=dict(
+            help="decoder linear layers at load: fp8 = e4m3 weights and activations (FP8 checkpoints "
+            "need no flag); int8 / int4 = weights only (W8A16 / W4A16); none: as the checkpoint is"
+        ),
+    )
+    max_loras: int = field(default=8, metadata=dict(help="LoRA adapters loaded at once"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=dict(
+            help="shard the language model over GPUs 0..N-1, one process each (TensorRT-LLM's --tp_size "
+            "/ --world_size); the vision encoders run on GPU 0"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -109,22 +137,57 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache. On GPU the pool is sized from free memory; on CPU from kv_cache_size_gb."""
 
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # fixed pool size (overrides both sizing rules)
-    kv_cache_memory_fraction: float = (
-        0.9  # GPU: fraction of memory free after weights + activations
+    block_size: int = field(default=16, metadata=dict(help="tokens per KV block"))
+    num_blocks: int | None = field(
+        default=None,
+        metadata=dict(
+            help="fixed KV pool size in blocks (overrides both sizing rules); none: sized from memory"
+        ),
     )
-    kv_cache_size_gb: float = 1.0  # CPU: bytes of KV pool, in GiB
-    enable_prefix_caching: bool = True
-    encoder_cache_size: int = 16384  # vision embeddings (tokens) kept by content hash
-    # final hidden states of computed prompts kept (one row of the LM's width each), so an exact repeat samples
-    # its first token without a forward pass (engine/prompt_end_cache.py); 0: off. Needs prefix caching.
-    prompt_end_cache_size: int = 1024
-    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with a per-layer scale, half the bytes per token
-    kv_cache_dtype: str = "auto"
-    # cross-attention families (Mllama, the encoder-decoders): the part of the KV budget kept for the running
-    # requests' encoder keys/values (TensorRT-LLM's cross_kv_cache_fraction); requests wait for room in it
-    cross_kv_cache_fraction: float = 0.5
+    kv_cache_memory_fraction: float = field(
+        default=0.9,
+        metadata=dict(
+            help="GPU: the part of the memory free after the weights and the activation peak that the KV "
+            "pool takes (TensorRT-LLM's kv_cache_free_gpu_mem_fraction)"
+        ),
+    )
+    kv_cache_size_gb: float = field(default=1.0, metadata=dict(help="CPU: KV pool size, in GiB"))
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=dict(
+            help="reuse the KV blocks of prompt prefixes (pictures included) computed before"
+        ),
+    )
+    encoder_cache_size: int = field(
+        default=16384,
+        metadata=dict(
+            help="vision-encoder outputs kept by picture content, in embedding rows (tokens), LRU"
+        ),
+    )
+    # one row of the LM's width each (engine/prompt_end_cache.py)
+    prompt_end_cache_size: int = field(
+        default=1024,
+        metadata=dict(
+            help="prompts whose final hidden state is kept, so an exact repeat's first token needs no "
+            "forward pass (0: off; needs prefix caching)"
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=dict(
+            help="auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 blocks with a per-layer scale, half "
+            "the memory and reads per token"
+        ),
+    )
+    # a request whose encoder keys/values do not fit in this part of the pool waits for room
+    cross_kv_cache_fraction: float = field(
+        default=0.5,
+        metadata=dict(
+            help="cross-attention models (Mllama, Nougat, Deplot, BLIP-2 T5): the part of the KV budget "
+            "kept for the running requests' encoder keys/values (TensorRT-LLM's "
+            "cross_kv_cache_fraction)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -164,11 +227,31 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    enable_chunked_prefill: bool = True  # a prompt may be split across steps anywhere
-    max_waiting: int = 4096  # queued requests before add_request refuses (server: 503)
-    async_scheduling: bool = True  # schedule + launch step N+1 before reading step N's tokens
+    max_num_seqs: int = field(
+        default=64,
+        metadata=dict(
+            help="requests running at once (also the Triton model config's max_batch_size)"
+        ),
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=dict(help="token budget of one step (prefill chunks + decodes)"),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=dict(help="a prompt may be split across steps anywhere")
+    )
+    max_waiting: int = field(
+        default=4096,
+        metadata=dict(
+            help="requests queued in the engine before new ones are refused (server: 503)"
+        ),
+    )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=dict(
+            help="schedule and launch step N+1 before reading step N's tokens back (host/GPU overlap)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

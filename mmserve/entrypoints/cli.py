@@ -1,4 +1,6 @@
-"""`mmserve` command line: serve | client | demo-model | bench | models | collect-env; `--version`."""
+"""`mmserve` command line: serve | client | demo-model | bench | models | collect-env; `--version`. `serve`'s
+flags (entrypoints/serve_args.py) are parsed only for `serve`: they come from the configuration dataclasses, whose
+module needs torch."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import argparse
 import asyncio
 import logging
 import sys
-
-from mmserve.entrypoints.serve_args import add_serve_args
 
 
 def _demo_model(args: argparse.Namespace) -> None:
@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmserve", description="Multimodal LLM inference server")
     parser.add_argument("--version", action="version", version=f"mmserve {mmserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(
-        sub.add_parser(
-            "serve", help="serve a checkpoint over HTTP (Triton, KServe, OpenAI) and gRPC"
-        )
+    sub.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP (Triton, KServe, OpenAI) and gRPC; `mmserve serve -h`: its flags",
+        add_help=False,
     )
     demo = sub.add_parser("demo-model", help="write a random checkpoint that transformers loads")
     demo.add_argument("out_dir")
@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         from mmserve.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if args.command == "serve":
+        from mmserve.entrypoints.serve_args import parse_serve_args
+
+        args, rest = parse_serve_args(rest), []
+        args.command = "serve"
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(

@@ -7,11 +7,13 @@ import argparse
 import logging
 import socket
 import sys
+from typing import NoReturn
 
 from mmserve.entrypoints.serve_args import (
     build_engine_config,
     build_media_config,
     build_server_config,
+    explain,
 )
 from mmserve.entrypoints.server_config import ServerConfig
 
@@ -41,6 +43,12 @@ def check_ports_free(config: ServerConfig) -> None:
                 raise ValueError(
                     f"{flag} {port}: cannot listen on {config.host}:{port} ({exc.strerror})"
                 ) from None
+
+
+def usage_error(message: str) -> NoReturn:
+    """Stop `serve` with one line and argparse's usage status, 2."""
+    print(f"mmserve serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 GC_GEN0_THRESHOLD = 20_000  # Python's default is 700
@@ -81,20 +89,19 @@ async def serve(args: argparse.Namespace) -> None:
         server_config = build_server_config(args)
         check_ports_free(server_config)
     except ValueError as exc:
-        raise SystemExit(f"mmserve serve: {exc}") from None
+        usage_error(explain(exc, args))
     try:
         model_dir = resolve_checkpoint(args.model, args.revision, args.download_dir)
         check_servable(model_dir)
-    except CheckpointError as exc:  # one line, argparse's usage status
-        print(f"mmserve serve: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except CheckpointError as exc:
+        usage_error(str(exc))
     if is_hub_id(args.model):  # served under its hub ID, as vLLM names it
         server_config.served_model_name = server_config.served_model_name or args.model
     args.model = model_dir
     try:
         engine_config = build_engine_config(args)
     except ValueError as exc:  # an engine setting: a usage error before the model loads
-        raise SystemExit(f"mmserve serve: {exc}") from None
+        usage_error(explain(exc, args))
     engine = Engine(engine_config, media)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")

@@ -14,39 +14,139 @@ API_KEY_GROUPS = (
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001  # 0 = pick a free port; -1 = no gRPC server
-    served_model_name: str | None = None  # default: the checkpoint directory's name
-    max_request_bytes: int = 64 * 2**20  # HTTP body / gRPC message cap
-    max_concurrent_requests: int = 1024  # beyond this, 503 with Retry-After
-    # at SIGTERM: readiness 503 and new requests refused at once, those in flight get this long to finish
-    exit_timeout_s: float = 30.0
-    decoupled: bool = (
-        True  # Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces
+    """The frontends' settings; each field's help is its `mmserve serve` flag's (entrypoints/serve_args.py)."""
+
+    host: str = field(
+        default="127.0.0.1", metadata=dict(help="address to listen on (0.0.0.0: every interface)")
     )
-    accumulate_tokens: bool = (
-        False  # BLS streaming: each response carries all text so far (seed option)
+    http_port: int = field(
+        default=8000,
+        metadata=dict(help="HTTP port: Triton/KServe REST, OpenAI, /metrics (0: a free port)"),
+    )
+    grpc_port: int = field(
+        default=8001,
+        metadata=dict(help="KServe gRPC port (0: a free port; -1: no gRPC server)"),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=dict(
+            help="the name the model is served under (OpenAI `model`, Triton's model list); none: the "
+            "checkpoint directory's name, or the hub model ID"
+        ),
+    )
+    max_request_bytes: int = field(
+        default=64 * 2**20,
+        metadata=dict(
+            help="bytes of one HTTP request body (before decompression too) / gRPC message"
+        ),
+    )
+    max_concurrent_requests: int = field(
+        default=1024,
+        metadata=dict(
+            help="requests in flight; beyond this, 503 with Retry-After (gRPC UNAVAILABLE)"
+        ),
+    )
+    exit_timeout_s: float = field(
+        default=30.0,
+        metadata=dict(
+            help="at SIGTERM / SIGINT: readiness turns 503 and new requests get 503 (gRPC UNAVAILABLE) "
+            "at once, requests in flight get this many seconds to finish, then the server exits 0; a "
+            "second signal exits at once"
+        ),
+    )
+    decoupled: bool = field(
+        default=True,
+        metadata=dict(
+            help="Triton decoupled mode: ModelStreamInfer / generate_stream stream pieces"
+        ),
+    )
+    accumulate_tokens: bool = field(
+        default=False,
+        metadata=dict(
+            help="tensorrt_llm_bls streaming: each response carries all text so far (the seeds' "
+            "accumulate_tokens parameter)"
+        ),
+    )
+    # server-wide defaults of the Triton models, as the seeds' config.pbtxt parameters set them
+    exclude_input_in_output: bool = field(
+        default=False,
+        metadata=dict(
+            help="Triton models: text_output / output_ids without the prompt when a request does not "
+            "send exclude_input_in_output (the seeds' tensorrt_llm parameter)"
+        ),
+    )
+    skip_special_tokens: bool = field(
+        default=True,
+        metadata=dict(
+            help="Triton text models: special tokens are left out of the generated text (the seeds' "
+            "postprocessing parameter)"
+        ),
+    )
+    max_batch_size: int = field(
+        default=64,
+        metadata=dict(
+            help="the max_batch_size the Triton model configs report (`mmserve serve`: --max-num-seqs)"
+        ),
     )
     # Triton's endpoint access limits, "APIS:KEY=VALUE" each (entrypoints/restricted_apis.py)
-    http_restricted_api: tuple[str, ...] = ()
-    grpc_restricted_protocol: tuple[str, ...] = ()
-    # OpenAI-style key: the inference and metadata APIs need `Authorization: Bearer <key>` (gRPC: the metadata
-    # `triton-grpc-protocol-authorization`); sugar over the two options above
-    api_key: str | None = field(default=None, repr=False)
-    # browser origins allowed to call the API (CORS); "*" allows any; none: no CORS headers are sent
-    allowed_origins: tuple[str, ...] = ()
+    http_restricted_api: tuple[str, ...] = field(
+        default=(),
+        metadata=dict(
+            help="as Triton's: requests to these API groups (health, metadata, inference, model-config, "
+            "model-repository, statistics, ...) need header KEY: VALUE, else 403; repeatable"
+        ),
+    )
+    grpc_restricted_protocol: tuple[str, ...] = field(
+        default=(),
+        metadata=dict(
+            help="as Triton's: gRPC calls of these groups need metadata triton-grpc-protocol-KEY: VALUE, "
+            "else UNAVAILABLE; repeatable"
+        ),
+    )
+    # sugar over the two options above
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata=dict(
+            help="clients must send `Authorization: Bearer KEY` (the OpenAI SDK's api_key; gRPC: the "
+            "metadata triton-grpc-protocol-authorization) for inference and metadata; health stays "
+            "open. The same as --http-restricted-api / --grpc-restricted-protocol "
+            "'inference,metadata:Authorization=Bearer KEY'"
+        ),
+    )
+    allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=dict(
+            help="browser origins that may call the HTTP API (CORS), e.g. https://app.example.com; * for "
+            "any; none: no CORS headers"
+        ),
+    )
     http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
-    # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options (mutual: clients must
-    # present a certificate signed by grpc_root_cert)
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    grpc_use_ssl: bool = False
-    grpc_use_ssl_mutual: bool = False
-    grpc_server_cert: str | None = None
-    grpc_server_key: str | None = None
-    grpc_root_cert: str | None = None
+    # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options
+    ssl_certfile: str | None = field(
+        default=None,
+        metadata=dict(help="serve HTTPS with this PEM certificate (and --ssl-keyfile)"),
+    )
+    ssl_keyfile: str | None = field(
+        default=None, metadata=dict(help="the PEM private key of --ssl-certfile")
+    )
+    grpc_use_ssl: bool = field(
+        default=False, metadata=dict(help="gRPC over TLS (--grpc-server-cert / --grpc-server-key)")
+    )
+    grpc_use_ssl_mutual: bool = field(
+        default=False,
+        metadata=dict(help="gRPC over TLS with client certificates signed by --grpc-root-cert"),
+    )
+    grpc_server_cert: str | None = field(
+        default=None, metadata=dict(help="PEM certificate of the gRPC server")
+    )
+    grpc_server_key: str | None = field(
+        default=None, metadata=dict(help="PEM private key of the gRPC server")
+    )
+    grpc_root_cert: str | None = field(
+        default=None, metadata=dict(help="PEM CA certificate(s) that sign client certificates")
+    )
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):

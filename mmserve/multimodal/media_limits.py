@@ -3,6 +3,7 @@ MediaError names the field a refused item came in."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -11,20 +12,56 @@ from dataclasses import dataclass
 class MediaConfig:
     """Limits on user-supplied media. Secure by default: no local files, no private-network URLs."""
 
-    allow_private_urls: bool = False  # allow URLs whose host resolves to non-public addresses
-    # paths, file:// URLs allowed only under this dir (relative: in it)
-    allowed_local_media_path: str | None = None
-    fetch_timeout_s: float = 10.0  # wall-clock budget of one download, redirects included
-    max_media_bytes: int = 32 * 2**20  # encoded size of one item (download, data URI, bytes, file)
-    max_image_pixels: int = 64 * 2**20  # width * height of one image or video frame
-    # long edge / short edge of one image or video frame. Processors that scale the short edge to a fixed size
-    # (CLIP's, Nougat's) turn a picture of ratio r into about r square pictures, whatever its own pixel count:
-    # at 200 no family's resize makes more than ~1.4x max_image_pixels (Nougat, 672 px short edge)
-    max_image_aspect_ratio: float = 200.0
-    max_images_per_request: int = 16
-    max_video_frames: int = 64
-    # TrueType font Pix2Struct VQA models (Deplot) read questions in
-    header_font_path: str | None = None
+    allow_private_urls: bool = dataclasses.field(
+        default=False,
+        metadata=dict(
+            help="allow media URLs whose host resolves to a non-public (private, loopback, link-local) "
+            "address"
+        ),
+    )
+    allowed_local_media_path: str | None = dataclasses.field(
+        default=None,
+        metadata=dict(
+            help="local paths and file:// URLs are allowed only under this directory (relative paths: in "
+            "it; /: every file); none: no local files"
+        ),
+    )
+    fetch_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=dict(help="seconds one media download may take, redirects included"),
+    )
+    max_media_bytes: int = dataclasses.field(
+        default=32 * 2**20,
+        metadata=dict(
+            help="encoded bytes of one image or video: download, data URI, tensor or file"
+        ),
+    )
+    max_image_pixels: int = dataclasses.field(
+        default=64 * 2**20,
+        metadata=dict(
+            help="width * height of one image or video frame (read from the header, before decoding)"
+        ),
+    )
+    # Processors that scale the short edge to a fixed size (CLIP's, Nougat's) turn a picture of ratio r into
+    # about r square pictures, whatever its own pixel count: at 200 no family's resize makes more than ~1.4x
+    # max_image_pixels (Nougat, 672 px short edge)
+    max_image_aspect_ratio: float = dataclasses.field(
+        default=200.0,
+        metadata=dict(help="long edge / short edge of one image or video frame"),
+    )
+    max_images_per_request: int = dataclasses.field(
+        default=16, metadata=dict(help="images in one request")
+    )
+    max_video_frames: int = dataclasses.field(
+        default=64, metadata=dict(help="frames sampled from one video")
+    )
+    header_font_path: str | None = dataclasses.field(
+        default=None,
+        metadata=dict(
+            help="TrueType font Pix2Struct VQA models (Deplot) read the question in; none: Arial.TTF in "
+            "the model directory or the hub cache, else Pillow's built-in font"
+        ),
+    )
 
     def __post_init__(self) -> None:
         path = self.allowed_local_media_path

@@ -3,6 +3,8 @@ and an unknown KV cache dtype stops the server at startup with the flag named.""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -38,8 +40,9 @@ def test_fp8_kv_cache_server_matches_offline_fp8_and_reports_it(fp8_server, tiny
     layers = len(offline.engine.runner.attn_layers)
     attn = offline.engine.runner.attn_layers[0]
     assert per_token == 2 * layers * attn.num_kv_heads * attn.head_dim  # one byte per element
-    assert f"mmserve_kv_cache_bytes_per_token {per_token}" in metrics
-    assert f"mmserve_kv_cache_blocks_total {float(offline.engine.kv.num_blocks)}" in metrics
+    assert re.search(rf"^mmserve_kv_cache_bytes_per_token{{[^}}]*}} {per_token}$", metrics, re.M)
+    blocks = float(offline.engine.kv.num_blocks)
+    assert re.search(rf"^mmserve_kv_cache_blocks_total{{[^}}]*}} {blocks}$", metrics, re.M)
 
 
 def test_unknown_kv_cache_dtype_fails_at_startup(tiny_llava_dir):

@@ -290,7 +290,8 @@ def test_metadata_config_and_index_over_grpc(client, server):
     )
     assert meta["platform"] == "ensemble" and meta["versions"] == ["1"]
     config = client.get_model_config("tensorrt_llm_bls").config
-    assert config.max_batch_size == 8 and config.model_transaction_policy.decoupled
+    # --max-num-seqs, default 64
+    assert config.max_batch_size == 64 and config.model_transaction_policy.decoupled
     assert {i.name: list(i.dims) for i in config.input}["image_input"] == [-1, 3, -1, -1]
     names = {m.name for m in client.get_model_repository_index().models}
     assert names == {"ensemble", "tensorrt_llm_bls", "tensorrt_llm", Path(server.model_dir).name}

@@ -266,7 +266,8 @@ def test_metadata_and_config_describe_the_token_model(http):
     assert names["stop_words_list"]["shape"] == [-1, 2, -1]
     assert [t["name"] for t in meta["outputs"]][:2] == ["output_ids", "sequence_length"]
     config = http.get_model_config(MODEL)
-    assert config["backend"] == "tensorrtllm" and config["max_batch_size"] == 8
+    # --max-num-seqs, default 64
+    assert config["backend"] == "tensorrtllm" and config["max_batch_size"] == 64
     assert MODEL in [m["name"] for m in http.get_model_repository_index()]
 
 

@@ -30,6 +30,7 @@ from mmserve.testing import make_test_image
 
 STATE = SimpleNamespace(
     media=MediaConfig(),
+    config=SimpleNamespace(max_batch_size=8),
     model_type="llava",
     engine=SimpleNamespace(
         model_info=SimpleNamespace(image_token="<image>", video_token=None), lora_names=lambda: []

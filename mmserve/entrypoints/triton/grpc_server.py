@@ -180,7 +180,9 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._check(request.name, request.version, context)
         cfg = self.state.config
         return pb.ModelConfigResponse(
-            config=model_config(request.name, cfg.decoupled, cfg.accumulate_tokens)
+            config=model_config(
+                request.name, cfg.decoupled, cfg.accumulate_tokens, cfg.max_batch_size
+            )
         )
 
     async def RepositoryIndex(

@@ -140,7 +140,10 @@ async def get_model_config(request: Request, model: str, version: str = "") -> R
         model,
         version,
         lambda state: model_config_json(
-            model, state.config.decoupled, state.config.accumulate_tokens
+            model,
+            state.config.decoupled,
+            state.config.accumulate_tokens,
+            state.config.max_batch_size,
         ),
     )
 

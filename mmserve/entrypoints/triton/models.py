@@ -9,8 +9,9 @@ from dataclasses import dataclass, replace
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
+from mmserve.entrypoints.server_config import ServerConfig
+
 ENSEMBLE, BLS, TRTLLM = "ensemble", "tensorrt_llm_bls", "tensorrt_llm"
-MAX_BATCH_SIZE = 8  # the seeds' triton_max_batch_size
 MODEL_VERSION = "1"
 ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}  # old input names (PROTOCOL §0)
 
@@ -227,10 +228,14 @@ def _type_name(datatype: str) -> str:
 
 
 def model_config(
-    model: str, decoupled: bool, accumulate_tokens: bool
+    model: str,
+    decoupled: bool,
+    accumulate_tokens: bool,
+    max_batch_size: int = ServerConfig.max_batch_size,
 ) -> model_config_pb2.ModelConfig:
-    """The model's config as Triton would load it from config.pbtxt (the seeds' fill values)."""
-    cfg = model_config_pb2.ModelConfig(name=model, max_batch_size=MAX_BATCH_SIZE)
+    """The model's config as Triton would load it from config.pbtxt (the seeds' fill values);
+    `max_batch_size`: the server's (ServerConfig.max_batch_size, `mmserve serve --max-num-seqs`)."""
+    cfg = model_config_pb2.ModelConfig(name=model, max_batch_size=max_batch_size)
     if model == ENSEMBLE:
         cfg.platform = "ensemble"
     else:
@@ -257,9 +262,14 @@ def model_config(
     return cfg
 
 
-def model_config_json(model: str, decoupled: bool, accumulate_tokens: bool) -> dict:
+def model_config_json(
+    model: str,
+    decoupled: bool,
+    accumulate_tokens: bool,
+    max_batch_size: int = ServerConfig.max_batch_size,
+) -> dict:
     """model_config as Triton's REST answer: proto field names, primitives printed, int64 arrays as numbers."""
-    msg = model_config(model, decoupled, accumulate_tokens)
+    msg = model_config(model, decoupled, accumulate_tokens, max_batch_size)
     data = json_format.MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )

@@ -23,7 +23,6 @@ from mmserve.entrypoints.triton.models import (
     ALIASES,
     BLS,
     ENSEMBLE,
-    MAX_BATCH_SIZE,
     MODEL_VERSION,
     TRTLLM,
     TRTLLM_INPUTS,
@@ -100,9 +99,10 @@ async def _parse_text_request(
     batch = (
         present["text_input"].shape[0] if present["text_input"].ndim else 0
     )  # 0-d: a shape error below
-    if batch > MAX_BATCH_SIZE:
+    limit = state.config.max_batch_size  # what the model config reports (--max-num-seqs)
+    if batch > limit:
         raise ValueError(
-            f"text_input: batch size {batch} exceeds the model's max_batch_size {MAX_BATCH_SIZE}"
+            f"text_input: batch size {batch} exceeds the model's max_batch_size {limit}"
         )
     for name, arr in present.items():
         check_tensor(model, name, arr, batch)
@@ -190,7 +190,7 @@ async def _parse_item(state: ServerState, model: str, g: BatchItem) -> TritonReq
         prompt,
         params,
         stream=stream,
-        exclude_input=bool(g.scalar("exclude_input_in_output", False)),
+        exclude_input=g.flag("exclude_input_in_output"),
         return_log_probs=params.logprobs is not None,
         image_field=field,
         beam_width=width,

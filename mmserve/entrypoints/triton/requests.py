@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.engine.beam_search import MAX_BEAM_WIDTH, unsupported_with_beams
+from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton.models import ACCEPTED_INPUTS
 from mmserve.sampling_params import GUIDE_TYPES, SamplingParams
@@ -29,7 +30,7 @@ class TritonRequest:
     prompt: dict[str, Any]
     params: SamplingParams
     stream: bool = False
-    exclude_input: bool = False
+    exclude_input: bool | None = None  # None: not sent, the server's default (with_server_defaults)
     return_log_probs: bool = False
     image_field: str | None = None  # the input the images came from, for error messages
     beam_width: int = 1  # > 1: beam search (engine/beam_search.py), W completions
@@ -38,6 +39,16 @@ class TritonRequest:
     pad_id: int = 0  # tensorrt_llm: fills output_ids past a shorter sequence
     client_id: str = ""  # the request's Triton `id` (a later `stop` request names it)
     cancel: bool = False  # tensorrt_llm `stop`: abort the running requests of client_id instead
+
+
+def with_server_defaults(req: TritonRequest, config: ServerConfig) -> TritonRequest:
+    """The server-wide defaults where the request sets none, as the seeds' config.pbtxt parameters: `mmserve
+    serve --exclude-input-in-output` (tensorrt_llm's) and `--no-skip-special-tokens` (postprocessing's)."""
+    params = req.params
+    if params.skip_special_tokens != config.skip_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=config.skip_special_tokens)
+    exclude = config.exclude_input_in_output if req.exclude_input is None else req.exclude_input
+    return dataclasses.replace(req, params=params, exclude_input=exclude)
 
 
 _KINDS = {"BYTES": "bytes", "BOOL": "bool", "FP16": "float", "FP32": "float", "FP64": "float"}
@@ -93,6 +104,11 @@ class BatchItem:
     def values(self, name: str) -> np.ndarray | None:
         arr = self.tensors.get(name)
         return None if arr is None else arr[self.b].reshape(-1)
+
+    def flag(self, name: str) -> bool | None:
+        """A BOOL input's value; None when not sent."""
+        v = self.scalar(name)
+        return None if v is None else bool(v)
 
     def scalar(self, name: str, default: Any = None) -> Any:
         v = self.values(name)

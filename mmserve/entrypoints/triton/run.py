@@ -16,7 +16,7 @@ from mmserve.entrypoints.streams import merge
 from mmserve.entrypoints.triton.models import TRTLLM
 from mmserve.entrypoints.triton.outputs import Chunk, full_text, make_outputs
 from mmserve.entrypoints.triton.protocol import rename_fields
-from mmserve.entrypoints.triton.requests import TritonRequest
+from mmserve.entrypoints.triton.requests import TritonRequest, with_server_defaults
 from mmserve.entrypoints.triton.statistics import Execution
 from mmserve.sampling_params import SamplingParams, choice_params
 
@@ -77,6 +77,7 @@ async def _sampled_sequences(state: ServerState, req: TritonRequest) -> RequestO
 
 async def infer(state: ServerState, reqs: list[TritonRequest]) -> dict[str, np.ndarray]:
     """Run every batch item to completion (concurrently) and build the single response's tensors."""
+    reqs = [with_server_defaults(r, state.config) for r in reqs]
     with state.statistics.execution(reqs[0].model, len(reqs)) as execution:
         return await _infer(state, reqs, execution)
 
@@ -126,6 +127,7 @@ async def stream(
     """Responses of a decoupled model: (tensors, is_last). With `stream` true, one per new text piece
     (only the new text, or all text so far when `accumulate`; the tensorrt_llm model: per new tokens, their
     ids), the last one at finish; otherwise one response with the full text."""
+    req = with_server_defaults(req, state.config)
     if not req.stream:
         yield await infer(state, [req]), True
         return

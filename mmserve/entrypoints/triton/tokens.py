@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mmserve.entrypoints.state import ServerState
-from mmserve.entrypoints.triton.models import ALIASES, MAX_BATCH_SIZE, TRTLLM, TRTLLM_INPUTS
+from mmserve.entrypoints.triton.models import ALIASES, TRTLLM, TRTLLM_INPUTS
 from mmserve.entrypoints.triton.requests import (
     BatchItem,
     TritonRequest,
@@ -45,8 +45,9 @@ async def parse_token_request(
         if name not in tensors:
             raise ValueError(f"{name} is required")
     batch = tensors["input_ids"].shape[0] if tensors["input_ids"].ndim else 0
-    if not 1 <= batch <= MAX_BATCH_SIZE:
-        raise ValueError(f"input_ids: batch size must be in [1, {MAX_BATCH_SIZE}], got {batch}")
+    limit = state.config.max_batch_size  # what the model config reports (--max-num-seqs)
+    if not 1 <= batch <= limit:
+        raise ValueError(f"input_ids: batch size must be in [1, {limit}], got {batch}")
     for name, arr in tensors.items():
         check_tensor(TRTLLM, name, arr, batch, SPECS, batch_input="input_ids")
     return [await _parse_item(state, BatchItem(tensors, b)) for b in range(batch)]
@@ -209,7 +210,7 @@ async def _parse_item(state: ServerState, g: BatchItem) -> TritonRequest:
         prompt,
         params,
         stream=stream,
-        exclude_input=bool(g.scalar("exclude_input_in_output", False)),
+        exclude_input=g.flag("exclude_input_in_output"),
         return_log_probs=params.logprobs is not None,
         beam_width=width,
         num_return=num_return_sequences(g, width),
