@@ -6,11 +6,13 @@ PY := $(VENV)/bin/python
 # keeps the system's torch (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt is the lock (the versions the tests ran with; docs/deploy.md, "The lock"): every install goes
+# through it. torch is not in it (TORCH_SPEC or the system's torch decides); `pip install mmserve` keeps ranges.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(if $(TORCH_SPEC),,--system-site-packages) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install -q $(TORCH_SPEC))
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q -c constraints.txt $(TORCH_SPEC))
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
 .PHONY: install serve test test-gpu demo lint
