@@ -42,6 +42,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_media_tokens: int = 0  # prompt tokens that are pictures' / videos' (their placeholder runs)
 
 
 @dataclass

@@ -68,6 +68,7 @@ def request_output(req: Request, detok: IncrementalDetokenizer) -> RequestOutput
         req.first_token_time,
         time.time() if finished else None,
         req.num_cached_tokens,
+        sum(item.length for item in req.mm_items),
     )
     out = RequestOutput(
         req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
+
+from mmserve.entrypoints.log_format import configure_logging
 
 
 def _demo_model(args: argparse.Namespace) -> None:
@@ -62,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         args.command = "serve"
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(str(getattr(args, "log_level", "info")), getattr(args, "log_format", "text"))
     if args.command == "serve":
         try:
             from mmserve.entrypoints.serve import serve

@@ -17,6 +17,8 @@ from mmserve.entrypoints.serve_args import (
 )
 from mmserve.entrypoints.server_config import ServerConfig
 
+logger = logging.getLogger(__name__)
+
 
 def example_request(host: str, port: int, scheme: str = "http") -> str:
     """The startup message: a generate request to try."""
@@ -81,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
         from mmserve.testing import default_model_dir
 
         args.model = str(default_model_dir())
-        print(f"serving the embedded demo model at {args.model}", flush=True)
+        logger.info("serving the embedded demo model at %s", args.model)
     from mmserve.models.hub import CheckpointError, check_servable, is_hub_id, resolve_checkpoint
 
     try:  # a bad or taken port, restriction or limit: a usage error before the model loads
@@ -127,20 +129,21 @@ async def serve(args: argparse.Namespace) -> None:
         grpc_server, port = await start_grpc_server(
             state, server_config.host, server_config.grpc_port
         )
-        print(f"gRPC listening on {server_config.host}:{port}", flush=True)
+        logger.info("gRPC listening on %s:%d", server_config.host, port)
     config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.http_port,
         log_level=args.log_level,
+        log_config=None,  # uvicorn's loggers go through the server's one format (log_format.py)
         timeout_graceful_shutdown=5,  # after the drain: what is left is idle keep-alive connections
         ssl_certfile=server_config.ssl_certfile,
         ssl_keyfile=server_config.ssl_keyfile,
     )
     server = DrainingServer(config, state, server_config.exit_timeout_s)
     scheme = "HTTPS" if server_config.ssl_certfile else "HTTP"
-    print(f"{scheme} listening on {server_config.host}:{server_config.http_port}", flush=True)
-    print(example_request(server_config.host, server_config.http_port, scheme.lower()), flush=True)
+    logger.info("%s listening on %s:%d", scheme, server_config.host, server_config.http_port)
+    logger.info("%s", example_request(server_config.host, server_config.http_port, scheme.lower()))
     try:
         await server.serve()
     finally:

@@ -73,6 +73,13 @@ class LaunchOptions:
     log_level: str = field(
         default="info", metadata=dict(help="debug | info | warning | error | critical")
     )
+    log_format: str = field(
+        default="text",
+        metadata=dict(
+            help="text, or json: one object per line (time, level, logger, message, a request's fields), "
+            "for every log line of the server"
+        ),
+    )
 
 
 _LIMITS_HELP = {  # RequestLimits (sampling_params.py) documents its fields in its docstring
@@ -97,6 +104,7 @@ def serve_flags() -> tuple[Flag, ...]:
             model=dict(option="model"),
             lora_modules=dict(metavar="NAME=PATH"),
             log_level=dict(group="server"),
+            log_format=dict(group="server", choices=("text", "json")),
         ),
         *flags_of(
             ModelConfig,

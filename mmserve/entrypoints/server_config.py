@@ -82,6 +82,13 @@ class ServerConfig:
             "postprocessing parameter)"
         ),
     )
+    log_requests: bool = field(
+        default=False,
+        metadata=dict(
+            help="one log line per finished request: id, prompt / image / output tokens, TTFT, e2e "
+            "seconds, finish reason"
+        ),
+    )
     max_batch_size: int = field(
         default=64,
         metadata=dict(

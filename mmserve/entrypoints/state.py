@@ -12,6 +12,7 @@ from typing import Any
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.beam_search import beam_search_steps
+from mmserve.entrypoints.log_format import log_finished
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.request_ids import engine_request_id
 from mmserve.entrypoints.server_config import ServerConfig
@@ -110,8 +111,13 @@ class ServerState:
             ) as stream:
                 async for out in stream:
                     if out.finished:
-                        self.metrics.on_finished(out)
+                        self._finished(out)
                     yield out
+
+    def _finished(self, out: RequestOutput) -> None:
+        self.metrics.on_finished(out)
+        if self.config.log_requests:
+            log_finished(out)
 
     @contextlib.contextmanager
     def _registered(self, client_id: str, request_id: str, end: Callable[[], None]):
@@ -163,7 +169,7 @@ class ServerState:
             ) as steps:
                 async for out in steps:
                     if out.finished:
-                        self.metrics.on_finished(out)
+                        self._finished(out)
                     yield out
 
     async def generate_final(
