@@ -9,12 +9,6 @@ import socket
 import sys
 from typing import NoReturn
 
-from mmserve.entrypoints.serve_args import (
-    build_engine_config,
-    build_media_config,
-    build_server_config,
-    explain,
-)
 from mmserve.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -77,6 +71,12 @@ async def serve(args: argparse.Namespace) -> None:
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
     from mmserve.entrypoints.drain import DrainingServer
+    from mmserve.entrypoints.serve_args import (  # the config dataclasses import torch: not for the CLI
+        build_engine_config,
+        build_media_config,
+        build_server_config,
+        explain,
+    )
     from mmserve.entrypoints.state import ServerState
 
     if args.model is None:

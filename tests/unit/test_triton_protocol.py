@@ -310,7 +310,9 @@ def test_image_inputs_become_prompt_images_or_pixel_values():
 
 
 def test_video_frames_go_to_families_that_take_video():
-    state = SimpleNamespace(media=STATE.media, model_type="llava_onevision", engine=STATE.engine)
+    state = SimpleNamespace(
+        media=STATE.media, model_type="llava_onevision", engine=STATE.engine, config=STATE.config
+    )
     frames = np.zeros((1, 4, 3, 8, 8), np.uint8)  # [B, F, C, H, W]
     [req] = asyncio.run(
         tp.parse_request(
