@@ -14,11 +14,11 @@ from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
 from mmserve.distributed import get_tp_size
-from mmserve.layers.activation import SiluAndMul
 from mmserve.layers.attention import Attention
-from mmserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from mmserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import RotaryEmbedding, rope_inv_freq
+from mmserve.models.llama import LlamaMLP
 
 EXPERTS = ("language", "vision")
 # the checkpoint's fused expert q/k/v, split by CogVLM.checkpoint_weights into parts our fused layer loads
@@ -76,24 +76,11 @@ class VisionExpertAttention(nn.Module):
         return by_expert(out, meta, self.language_expert_dense, self.vision_expert_dense)
 
 
-class ExpertMLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class VisionExpertMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.language_mlp = ExpertMLP(config)
-        self.vision_mlp = ExpertMLP(config)
+        self.language_mlp = LlamaMLP(config)
+        self.vision_mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return by_expert(x, meta, self.language_mlp, self.vision_mlp)

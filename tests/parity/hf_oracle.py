@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoProcessor
 
-from mmserve import SamplingParams
+from mmserve import LLM, SamplingParams
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.engine import Engine
 
@@ -169,3 +169,20 @@ def run_staggered(engine: Engine, prompts: list, params: SamplingParams) -> list
                 done[out.request_id] = out
         step += 1
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def assert_two_shards_match_one(model_dir: str, prompts: list) -> None:
+    """Two CPU tensor-parallel shards (gloo, a real worker process) give one process's greedy tokens of `prompts`
+    and their log-probs within 1e-4."""
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=2)
+    single = LLM(model_dir, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
+    tp = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        sharded = tp.generate(prompts, params, use_tqdm=False)
+    finally:
+        tp.close()
+    for a, b in zip(single, sharded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in x:
+                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4

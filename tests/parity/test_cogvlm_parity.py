@@ -15,7 +15,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
 from mmserve.testing.cogvlm import chat_prompt, make_cogvlm2_checkpoint, make_cogvlm_checkpoint
 from tests.parity.cogvlm_reference import reference_greedy
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import assert_matches_oracle, assert_two_shards_match_one, run_staggered
 
 N = 32
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=5)
@@ -104,21 +104,7 @@ def test_preemption_matches(cogvlm_dir):
 
 
 def test_two_tensor_parallel_shards_give_one_process_tokens(cogvlm_dir):
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=2)
-    prompts = [_prompt(i, image=i != 1) for i in range(3)]
-    single = LLM(cogvlm_dir, device="cpu", dtype="float32").generate(
-        prompts, params, use_tqdm=False
-    )
-    tp = LLM(cogvlm_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
-    try:
-        sharded = tp.generate(prompts, params, use_tqdm=False)
-    finally:
-        tp.close()
-    for a, b in zip(single, sharded):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tok in x:
-                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+    assert_two_shards_match_one(cogvlm_dir, [_prompt(i, image=i != 1) for i in range(3)])
 
 
 def test_two_pictures_are_refused(cogvlm_dir):

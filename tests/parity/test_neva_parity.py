@@ -9,7 +9,7 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.testing import make_test_image
 from mmserve.testing.neva import chat_prompt, make_neva_checkpoint
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import assert_matches_oracle, assert_two_shards_match_one, run_staggered
 from tests.parity.neva_reference import reference_greedy
 
 N = 24
@@ -71,16 +71,4 @@ def test_staggered_batch_prefix_hits_chunks_and_preemption_match(neva_dir, devic
 
 
 def test_two_tensor_parallel_shards_give_one_process_tokens(neva_dir):
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=2)
-    prompts = [_prompt(i, i % 2) for i in range(3)]
-    single = LLM(neva_dir, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
-    tp = LLM(neva_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
-    try:
-        sharded = tp.generate(prompts, params, use_tqdm=False)
-    finally:
-        tp.close()
-    for a, b in zip(single, sharded):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tok in x:
-                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+    assert_two_shards_match_one(neva_dir, [_prompt(i, i % 2) for i in range(3)])

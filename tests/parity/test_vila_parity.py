@@ -14,7 +14,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.models.vila import PLACEHOLDER_ID
 from mmserve.testing import make_test_image
 from mmserve.testing.vila import make_vila_checkpoint
-from tests.parity.hf_oracle import assert_matches_oracle, run_staggered
+from tests.parity.hf_oracle import assert_matches_oracle, assert_two_shards_match_one, run_staggered
 from tests.parity.vila_reference import process_image, reference_greedy
 
 N = 32
@@ -115,16 +115,4 @@ def test_preprocessed_pixel_values_match_pictures(vila_dir):
 
 
 def test_two_tensor_parallel_shards_give_one_process_tokens(vila_dir):
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=2)
-    prompts = [_prompt(i, i % 3) for i in range(3)]
-    single = LLM(vila_dir, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
-    tp = LLM(vila_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
-    try:
-        sharded = tp.generate(prompts, params, use_tqdm=False)
-    finally:
-        tp.close()
-    for a, b in zip(single, sharded):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tok in x:
-                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+    assert_two_shards_match_one(vila_dir, [_prompt(i, i % 3) for i in range(3)])
