@@ -43,6 +43,14 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_media_tokens: int = 0  # prompt tokens that are pictures' / videos' (their placeholder runs)
+    num_images: int = 0  # pictures in the prompt
+    num_videos: int = 0
+    # wall-clock times (time.time()) for request traces (entrypoints/tracing.py); None where it did not happen
+    preprocess_start_time: float | None = None  # AsyncEngine.preprocess: media load + processor
+    preprocess_end_time: float | None = None
+    # the launch of the step(s) running its vision encoder (Engine._launch)
+    encode_start_time: float | None = None
+    encode_end_time: float | None = None
 
 
 @dataclass

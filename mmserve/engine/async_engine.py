@@ -1,7 +1,8 @@
 """AsyncEngine: runs the Engine's step loop on a background thread and streams outputs to asyncio.
 
-Frontends call `generate()` (an async iterator of cumulative RequestOutputs), `abort()` and
-`add_lora_tensors()` (an adapter sent with a request, loaded on the engine thread between steps).
+Frontends call `generate()` (an async iterator of cumulative RequestOutputs), `abort()`,
+`add_lora_tensors()` (an adapter sent with a request, loaded on the engine thread between steps) and
+`encode_media()` (pictures through the vision encoder alone, on the engine thread between steps).
 Input preprocessing (image decoding, HF processor) runs in a worker thread, never on the event
 loop and never on the engine thread, so a slow image does not stall decoding for everyone else.
 A consumer that stops iterating (client disconnect, cancellation) aborts its request.
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -80,8 +82,10 @@ class AsyncEngine:
         """
         if self.dead_error is not None:
             raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
+        started = time.time()
         inputs = await self.preprocess(prompt)
-        async for out in self.generate_processed(inputs, params, request_id):
+        times = (started, time.time())  # for its trace (RequestMetrics)
+        async for out in self.generate_processed(inputs, params, request_id, times):
             yield out
 
     async def preprocess(self, prompt: str | dict[str, Any]):
@@ -93,9 +97,13 @@ class AsyncEngine:
         )
 
     async def generate_processed(
-        self, inputs, params: SamplingParams, request_id: str | None = None
+        self,
+        inputs,
+        params: SamplingParams,
+        request_id: str | None = None,
+        preprocess_times: tuple[float, float] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """generate() for a prompt already preprocessed (ProcessedInputs)."""
+        """generate() for a prompt already preprocessed (ProcessedInputs); `preprocess_times`: when that ran."""
         if self.dead_error is not None:
             raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         loop = asyncio.get_running_loop()
@@ -111,7 +119,7 @@ class AsyncEngine:
             )
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
-        self._commands.put(("add", rid, inputs, params, loop, stream, added))
+        self._commands.put(("add", rid, inputs, params, loop, stream, preprocess_times, added))
         finished = False
         try:
             await added
@@ -135,6 +143,17 @@ class AsyncEngine:
         done = loop.create_future()
         self._commands.put(("lora", name, weights, config, loop, done))
         await done
+
+    async def encode_media(self, inputs) -> list:
+        """Engine.encode_media (ProcessedInputs -> each picture's embeddings) on the engine thread between steps,
+        never beside one; raises its ValueError."""
+        if self.dead_error is not None:
+            raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        # the caller's loop fifth and its future last, as "lora" (the engine loop's failure path reads them so)
+        self._commands.put(("encode", inputs, None, None, loop, done))
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Safe from any thread."""
@@ -172,7 +191,8 @@ class AsyncEngine:
                 if cmd[0] in (
                     "add",
                     "lora",
-                ):  # both carry the caller's loop fifth and its future last
+                    "encode",
+                ):  # each carries the caller's loop fifth and its future last
                     loop, waiter = cmd[4], cmd[-1]
                     loop.call_soon_threadsafe(
                         _set_exception, waiter, RuntimeError(f"the engine loop died: {e}")
@@ -214,12 +234,13 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, inputs, params, loop, stream, added = cmd
+            _, rid, inputs, params, loop, stream, preprocess_times, added = cmd
             try:
-                self.engine.add_processed(rid, inputs, params)
+                req = self.engine.add_processed(rid, inputs, params)
             except Exception as e:
                 loop.call_soon_threadsafe(_set_exception, added, e)
                 return
+            req.preprocess_times = preprocess_times
             self._streams[rid] = (loop, stream)
             loop.call_soon_threadsafe(_set_result, added, None)
         elif kind == "lora":
@@ -230,6 +251,14 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_exception, done, e)
                 return
             loop.call_soon_threadsafe(_set_result, done, None)
+        elif kind == "encode":
+            _, inputs, _, _, loop, done = cmd
+            try:
+                embeddings = self.engine.encode_media(inputs)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, done, e)
+                return
+            loop.call_soon_threadsafe(_set_result, done, embeddings)
         elif kind == "abort":
             out = self.engine.abort(cmd[1])
             if out is not None:

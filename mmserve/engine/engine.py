@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from mmserve.config import EngineConfig
 from mmserve.core.multimodal import ProcessedInputs
 from mmserve.core.outputs import RequestOutput
@@ -156,6 +158,13 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    def encode_media(self, inputs: ProcessedInputs) -> list[torch.Tensor]:
+        """The embeddings of `inputs`' pictures and videos through the vision tower and projector, one
+        [item.length, hidden] float32 host tensor per item in prompt order (the runner's encoder, its cache and
+        graphs); no request, no KV blocks. On the engine's thread, between steps (TP: the driver encodes)."""
+        encoded = self.runner.encoder.encode(inputs.mm_items)
+        return [encoded[item.content_hash].float().cpu() for item in inputs.mm_items]
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output (None if unknown)."""
         req = self.requests.get(request_id)
@@ -195,6 +204,7 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the scheduled step on the device (after the in-flight one) and advance its requests."""
+        started, launched_at = time.time(), None
         try:
             launched = self.runner.launch(sched, self._inflight[1] if self._inflight else None)
         except BaseException:
@@ -202,6 +212,11 @@ class Engine:
             raise
         row = 0
         for s in sched.scheduled:
+            req = s.request
+            if s.start < req.num_prompt_tokens and req.mm_items and req.mm_items_in(s.start, s.end):
+                # a prompt chunk with pictures: when its encoder ran, for its trace
+                launched_at = launched_at or time.time()
+                req.note_encode(started, launched_at)
             s.request.num_computed_tokens = s.end
             if s.samples:
                 s.request.add_pending(row)

@@ -83,6 +83,12 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # for request traces: (start, end) of its preprocessing (AsyncEngine) and of the step(s) that ran its
+        # vision encoder (Engine._launch), wall clock; a float per event, nothing per token
+        self.preprocess_times: tuple[float, float] | None = None
+        self.encode_times: tuple[float, float] | None = None
+        self.num_images = sum(1 for m in self.mm_items if m.modality == "image")
+        self.num_videos = sum(1 for m in self.mm_items if m.modality == "video")
 
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, Logprob]] = []
@@ -164,6 +170,11 @@ class Request:
             self.bad_words.feed(token)
         if self.stop_sequences is not None:
             self.stop_sequences.feed(token)
+
+    def note_encode(self, start: float, end: float) -> None:
+        """A step that runs this request's vision encoder was launched from `start` to `end` (wall clock); over several
+        chunks, the first one's start to the last one's end."""
+        self.encode_times = (self.encode_times[0] if self.encode_times else start, end)
 
     def drop_pending(self) -> None:
         """Forget tokens still in flight (the request finished before they arrived)."""

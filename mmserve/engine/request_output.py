@@ -69,6 +69,10 @@ def request_output(req: Request, detok: IncrementalDetokenizer) -> RequestOutput
         time.time() if finished else None,
         req.num_cached_tokens,
         sum(item.length for item in req.mm_items),
+        req.num_images,
+        req.num_videos,
+        *(req.preprocess_times or (None, None)),
+        *(req.encode_times or (None, None)),
     )
     out = RequestOutput(
         req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from mmserve.entrypoints.restricted_apis import GRPC_HEADER_PREFIX, Restriction, parse_restrictions
 
@@ -128,6 +130,15 @@ class ServerConfig:
             "any; none: no CORS headers"
         ),
     )
+    otlp_traces_endpoint: str | None = field(
+        default=None,
+        metadata=dict(
+            help="send a trace of each request (spans preprocess, queue, vision_encode, prefill, decode) "
+            "over OTLP/HTTP protobuf to this URL, e.g. http://localhost:4318/v1/traces; a caller's "
+            "traceparent header (gRPC metadata) makes it part of the caller's trace. Needs "
+            "pip install mmserve[otel]"
+        ),
+    )
     http_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     grpc_restrictions: dict[str, Restriction] = field(init=False, repr=False)
     # TLS: HTTPS with a PEM certificate and key (uvicorn's); gRPC with Triton's options
@@ -174,6 +185,8 @@ class ServerConfig:
             self.grpc_restricted_protocol + keyed, option, GRPC_HEADER_PREFIX
         )
         self._check_tls()
+        if self.otlp_traces_endpoint is not None:
+            _check_otlp(self.otlp_traces_endpoint)
 
     def _check_tls(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -194,3 +207,25 @@ class ServerConfig:
         ]:
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"{option}: cannot read {path}")
+
+
+OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+
+
+def _check_otlp(url: str) -> None:
+    """ValueError unless `url` is an http(s) URL and the OpenTelemetry packages are installed (found, not imported)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(
+            f"otlp_traces_endpoint must be an http(s) URL such as http://localhost:4318/v1/traces, got {url!r}"
+        )
+    for module in OTEL_MODULES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            raise ValueError(
+                "otlp_traces_endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+                "pip install mmserve[otel]"
+            )

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.engine.async_engine import AsyncEngine
@@ -21,7 +21,17 @@ from mmserve.entrypoints.triton.statistics import TritonStatistics
 from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.sampling_params import SamplingParams
 
-TRITON_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")
+if TYPE_CHECKING:
+    from mmserve.entrypoints.tracing import RequestTracer
+
+TRITON_MODEL_NAMES = (
+    "ensemble",
+    "tensorrt_llm_bls",
+    "tensorrt_llm",
+    "preprocessing",
+    "multimodal_encoders",
+    "postprocessing",
+)
 
 
 class ServerBusy(RuntimeError):
@@ -48,11 +58,16 @@ class ServerState:
     # a client's request id (Triton's `id`) -> how to end each request running for it (an engine abort, a beam
     # search's stop), which a later request with that id and `stop` true calls (TensorRT-LLM's tensorrt_llm model)
     by_client_id: dict[str, dict[str, Callable[[], None]]] = field(default_factory=dict)
+    tracer: RequestTracer | None = field(init=False, default=None)  # --otlp-traces-endpoint
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine.stats, self.engine.step_stats, self.model_name)
         self.statistics = TritonStatistics()
         self.metrics.registry.register(TritonCollector(self.statistics, self.engine.stats))
+        if self.config.otlp_traces_endpoint is not None:  # OpenTelemetry is imported only then
+            from mmserve.entrypoints.tracing import RequestTracer
+
+            self.tracer = RequestTracer(self.config.otlp_traces_endpoint, self.model_name)
 
     @property
     def model_name(self) -> str:
@@ -105,10 +120,11 @@ class ServerState:
             self._slot(),
             self._registered(client_id, request_id, lambda: self.engine.abort(request_id)),
         ):
+            stream = self.engine.generate(prompt, params, request_id)
+            if self.tracer is not None:
+                stream = self.tracer.traced(stream, request_id, params)
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request
-            async with contextlib.aclosing(
-                self.engine.generate(prompt, params, request_id)
-            ) as stream:
+            async with contextlib.aclosing(stream) as stream:
                 async for out in stream:
                     if out.finished:
                         self._finished(out)
@@ -155,18 +171,19 @@ class ServerState:
         request_id, stop = engine_request_id(), asyncio.Event()
         with self._slot(), self._registered(client_id, request_id, stop.set):
             inputs = await self.engine.preprocess(prompt)
-            async with contextlib.aclosing(
-                beam_search_steps(
-                    self.engine,
-                    inputs,
-                    params,
-                    width,
-                    length_penalty,
-                    request_id,
-                    snapshots=stream,
-                    stop=stop,
-                )
-            ) as steps:
+            steps = beam_search_steps(
+                self.engine,
+                inputs,
+                params,
+                width,
+                length_penalty,
+                request_id,
+                snapshots=stream,
+                stop=stop,
+            )
+            if self.tracer is not None:
+                steps = self.tracer.traced(steps, request_id, params)
+            async with contextlib.aclosing(steps) as steps:
                 async for out in steps:
                     if out.finished:
                         self._finished(out)

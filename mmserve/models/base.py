@@ -21,6 +21,7 @@ A family class wraps a vision encoder and a language model (``self.language_mode
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -154,6 +155,12 @@ class CrossAttentionLM(MultiModalCausalLM):
         """Cross-attention families: how many tokens `get_mm_embeddings` returns for `item`, known before
         encoding so the scheduler can hold pool blocks for them."""
         raise NotImplementedError
+
+    @staticmethod
+    def cross_item_layout(item: MultiModalItem) -> MultiModalItem:
+        """The item as the text model's cross-attention reads it, without its encoder inputs: what a
+        tensor-parallel worker gets with each step (default: nothing of its data; Mllama keeps its tile counts)."""
+        return dataclasses.replace(item, data={})
 
     def cross_kv_order(
         self, items: list[MultiModalItem], prompt_len: int

@@ -66,8 +66,8 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration, EncoderDeco
         ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """Per request: every decoder layer's cross keys/values over the T5 encoder's states of [query tokens with
-        the picture's embeddings; the question], [tokens, layers, 2, heads, d_kv]."""
+        """Per request: the T5 encoder's states of [query tokens with the picture's embeddings; the question],
+        [tokens, d_model]."""
         queries = self.query_embeddings(torch.stack([it.data["pixel_values"] for it in items]))
         lm = self.language_model
         out = []
@@ -75,9 +75,17 @@ class Blip2T5ForConditionalGeneration(Blip2ForConditionalGeneration, EncoderDeco
             ids = item.data["input_ids"].to(q.device)
             embeds = lm.embed_input_ids(ids)
             embeds[ids == self.config.image_token_index] = q.to(embeds.dtype)
-            states = lm.encoder(embeds)
-            out.append(lm.cross_kv(states))
+            out.append(lm.encoder(embeds))
         return out
+
+    def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer's cross keys/values (this rank's heads), [tokens, layers, 2, heads, d_kv]."""
+        return self.language_model.cross_kv(encoded)
+
+    def drop_encoders(self) -> None:
+        """A tensor-parallel worker also frees the T5 encoder: the driver runs it and sends its states."""
+        super().drop_encoders()
+        self.language_model.encoder = None
 
     def cross_kv_layout(self) -> CrossKVLayout:
         return self.language_model.cross_kv_layout()

@@ -100,10 +100,6 @@ class FamilySpec:
         """The prompt is the decoder's; the HF processor sees the picture (and, if it reads it, the text)."""
         return self.attention == "encoder_decoder"
 
-    @property
-    def tensor_parallel(self) -> bool:
-        return not self.encoder_decoder
-
 
 TEXT_ONLY = FamilySpec(
     name="text"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.distributed import get_tp_size
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_cross
@@ -31,7 +32,8 @@ class MBartSelfAttention(nn.Module):
         self.head_dim = d // heads
         self.qkv_proj = QKVParallelLinear(d, self.head_dim, heads, heads, bias=True)
         self.out_proj = RowParallelLinear(d, d, bias=True)
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
+        local = heads // get_tp_size()
+        self.attn = Attention(local, self.head_dim, local, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -39,12 +41,13 @@ class MBartSelfAttention(nn.Module):
 
 
 class MBartCrossAttention(nn.Module):
-    """Queries from the text, keys/values from the encoder states (projected once per image by `project_kv`)."""
+    """Queries from the text, keys/values from the encoder states (projected once per image by `project_kv`);
+    `num_heads`: this tensor-parallel rank's."""
 
     def __init__(self, config, slot: int) -> None:
         super().__init__()
-        d, self.num_heads = config.d_model, config.decoder_attention_heads
-        self.head_dim, self.slot = d // self.num_heads, slot
+        d, heads = config.d_model, config.decoder_attention_heads
+        self.num_heads, self.head_dim, self.slot = heads // get_tp_size(), d // heads, slot
         self.q_proj = ColumnParallelLinear(d, d, bias=True)
         self.k_proj = ColumnParallelLinear(d, d, bias=True)
         self.v_proj = ColumnParallelLinear(d, d, bias=True)

@@ -85,15 +85,17 @@ class NougatForConditionalGeneration(EncoderDecoderLM):
         ]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """Per picture: every decoder layer's cross-attention keys/values, [tokens, layers, 2, heads, head_dim]."""
+        """Per picture: the encoder's states in the decoder's width, [tokens, d_model]."""
         states = self.encoder(torch.stack([it.data["pixel_values"] for it in items]))
         if self.enc_to_dec_proj is not None:
             states = self.enc_to_dec_proj(states)
+        return list(states)
+
+    def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer's cross-attention keys/values (this rank's heads), [tokens, layers, 2, heads,
+        head_dim]."""
         layers = self.language_model.model.layers
-        return [
-            torch.stack([layer.encoder_attn.project_kv(s) for layer in layers], dim=1)
-            for s in states
-        ]
+        return torch.stack([layer.encoder_attn.project_kv(encoded) for layer in layers], dim=1)
 
     def cross_kv_layout(self) -> CrossKVLayout:
         layers = self.language_model.model.layers

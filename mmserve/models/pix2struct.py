@@ -274,13 +274,14 @@ class Pix2StructForConditionalGeneration(EncoderDecoderLM):
         return [MultiModalItem("image", {"flattened_patches": real}, 0, 1, key, kv_from=0)]
 
     def get_mm_embeddings(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """Per picture: every decoder layer's cross keys/values over its patches, [patches, layers, 2, heads, d_kv]."""
+        """Per picture: the tower's states over its patches, [patches, hidden]."""
         dtype = self.encoder.layernorm.weight.dtype
         # pictures have as many patches as their aspect ratio gives: one at a time
-        return [
-            self.language_model.cross_kv(self.encoder(item.data["flattened_patches"].to(dtype)))
-            for item in items
-        ]
+        return [self.encoder(item.data["flattened_patches"].to(dtype)) for item in items]
+
+    def cross_kv(self, encoded: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer's cross keys/values (this rank's heads), [patches, layers, 2, heads, d_kv]."""
+        return self.language_model.cross_kv(encoded)
 
     def cross_kv_layout(self) -> CrossKVLayout:
         return self.language_model.cross_kv_layout()

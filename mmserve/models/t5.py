@@ -19,6 +19,7 @@ from torch import nn
 
 from mmserve.attention import torch_backend
 from mmserve.attention.metadata import AttentionMetadata
+from mmserve.distributed import get_tp_rank, get_tp_size
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.attention import Attention
 from mmserve.layers.cross_attention import attend_cross
@@ -53,18 +54,37 @@ def relative_position_bucket(
     return buckets + torch.where(relative < exact, relative, large.clamp(max=num_buckets - 1))
 
 
+def _linears(sharded: bool) -> tuple[type, type]:
+    """(the input-side, the output-side) linear classes: split over the tensor-parallel ranks by heads / features,
+    or whole on the one rank that runs them (the encoder: the driver runs it alone)."""
+    if sharded:
+        return ColumnParallelLinear, RowParallelLinear
+    return ReplicatedLinear, ReplicatedLinear
+
+
+def _load_head_columns(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """A relative-position bias table [buckets, heads] of the whole model -> this rank's heads' columns."""
+    n = param.shape[1]
+    param.data.copy_(loaded.narrow(1, get_tp_rank() * n, n))
+
+
 class T5Attention(nn.Module):
     """q, k, v, o of one T5 attention (no biases, no score scaling); the first self-attention of a stack also holds
-    the stack's `relative_attention_bias` (an embedding of distance buckets, one value per head)."""
+    the stack's `relative_attention_bias` (an embedding of distance buckets, one value per head). `sharded`: this
+    rank's heads under tensor parallelism (the decoder); else every head (the encoder)."""
 
-    def __init__(self, config, has_bias: bool = False, bidirectional: bool = False) -> None:
+    def __init__(
+        self, config, has_bias: bool = False, bidirectional: bool = False, sharded: bool = True
+    ) -> None:
         super().__init__()
-        self.heads, self.d_kv = config.num_heads, config.d_kv
-        inner = self.heads * self.d_kv
-        self.q = ColumnParallelLinear(config.d_model, inner)
-        self.k = ColumnParallelLinear(config.d_model, inner)
-        self.v = ColumnParallelLinear(config.d_model, inner)
-        self.o = RowParallelLinear(inner, config.d_model)
+        tp = get_tp_size() if sharded else 1
+        self.heads, self.d_kv = config.num_heads // tp, config.d_kv
+        inner = config.num_heads * self.d_kv
+        column, row = _linears(sharded)
+        self.q = column(config.d_model, inner, bias=False)
+        self.k = column(config.d_model, inner, bias=False)
+        self.v = column(config.d_model, inner, bias=False)
+        self.o = row(inner, config.d_model, bias=False)
         self.bidirectional = bidirectional
         self.num_buckets, self.max_distance = (
             config.relative_attention_num_buckets,
@@ -72,6 +92,8 @@ class T5Attention(nn.Module):
         )
         if has_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.heads)
+            if tp > 1:
+                self.relative_attention_bias.weight.weight_loader = _load_head_columns
 
     def heads_of(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(len(x), self.heads, self.d_kv)
@@ -95,16 +117,17 @@ class T5Attention(nn.Module):
 class T5DenseAct(nn.Module):
     """`DenseReluDense`: wi -> act -> wo, or gated: act(wi_0 x) * wi_1 x -> wo (Flan-T5's gated-gelu)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, sharded: bool = True) -> None:
         super().__init__()
         self.gated = config.is_gated_act
         d, ff = config.d_model, config.d_ff
+        column, row = _linears(sharded)
         if self.gated:
-            self.wi_0 = ColumnParallelLinear(d, ff)
-            self.wi_1 = ColumnParallelLinear(d, ff)
+            self.wi_0 = column(d, ff, bias=False)
+            self.wi_1 = column(d, ff, bias=False)
         else:
-            self.wi = ColumnParallelLinear(d, ff)
-        self.wo = RowParallelLinear(ff, d)
+            self.wi = column(d, ff, bias=False)
+        self.wo = row(ff, d, bias=False)
         self.act = get_act_fn(config.dense_act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +137,9 @@ class T5DenseAct(nn.Module):
 
 
 class T5SelfAttentionLayer(nn.Module):
-    def __init__(self, config, has_bias: bool, bidirectional: bool) -> None:
+    def __init__(self, config, has_bias: bool, bidirectional: bool, sharded: bool = True) -> None:
         super().__init__()
-        self.SelfAttention = T5Attention(config, has_bias, bidirectional)
+        self.SelfAttention = T5Attention(config, has_bias, bidirectional, sharded)
         self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
 
 
@@ -128,9 +151,9 @@ class T5CrossAttentionLayer(nn.Module):
 
 
 class T5FeedForwardLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, sharded: bool = True) -> None:
         super().__init__()
-        self.DenseReluDense = T5DenseAct(config)
+        self.DenseReluDense = T5DenseAct(config, sharded)
         self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,10 +161,16 @@ class T5FeedForwardLayer(nn.Module):
 
 
 class T5EncoderBlock(nn.Module):
+    """Unsharded: under tensor parallelism the driver runs the encoder alone (its workers drop it) and sends its
+    states, from which every rank projects its own heads' cross keys/values."""
+
     def __init__(self, config, has_bias: bool) -> None:
         super().__init__()
         self.layer = nn.ModuleList(
-            [T5SelfAttentionLayer(config, has_bias, True), T5FeedForwardLayer(config)]
+            [
+                T5SelfAttentionLayer(config, has_bias, True, sharded=False),
+                T5FeedForwardLayer(config, sharded=False),
+            ]
         )
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -183,9 +212,8 @@ class T5DecoderBlock(nn.Module):
                 T5FeedForwardLayer(config),
             ]
         )
-        self.paged = Attention(
-            config.num_heads, config.d_kv, config.num_heads, 1.0
-        )  # its paged cache slice
+        heads = config.num_heads // get_tp_size()
+        self.paged = Attention(heads, config.d_kv, heads, 1.0)  # its paged cache slice
 
     def project_kv(self, states: torch.Tensor) -> torch.Tensor:
         """[T, d_model] encoder states -> this layer's cross keys/values [T, 2, heads, d_kv]."""

@@ -18,7 +18,7 @@ class FamilyCase:
     """Test facts of one family's tiny preset; ``None``: the tests that read the field leave the family out."""
 
     # a prompt of one picture in the family's own format, ``{}`` where each request writes its own number
-    # (tests/unit/test_tensor_parallel_families.py, for a family whose spec is tensor_parallel)
+    # (tests/unit/test_tensor_parallel_families.py)
     prompt: str | None = None
     # (width, height) of the pictures sent with ``prompt``; None: make_test_image's default size
     image_size: tuple[int, int] | None = None

@@ -60,13 +60,9 @@ def check_tensor_parallel(hf_config, mc) -> None:
 
     size = mc.tensor_parallel_size
     cls = get_model_class(hf_config)
-    if not cls.family.tensor_parallel:
-        raise ValueError(
-            f"tensor_parallel_size {size}: {cls.__name__} (an encoder-decoder) runs on one GPU only; "
-            "use tensor_parallel_size 1"
-        )
     text = text_config_of(hf_config)
     names = ["num_attention_heads", "attention_heads", "intermediate_size", "ffn_dim"]
+    names += ["num_heads", "d_ff", "decoder_attention_heads", "decoder_ffn_dim"]  # T5, mBART
     if cls.family.cross_attention:  # the cross-attention pool holds each rank's kv heads
         names.append("num_key_value_heads")
     for name in names:

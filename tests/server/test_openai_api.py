@@ -40,7 +40,15 @@ def test_models_lists_triton_names_and_checkpoint_name(client, server):
     from pathlib import Path
 
     ids = [m.id for m in client.models.list()]
-    assert ids == ["ensemble", "tensorrt_llm_bls", "tensorrt_llm", Path(server.model_dir).name]
+    assert ids == [
+        "ensemble",
+        "tensorrt_llm_bls",
+        "tensorrt_llm",
+        "preprocessing",
+        "multimodal_encoders",
+        "postprocessing",
+        Path(server.model_dir).name,
+    ]
     assert client.models.retrieve("ensemble").id == "ensemble"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")

@@ -294,7 +294,15 @@ def test_metadata_config_and_index_over_grpc(client, server):
     assert config.max_batch_size == 64 and config.model_transaction_policy.decoupled
     assert {i.name: list(i.dims) for i in config.input}["image_input"] == [-1, 3, -1, -1]
     names = {m.name for m in client.get_model_repository_index().models}
-    assert names == {"ensemble", "tensorrt_llm_bls", "tensorrt_llm", Path(server.model_dir).name}
+    assert names == {
+        "ensemble",
+        "tensorrt_llm_bls",
+        "tensorrt_llm",
+        "preprocessing",
+        "multimodal_encoders",
+        "postprocessing",
+        Path(server.model_dir).name,
+    }
     with pytest.raises(InferenceServerException) as err:
         client.get_model_metadata("nope")
     assert "NOT_FOUND" in err.value.status() and "nope" in err.value.message()

@@ -294,6 +294,9 @@ def test_metadata_config_ready_and_repository_index(server):
         "ensemble",
         "tensorrt_llm_bls",
         "tensorrt_llm",
+        "preprocessing",
+        "multimodal_encoders",
+        "postprocessing",
         Path(server.model_dir).name,
     }
     assert all(m["state"] == "READY" and m["version"] == "1" for m in index)

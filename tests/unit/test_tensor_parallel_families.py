@@ -1,11 +1,13 @@
 """Tensor parallelism over each decoder-only family (CPU, gloo, a real worker process): two shards give one
 process's greedy tokens and log-probs for a prompt with pictures (Qwen2-VL: M-RoPE positions; BLIP-2: OPT;
 Fuyu: Persimmon with q/k LayerNorms; LLaVA-NeXT / OneVision: any-resolution tiles; Pixtral: its ViT; Kosmos-2:
-sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm); Llama 3.2 Vision's
+sub-LayerNorms over features split across the ranks, layers/norm.py ShardedLayerNorm); the encoder-decoders
+(BLIP-2 with Flan-T5, Nougat, Deplot: the driver runs the encoder, each rank projects its own heads' cross
+keys/values from the states it broadcasts, T5's relative-position bias split by heads); Llama 3.2 Vision's
 cross-attention over a staggered batch (each rank's own keys/values in its pool); preempted requests recompute
 (Mllama re-encoding its pictures) and still give one process's tokens; every rank's activation profile runs the
-same layers. The family table (each family whose testing module declares a `FamilyCase.prompt` and whose spec
-is tensor_parallel) and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
+same layers. The family table (each family whose testing module declares a `FamilyCase.prompt`), the
+encoder-decoders and Mllama also run on two GPUs (`-m gpu`, NCCL, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -16,16 +18,11 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.startup import on_every_rank, profile_templates
-from mmserve.models import registry
 from mmserve.testing import family_cases, make_checkpoint, make_test_image
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=2)
-FAMILIES = {
-    family: case
-    for family, case in family_cases().items()
-    if case.prompt is not None and registry.family_named(family).tensor_parallel
-}
+FAMILIES = {family: case for family, case in family_cases().items() if case.prompt is not None}
 
 
 DEVICES = [
@@ -53,6 +50,10 @@ def test_two_shards_give_one_process_tokens(family, tmp_path, device):
         }
         for i in range(2)
     ]
+    _assert_two_shards_give_one_process(model_dir, prompts, device)
+
+
+def _assert_two_shards_give_one_process(model_dir: str, prompts: list[dict], device: str) -> None:
     kw = dict(device=device, dtype="float32", max_num_seqs=4)  # few CUDA graphs to capture
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
         two = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -63,6 +64,28 @@ def test_two_shards_give_one_process_tokens(family, tmp_path, device):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in lb.items():
                 assert math.isclose(la[tok].logprob, lp.logprob, abs_tol=tol)
+
+
+ENCODER_DECODERS = {  # family: (writer preset, the prompt's text, picture size)
+    "blip2": ("tiny-t5", "Question: what is {}? Answer:", None),
+    "nougat": ("tiny", "", (67, 80)),
+    "pix2struct": ("tiny", "Generate underlying data table of the figure below:", (59, 45)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", sorted(ENCODER_DECODERS))
+def test_encoder_decoder_over_two_shards(family, tmp_path, device):
+    preset, text, size = ENCODER_DECODERS[family]
+    model_dir = str(make_checkpoint(family, tmp_path / family, preset=preset, seed=0))
+    prompts = [
+        {
+            "prompt": text.format(i),
+            "images": [make_test_image(5 * i + 2, *([size] if size else []))],
+        }
+        for i in range(2)
+    ]
+    _assert_two_shards_give_one_process(model_dir, prompts, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,9 +17,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 import mmserve
+from mmserve.entrypoints import request_ids as ids
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton import protocol as tp
 from mmserve.entrypoints.triton import run as tr
+from mmserve.entrypoints.triton.aux_models import AUX_MODELS, run_aux
 from mmserve.entrypoints.triton.grpc_interceptors import RestrictedProtocols, UnexpectedErrors
 from mmserve.entrypoints.triton.models import (
     BLS,
@@ -115,6 +117,11 @@ def _response(
     if final is not None:
         resp.parameters["triton_final_response"].bool_param = final
     return resp
+
+
+async def _send_request_id(context: grpc.aio.ServicerContext, request_id: str) -> None:
+    """The call's request id back to the client, as HTTP's X-Request-Id header: in the initial metadata."""
+    await context.send_initial_metadata(((ids.HEADER.decode(), request_id),))
 
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -216,15 +223,23 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         state, error = self.state, None
-        try:
-            tp.check_model(state, request.model_name, request.model_version)
-            reqs = await tp.parse_request(
-                state, request.model_name, decode_inputs(request), request.id
-            )
-            requested = [o.name for o in request.outputs]
-            outputs = select_outputs(await tr.infer(state, reqs), requested, request.model_name)
-        except Exception as exc:
-            error = exc
+        with ids.request_context(*ids.caller(context.invocation_metadata())) as request_id:
+            await _send_request_id(context, request_id)
+            try:
+                tp.check_model(state, request.model_name, request.model_version)
+                requested = [o.name for o in request.outputs]
+                if request.model_name in AUX_MODELS:
+                    tensors = decode_inputs(request)
+                    outputs = await run_aux(state, request.model_name, tensors, requested)
+                else:
+                    reqs = await tp.parse_request(
+                        state, request.model_name, decode_inputs(request), request.id
+                    )
+                    outputs = select_outputs(
+                        await tr.infer(state, reqs), requested, request.model_name
+                    )
+            except Exception as exc:
+                error = exc
         if error is None:
             state.metrics.count_request("grpc:ModelInfer", "OK")
             return _response(request.model_name, request.id, outputs)
@@ -241,9 +256,14 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         queue: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         producers = 1  # the reader, then one per request; each puts _DONE when it is through
+        given, trace = ids.caller(context.invocation_metadata())
+        request_id = ids.usable_request_id(given)
+        await _send_request_id(context, request_id)
 
         async def read() -> None:
             nonlocal producers
+            # in this task's context (its request tasks copy it, sharing the id's numbering), gone with the task
+            ids.enter_request(request_id, trace)
             try:
                 async for request in request_iterator:
                     producers += 1
@@ -281,6 +301,14 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         flag_only_final = model == BLS and state.config.decoupled
         try:
             tp.check_model(state, model, request.model_version)
+            if model in AUX_MODELS:  # one response, the final one
+                outputs = await run_aux(
+                    state, model, decode_inputs(request), [o.name for o in request.outputs]
+                )
+                response = _response(model, request.id, outputs, True)
+                queue.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                state.metrics.count_request("grpc:ModelStreamInfer", "OK")
+                return
             reqs = await tp.parse_request(state, model, decode_inputs(request), request.id)
             if len(reqs) != 1:
                 raise ValueError(

@@ -19,6 +19,7 @@ from mmserve.entrypoints.request_ids import log_client_error
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton import protocol as tp
 from mmserve.entrypoints.triton import run as tr
+from mmserve.entrypoints.triton.aux_models import AUX_MODELS, run_aux
 from mmserve.entrypoints.triton.http_requests import (
     generate_request,
     parse_infer,
@@ -226,10 +227,13 @@ async def model_infer(request: Request, model: str, version: str = "") -> Respon
         if not isinstance(request_id, str):
             raise ValueError(f"'id' must be a string, got {request_id!r}")
         requested, binary, default_binary = requested_outputs(head)
-        reqs = await tp.parse_request(state, model, tensors, request_id)
-        outputs = select_outputs(
-            await until_disconnect(request, tr.infer(state, reqs)), requested, model
-        )
+        if model in AUX_MODELS:  # preprocessing, multimodal_encoders, postprocessing
+            outputs = await until_disconnect(request, run_aux(state, model, tensors, requested))
+        else:
+            reqs = await tp.parse_request(state, model, tensors, request_id)
+            outputs = select_outputs(
+                await until_disconnect(request, tr.infer(state, reqs)), requested, model
+            )
     except Exception as exc:
         return _error(exc)
     return _infer_response(model, request_id, outputs, binary, default_binary)
@@ -258,6 +262,7 @@ def _generate_json(model: str, request_id: str, tensors: dict[str, np.ndarray]) 
 async def generate(request: Request, model: str, version: str = "") -> Response:
     state = _state(request)
     try:
+        _text_model(model)
         request_id, reqs = await generate_request(state, request, model, version)
         tensors = await until_disconnect(request, tr.infer(state, reqs))
     except Exception as exc:
@@ -266,6 +271,13 @@ async def generate(request: Request, model: str, version: str = "") -> Response:
         _generate_json(model, request_id, select_outputs(tensors, None, model)),
         media_type="application/json",
     )
+
+
+def _text_model(model: str) -> None:
+    if model in AUX_MODELS:
+        raise ValueError(
+            f"'{model}' is served through infer (KServe v2), not the generate extension"
+        )
 
 
 def _sse(data: bytes) -> bytes:
@@ -282,6 +294,7 @@ async def generate_stream(request: Request, model: str, version: str = "") -> Re
     later ones `data: {"error": ...}` events (PROTOCOL §2.3). A client that goes away aborts the request."""
     state = _state(request)
     try:
+        _text_model(model)
         request_id, reqs = await generate_request(state, request, model, version)
         if len(reqs) != 1:
             raise ValueError(

@@ -1,6 +1,6 @@
 """The Triton models mmserve answers for (`ensemble`, `tensorrt_llm_bls`, the token-level `tensorrt_llm`, the
-checkpoint's own name): their input/output tensor specs (PROTOCOL §1.1, §1.2, §1.5), metadata and config answers,
-shared by REST and gRPC."""
+checkpoint's own name) and the seeds' `preprocessing`, `multimodal_encoders`, `postprocessing` (aux_models.py): their
+input/output tensor specs (PROTOCOL §1.1-§1.6), metadata and config answers, shared by REST and gRPC."""
 
 from __future__ import annotations
 
@@ -156,6 +156,87 @@ total_draft_tokens INT32 1
 """)
 
 
+# the seeds' other models (PROTOCOL §1.3, §1.4, §1.6), served by aux_models.py
+PREPROCESSING = "preprocessing"
+MM_ENCODERS = "multimodal_encoders"
+POSTPROCESSING = "postprocessing"
+AUX_INPUTS = {
+    PREPROCESSING: _specs("""
+QUERY BYTES 1 required
+DECODER_QUERY BYTES 1
+IMAGE_BYTES UINT8 -1,-1,-1,-1
+IMAGE_URL BYTES -1
+IMAGE_SIZES INT64 -1,2
+VIDEO_BYTES UINT8 -1,-1,-1,-1
+REQUEST_OUTPUT_LEN INT32 1 required
+BAD_WORDS_DICT BYTES -1
+STOP_WORDS_DICT BYTES -1
+EMBEDDING_BIAS_WORDS BYTES -1
+EMBEDDING_BIAS_WEIGHTS FP32 -1
+END_ID INT32 1
+PAD_ID INT32 1
+PROMPT_TABLE_EXTRA_ID UINT64 1
+"""),
+    MM_ENCODERS: tuple(
+        replace(s, alt_dims=(3, -1, -1)) if s.name in ("IMAGE", "pixel_values") else s
+        for s in _specs("""
+IMAGE FP16 -1,-1,-1,-1
+pixel_values FP16 -1,-1,-1,-1
+aspect_ratio_ids INT64 -1
+aspect_ratio_mask INT64 -1,-1
+cross_attention_mask INT64 -1,-1,-1
+max_tokens INT32 1
+image_sizes INT64 2
+is_video_input BOOL 1
+attention_mask INT64 -1
+image_grid_thw INT64 3
+vision_input_id INT32 -1
+""")
+    ),
+    POSTPROCESSING: _specs("""
+TOKENS_BATCH INT32 -1,-1 required
+SEQUENCE_LENGTH INT32 -1 required
+"""),
+}
+AUX_OUTPUTS = {
+    PREPROCESSING: _specs("""
+INPUT_ID INT32 -1
+REQUEST_INPUT_LEN INT32 1
+DECODER_INPUT_ID INT32 -1
+REQUEST_DECODER_INPUT_LEN INT32 1
+BAD_WORDS_IDS INT32 2,-1
+STOP_WORDS_IDS INT32 2,-1
+EMBEDDING_BIAS FP32 -1
+REQUEST_OUTPUT_LEN INT32 -1
+OUT_END_ID INT32 1
+OUT_PAD_ID INT32 1
+OUT_PROMPT_TABLE_EXTRA_IDS UINT64 -1
+PIXEL_VALUES FP16 -1,-1,-1,-1
+ASPECT_RATIO_IDS INT64 -1
+ASPECT_RATIO_MASK INT64 -1,-1
+CROSS_ATTENTION_MASK INT64 -1,-1,-1
+IMAGE_SIZES INT64 2
+IS_VIDEO_INPUT BOOL 1
+ATTENTION_MASK INT64 -1
+IMAGE_GRID_THW INT64 3
+VISION_INPUT_ID INT32 -1
+"""),
+    MM_ENCODERS: _specs("""
+OUT_PROMPT_EMBEDDING_TABLE FP16 -1,-1
+OUT_PROMPT_VOCAB_SIZE INT32 1
+ENCODER_INPUT_FEATURES FP16 -1,-1
+ENCODER_OUTPUT_LENGTHS INT32 1
+CROSS_ATTENTION_MASK BOOL -1,-1
+SKIP_CROSS_ATTN_BLOCKS BOOL 1
+MROPE_ROTARY_COS_SIN FP32 -1
+MROPE_POSITION_DELTAS INT64 1
+"""),
+    POSTPROCESSING: _specs("""
+OUTPUT BYTES -1
+"""),
+}
+
+
 def _ensemble_inputs() -> tuple[TensorSpec, ...]:
     # the LoRA task tensors as the tensorrtllm_backend ensemble (and the XComposer2 seed's) declares them
     return (*_COMMON_INPUTS, *_named(_BLS_EXTRA_INPUTS, "lora_task_id lora_weights lora_config"))
@@ -179,12 +260,16 @@ def _own_inputs() -> tuple[TensorSpec, ...]:
 
 def inputs_of(model: str) -> tuple[TensorSpec, ...]:
     """Input specs of a served model (`model` must be one of state.model_names)."""
+    if model in AUX_INPUTS:
+        return AUX_INPUTS[model]
     return {ENSEMBLE: _ensemble_inputs, BLS: _bls_inputs, TRTLLM: lambda: TRTLLM_INPUTS}.get(
         model, _own_inputs
     )()
 
 
 def outputs_of(model: str) -> tuple[TensorSpec, ...]:
+    if model in AUX_OUTPUTS:
+        return AUX_OUTPUTS[model]
     if model == TRTLLM:
         return TRTLLM_OUTPUTS
     return (*OUTPUTS, *BLS_EXTRA_OUTPUTS) if model == BLS else OUTPUTS
@@ -200,6 +285,8 @@ for _old, _new in ALIASES.items():
 
 
 def platform_of(model: str) -> str:
+    if model in AUX_INPUTS:  # python backend models in the seeds' repository
+        return "python"
     return {ENSEMBLE: "ensemble", BLS: "python", TRTLLM: "tensorrtllm"}.get(model, "mmserve")
 
 
@@ -239,8 +326,9 @@ def model_config(
     if model == ENSEMBLE:
         cfg.platform = "ensemble"
     else:
-        cfg.backend = {BLS: "python", TRTLLM: "tensorrtllm"}.get(model, "mmserve")
-        cfg.model_transaction_policy.decoupled = decoupled
+        cfg.backend = platform_of(model)
+        # the seeds' preprocessing, multimodal_encoders and postprocessing answer once per request
+        cfg.model_transaction_policy.decoupled = decoupled and model not in AUX_INPUTS
     if model == BLS:
         cfg.parameters["accumulate_tokens"].string_value = str(accumulate_tokens)
     cfg.version_policy.latest.num_versions = 1
