@@ -23,7 +23,9 @@ QUANTIZATION_METHODS = (
     "fp8",
     "int8",
     "int4",
-)  # what `--quantization` converts to at load (int8/int4: weight-only)
+    "int4_g128",
+    "w8a8",
+)  # what `--quantization` converts to at load (int8/int4/int4_g128: weight-only; models/quantization.py)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,6 +55,35 @@ def resolve_dtype(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def parse_host_port(addr: str) -> tuple[str, int]:
+    """'HOST:PORT' (an IPv6 host in brackets) -> (host, port); ValueError naming dist_init_addr otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be HOST:PORT with PORT in 1..65535, got {addr!r}")
+    return host, int(port)
+
+
+def check_nodes(size: int, nnodes: int | None, node_rank: int | None, addr: str | None) -> None:
+    """ValueError (naming the field) when the node layout cannot hold `size` ranks."""
+    if nnodes is not None and (not isinstance(nnodes, int) or nnodes < 1):
+        raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+    nodes = nnodes or 1
+    if size % nodes:
+        raise ValueError(
+            f"nnodes {nodes} does not divide tensor_parallel_size {size}: every node runs "
+            "tensor_parallel_size / nnodes ranks"
+        )
+    if node_rank is not None and (not isinstance(node_rank, int) or not 0 <= node_rank < nodes):
+        raise ValueError(f"node_rank must be in 0..{nodes - 1} (nnodes {nodes}), got {node_rank!r}")
+    if addr is not None:
+        parse_host_port(addr)
+    elif nodes > 1:
+        raise ValueError(
+            f"--dist-init-addr HOST:PORT is needed with nnodes {nodes}: node 0's address and a free port, "
+            "reachable from every node"
+        )
 
 
 @dataclass
@@ -92,7 +123,10 @@ class ModelConfig:
         default=None,
         metadata=dict(
             help="decoder linear layers at load: fp8 = e4m3 weights and activations (FP8 checkpoints "
-            "need no flag); int8 / int4 = weights only (W8A16 / W4A16); none: as the checkpoint is"
+            "need no flag); int8 / int4 = weights only (W8A16 / W4A16) with a scale per row; int4_g128 = "
+            "weights only, int4 with a scale and zero per 128 input columns (the AWQ kernels); w8a8 = int8 "
+            "weights and per-token int8 activations; AWQ / GPTQ / W8A8 checkpoints need no flag; none: as the "
+            "checkpoint is"
         ),
     )
     max_loras: int = field(default=8, metadata=dict(help="LoRA adapters loaded at once"))
@@ -103,6 +137,27 @@ class ModelConfig:
             "/ --world_size); the vision encoders run on GPU 0"
         ),
     )
+    nnodes: int | None = field(
+        default=None,
+        metadata=dict(
+            help="machines the tensor-parallel group spans, tensor_parallel_size / nnodes GPUs each; "
+            "none: torchrun's WORLD_SIZE or LeaderWorkerSet's LWS_GROUP_SIZE, else 1"
+        ),
+    )
+    node_rank: int | None = field(
+        default=None,
+        metadata=dict(
+            help="this machine's place, 0..nnodes-1: node 0 serves (global ranks 0..k-1), node r runs "
+            "ranks r*k..r*k+k-1 headless; none: torchrun's GROUP_RANK or LWS_WORKER_INDEX, else 0"
+        ),
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=dict(
+            help="HOST:PORT of node 0's rendezvous (a torch.distributed TCPStore that node 0 hosts), "
+            "needed with nnodes > 1; none: torchrun's MASTER_ADDR:MASTER_PORT or LWS_LEADER_ADDRESS"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -111,6 +166,7 @@ class ModelConfig:
             )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        check_nodes(self.tensor_parallel_size, self.nnodes, self.node_rank, self.dist_init_addr)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"

@@ -110,8 +110,15 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=("fp8", "int8", "int4"),
-        help="mmserve's decoder linear weights to e4m3 (fp8) or int8 / int4 (weight-only) at load (the "
+        choices=(
+            "fp8",
+            "int8",
+            "int4",
+            "int4_g128",
+            "w8a8",
+        ),  # config.QUANTIZATION_METHODS (no torch here)
+        help="mmserve's decoder linear weights to e4m3 (fp8), int8 / int4 (weight-only, a scale per row), "
+        "int4_g128 (group-wise, the AWQ / GPTQ kernel) or w8a8 (int8 weights and activations) at load (the "
         "transformers baseline stays as is)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

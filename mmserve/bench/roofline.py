@@ -88,11 +88,17 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# a nibble, and per group of 128 an fp16 scale and a uint8 zero point
+_GROUP_INT4_BYTES = 0.5 + 3 / 128
 _LINEAR_BYTES = {
     "fp8": 1,
     "int8": 1,
     "int4": 0.5,
-}  # --quantization -> stored bytes per matrix element
+    "int4_g128": _GROUP_INT4_BYTES,
+    "w8a8": 1,
+    "awq": _GROUP_INT4_BYTES,
+    "gptq": _GROUP_INT4_BYTES,
+}  # --quantization (or a checkpoint's method) -> stored bytes per matrix element
 
 
 def lm_shape(
@@ -103,8 +109,8 @@ def lm_shape(
     tp: int = 1,
 ) -> LMShape:
     """Read the text model's sizes from a vision-language (or plain decoder) config.json; quantized decoder matrices
-    count their stored bytes: one per element for FP8 (`quantization="fp8"`, or a checkpoint quantized to FP8) and
-    int8, half a byte for int4. `tp`: the bytes one GPU of that many tensor-parallel ranks reads."""
+    count their stored bytes: one per element for FP8 (`quantization="fp8"`, or a checkpoint quantized to FP8),
+    int8 and W8A8, half a byte for int4 (plus the group-wise scales and zero points of int4_g128 / AWQ / GPTQ). `tp`: the bytes one GPU of that many tensor-parallel ranks reads."""
     import torch
 
     from mmserve.config import CacheConfig
@@ -125,7 +131,7 @@ def lm_shape(
         dtype_bytes=torch.finfo(model_dtype).bits // 8,
         kv_dtype_bytes=torch.finfo(cache_dtype).bits // 8,
         linear_dtype_bytes=_LINEAR_BYTES.get(quantization)
-        or (1 if checkpoint_quantization(config.get("quantization_config")) == "fp8" else None),
+        or _LINEAR_BYTES.get(checkpoint_quantization(config.get("quantization_config"))),
         tp=tp,
     )
 

@@ -3,7 +3,8 @@
 TP=1 needs none of it: every function here is the identity then. With `--tensor-parallel-size N` the engine's
 process is rank 0 (the driver: scheduling, preprocessing, vision encoders, sampling) and N - 1 worker processes
 (`worker/tp_workers.py`) hold the other shards of the language model; `layers/linear.py` shards by these numbers
-and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on CUDA and gloo on the CPU.
+and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on CUDA and gloo on the CPU. With
+`--nnodes` the ranks span machines (`distributed/launch.py`: who runs where, and where they meet).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve | client | demo-model | bench | models | collect-env; `--version`. `serve`'s
+"""`mmserve` command line: serve | client | demo-model | bench | quantize | models | collect-env; `--version`. `serve`'s
 flags (entrypoints/serve_args.py) are parsed only for `serve`: they come from the configuration dataclasses, whose
 module needs torch."""
 
@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import sys
 
-from mmserve.entrypoints.log_format import configure_logging
+from mmserve.core.logs import configure_logging
 
 
 def _demo_model(args: argparse.Namespace) -> None:
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         "client", help="send a request like the Triton multimodal client", add_help=False
     )
     sub.add_parser("bench", help="benchmarks (latency, throughput, serve)", add_help=False)
+    sub.add_parser(
+        "quantize",
+        help="calibrate and quantize a checkpoint (AWQ int4, SmoothQuant W8A8) for serve to load",
+        add_help=False,
+    )
     sub.add_parser("models", help="list supported architectures")
     sub.add_parser("collect-env", help="versions, GPUs and settings, for a bug report")
     args, rest = parser.parse_known_args(argv)
@@ -56,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         from mmserve.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if args.command == "quantize":
+        from mmserve.quantize import main as quantize_main
+
+        configure_logging("info", "text")
+        return quantize_main(rest)
     if args.command == "serve":
         from mmserve.entrypoints.serve_args import parse_serve_args
 

@@ -1,51 +1,13 @@
-"""The server's one log format: `--log-format text` (time, level, logger, message) or `json` (one object per line:
-`time`, `level`, `logger`, `message`, and a finished request's fields under their own keys), for every logger, the
-HTTP server's included; and `--log-requests`' line per finished request."""
+"""`--log-requests`' line per finished request, in the server's log format (core/logs.py: its fields under their
+own keys in json)."""
 
 from __future__ import annotations
 
-import json
 import logging
-from datetime import datetime, timezone
-from typing import Any
 
 from mmserve.core.outputs import RequestOutput
 
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REQUESTS = logging.getLogger("mmserve.requests")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
-
-
-def configure_logging(level: str = "info", log_format: str = "text") -> None:
-    """Root logging in `log_format` at `level`; loggers that bring their own handlers (uvicorn's) go through it."""
-    if log_format not in ("text", "json"):
-        raise ValueError(f"log format must be text or json, got {log_format!r}")
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = []
-        logger.propagate = True
 
 
 def log_finished(out: RequestOutput) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from typing import NoReturn
@@ -68,6 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
     shut the engine down."""
     import uvicorn
 
+    from mmserve.distributed.launch import apply_launcher_env
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.engine import Engine
     from mmserve.entrypoints.drain import DrainingServer
@@ -87,9 +89,11 @@ async def serve(args: argparse.Namespace) -> None:
     from mmserve.models.hub import CheckpointError, check_servable, is_hub_id, resolve_checkpoint
 
     try:  # a bad or taken port, restriction or limit: a usage error before the model loads
+        apply_launcher_env(args, os.environ)  # torchrun's / LeaderWorkerSet's layout, under flags
         media = build_media_config(args)
         server_config = build_server_config(args)
-        check_ports_free(server_config)
+        if not args.node_rank:  # a worker node serves nothing
+            check_ports_free(server_config)
     except ValueError as exc:
         usage_error(explain(exc, args))
     try:
@@ -104,6 +108,13 @@ async def serve(args: argparse.Namespace) -> None:
         engine_config = build_engine_config(args)
     except ValueError as exc:  # an engine setting: a usage error before the model loads
         usage_error(explain(exc, args))
+    if engine_config.model.node_rank:  # a worker node of multi-node tensor parallelism: headless
+        from mmserve.worker.node_workers import run_worker_node
+
+        try:
+            raise SystemExit(run_worker_node(engine_config))
+        except ValueError as exc:
+            usage_error(explain(exc, args))
     engine = Engine(engine_config, media)
     for spec in args.lora_modules:
         name, sep, path = spec.partition("=")

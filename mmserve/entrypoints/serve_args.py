@@ -114,6 +114,9 @@ def serve_flags() -> tuple[Flag, ...]:
             attention_backend=dict(choices=("auto", "torch", "triton")),
             quantization=dict(choices=("fp8", "int8", "int4")),
             tensor_parallel_size=dict(group="parallel", aliases=("--tp-size",), metavar="N"),
+            nnodes=dict(group="parallel", metavar="N"),
+            node_rank=dict(group="parallel", metavar="R"),
+            dist_init_addr=dict(group="parallel", metavar="HOST:PORT"),
         ),
         *flags_of(
             CacheConfig,

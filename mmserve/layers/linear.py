@@ -8,7 +8,9 @@ A layer may hold an FP8 (e4m3) weight with one fp32 scale per output row (`weigh
 checkpoints calibrated that way, a static activation scale (`input_scale`): `to_fp8` converts a loaded
 weight (--quantization fp8), `make_fp8` makes room for a pre-quantized checkpoint's tensors. The math is
 layers/fp8_linear.py. Or an int8 / packed int4 weight with one fp32 scale per row (`to_weight_only`, --quantization
-int8 | int4: weight-only, activations stay in the model's dtype; layers/weight_only.py).
+int8 | int4: weight-only, activations stay in the model's dtype; layers/weight_only.py). Or a `quant` state that
+holds the weights and owns the matmul: group-wise int4 (AWQ / GPTQ checkpoints, --quantization int4_g128) or W8A8
+int8 (compressed-tensors checkpoints, --quantization w8a8), layers/group_quant_linear.py.
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ class LinearBase(nn.Module):
             "weight_scale", None
         )  # FP8 / int8 weights only: fp32 [out_features]
         self.register_buffer("input_scale", None)  # FP8 with a static activation scale: fp32 [1]
+        self.quant = None  # group-wise int4 or W8A8 state owning the weights' matmul (layers/group_quant_linear.py)
 
     def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
         """(first row in our weight, rows, first row in the checkpoint tensor) for a checkpoint part."""
-        return 0, self.weight.shape[0], 0
+        return 0, self.out_features, 0
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -126,22 +129,22 @@ class LinearBase(nn.Module):
 
     @property
     def is_fp8(self) -> bool:
-        return self.weight.dtype == FP8
+        return self.weight is not None and self.weight.dtype == FP8
 
     @property
     def is_weight_only(self) -> bool:
         """int8 ([N, K]) or packed int4 (uint8 [N, K / 2]) weights with row scales; activations unquantized."""
-        return self.weight.dtype in (torch.int8, torch.uint8)
+        return self.quant is None and self.weight.dtype in (torch.int8, torch.uint8)
 
     def to_weight_only(self, bits: int) -> None:
         """Quantize the loaded weight to int8 or int4 with one scale per output row (weight-only)."""
-        if not self.is_weight_only:
+        if not self.is_weight_only and self.quant is None:
             quantize = quantize_weight_int8 if bits == 8 else quantize_weight_int4
             self._set_quantized(*quantize(self.weight.data, self._row_amax()))
 
     def to_fp8(self) -> None:
         """Quantize the loaded weight to e4m3 with one scale per output row (dynamic activation scales)."""
-        if not self.is_fp8:
+        if not self.is_fp8 and self.quant is None:
             self._set_quantized(*quantize_weight(self.weight.data, self._row_amax()))
 
     def _row_amax(self) -> torch.Tensor | None:
@@ -154,7 +157,7 @@ class LinearBase(nn.Module):
 
     def make_fp8(self) -> None:
         """Hold an e4m3 weight and its scales, to be filled from a pre-quantized checkpoint."""
-        if not self.is_fp8:
+        if not self.is_fp8 and self.quant is None:
             w = self.weight
             self._set_quantized(
                 torch.empty(w.shape, dtype=FP8, device=w.device),
@@ -187,6 +190,8 @@ class LinearBase(nn.Module):
         )
 
     def _matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.matmul(self, x, bias)
         if self.weight_scale is not None and self.is_weight_only:
             return weight_only_linear(x, self.weight, self.weight_scale, bias)
         if (

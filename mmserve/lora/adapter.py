@@ -69,7 +69,6 @@ class LoRAAdapter:
         scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
         tensors, digest = _read_tensors(path)
         adapter = cls(name, digest, rank)
-        params = dict(model.named_parameters())
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             stem, _, kind = key.rpartition(".lora_")
@@ -84,7 +83,7 @@ class LoRAAdapter:
                 raise ValueError(
                     f"LoRA adapter {name!r}: {stem} has no lora_{'B' if 'A' in ab else 'A'}"
                 )
-            module_name, shard = _resolve(model, params, stem.removeprefix(_PEFT_PREFIX), name)
+            module_name, shard = _resolve(model, stem.removeprefix(_PEFT_PREFIX), name)
             module = model.get_submodule(module_name)
             try:
                 offset, size, a, b = module.lora_shard(shard, rank, ab["A"], ab["B"])
@@ -117,9 +116,16 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     )
 
 
-def _resolve(
-    model: nn.Module, params: dict[str, nn.Parameter], hf_module: str, adapter: str
-) -> tuple[str, object]:
+def _is_linear(model: nn.Module, weight_name: str) -> bool:
+    """Whether `<module>.weight` names one of our linear layers (also one whose weight is held quantized, e.g. a
+    group-wise int4 layer's `qweight`)."""
+    try:
+        return isinstance(model.get_submodule(weight_name.removesuffix(".weight")), LinearBase)
+    except AttributeError:
+        return False
+
+
+def _resolve(model: nn.Module, hf_module: str, adapter: str) -> tuple[str, object]:
     """(our module name, packed shard id or None) of a checkpoint linear layer of the language model."""
     name = hf_module + ".weight"
     for old, new in model.weight_renames:
@@ -127,13 +133,13 @@ def _resolve(
             name = new + name[len(old) :]
             break
     shard = None
-    if name not in params:
+    if not _is_linear(model, name):
         for part, (fused, shard_id) in model.lora_packed_modules().items():
-            if part in name and name.replace(part, fused) in params:
+            if part in name and _is_linear(model, name.replace(part, fused)):
                 name, shard = name.replace(part, fused), shard_id
                 break
     module_name = name.removesuffix(".weight")
-    if name not in params or not isinstance(model.get_submodule(module_name), LinearBase):
+    if not _is_linear(model, name):
         raise ValueError(
             f"LoRA adapter {adapter!r}: {hf_module} is not a linear layer of this model"
         )

@@ -32,7 +32,7 @@ from mmserve.models.family import FamilySpec, PromptFormat
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.registry import register_family
 from mmserve.models.split_prompt import SplitPromptProcessor, SquarePictures
-from mmserve.models.weights import load_weights
+from mmserve.models.weights import load_weights, split_grouped_qkv
 
 IMAGE_TAG = "<ImageHere>"
 BUILTIN_LORA = "partial-lora"
@@ -224,14 +224,8 @@ class InternLMXComposer2ForCausalLM(MultiModalCausalLM):
     def _split_wqkv(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows [kv_heads, queries per kv head + 2, head_dim, ...] → (q, k, v)."""
         text = self.config.text_config
-        kv, hd = text.num_key_value_heads, text.hidden_size // text.num_attention_heads
-        grouped = packed.reshape(kv, -1, hd, *packed.shape[1:])
-        q = grouped[:, :-2].reshape(-1, *packed.shape[1:])
-        return (
-            q,
-            grouped[:, -2].reshape(-1, *packed.shape[1:]),
-            grouped[:, -1].reshape(-1, *packed.shape[1:]),
-        )
+        hd = text.hidden_size // text.num_attention_heads
+        return split_grouped_qkv(packed, text.num_key_value_heads, hd)
 
     def _partial_lora(self, plora: dict[str, dict[str, torch.Tensor]]) -> LoRAAdapter:
         """The checkpoint's Partial LoRA as an adapter of this rank's shards (unscaled: r = alpha)."""

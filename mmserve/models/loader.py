@@ -12,9 +12,10 @@ from torch import nn
 from transformers import AutoConfig
 
 from mmserve.models.quantization import (
-    checkpoint_quantization,
+    checkpoint_scheme,
     decoder_linears,
     fuse_activation_quantization,
+    prepare_checkpoint_quantization,
     quantize_model,
 )
 from mmserve.models.registry import class_for_checkpoint, get_model_class
@@ -91,7 +92,8 @@ def build_model(
     linear layers after loading (models/quantization.py).
     """
     cls = get_model_class(hf_config)
-    in_checkpoint = checkpoint_quantization(getattr(hf_config, "quantization_config", None))
+    scheme = checkpoint_scheme(getattr(hf_config, "quantization_config", None))
+    in_checkpoint = scheme.method if scheme else None
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -99,6 +101,8 @@ def build_model(
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(old)
+    if prepared := prepare_checkpoint_quantization(model, scheme):
+        logger.info("checkpoint quantization %s: %d decoder linear layers", in_checkpoint, prepared)
     model.load_weights(cls.checkpoint_weights(model_dir))
     if quantization is not None:
         converted = quantize_model(model, quantization)
@@ -109,7 +113,7 @@ def build_model(
         )
     linears = decoder_linears(model)
     fp8 = sum(m.is_fp8 for _, m in linears)
-    if in_checkpoint or fp8:
+    if in_checkpoint == "fp8" or fp8:
         fused = fuse_activation_quantization(model)
         logger.info(
             "FP8 weights in %d of %d decoder linear layers%s; %d norms / activations quantize for them",

@@ -40,7 +40,7 @@ from mmserve.models.nemo_gpt import GATED, NemoGPTModel
 from mmserve.models.registry import register_family
 from mmserve.models.siglip import SiglipVisionTower
 from mmserve.models.split_prompt import SplitPromptProcessor, SquarePictures
-from mmserve.models.weights import iter_safetensors, load_weights
+from mmserve.models.weights import iter_safetensors, load_weights, split_grouped_qkv
 
 PRE = "<extra_id_0>System\n\n<extra_id_1>User\n"
 POST = "\n<extra_id_1>Assistant\n"
@@ -255,14 +255,7 @@ class NevaForCausalLM(MultiModalCausalLM):
             name = name.replace(".linear_qkv.layer_norm_", ".layer_norm.")
             name = name.replace(".linear_fc1.layer_norm_", ".layer_norm.")
             if ".linear_qkv." in name:
-                per = tensor.reshape(groups, -1, hd, *tensor.shape[1:])
-                rest = tensor.shape[1:]
-                q, k, v = (
-                    per[:, :-2].reshape(-1, *rest),
-                    per[:, -2].reshape(-1, *rest),
-                    per[:, -1].reshape(-1, *rest),
-                )
-                for part, piece in zip("qkv", (q, k, v)):
+                for part, piece in zip("qkv", split_grouped_qkv(tensor, groups, hd)):
                     yield name.replace(".linear_qkv.", f".linear_qkv.{part}."), piece
             elif ".linear_fc1." in name and text.activation in GATED:
                 gate, up = tensor.chunk(2, dim=0)

@@ -180,6 +180,11 @@ class VilaForCausalLM(MultiModalCausalLM):
         config.text_config = AutoConfig.from_pretrained(root / "llm")
         config.vision_config = AutoConfig.from_pretrained(root / "vision_tower")
         config.tie_word_embeddings = getattr(config.text_config, "tie_word_embeddings", False)
+        quantization = top.get("quantization_config") or getattr(
+            config.text_config, "quantization_config", None
+        )  # the language model's (llm/), as `mmserve quantize` writes it in both places
+        if quantization is not None:
+            config.quantization_config = quantization
         return config
 
     @classmethod

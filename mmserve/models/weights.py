@@ -108,7 +108,9 @@ def load_weights(
                 f"checkpoint tensor {ckpt_name} is {tensor.dtype}, but its layer's other tensors are FP8"
             )
         loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor.to(param.dtype), shard)
+        # packed group-wise int4 tensors (int32 words) reach their loader as stored: it unpacks them
+        keep = getattr(param, "keeps_checkpoint_dtype", False)
+        loader(param, tensor if keep else tensor.to(param.dtype), shard)
         loaded.add(name)
     if unknown:
         raise ValueError(
@@ -156,3 +158,17 @@ def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
     if suffix in (".v_scale", ".kv_scale"):
         attn.v_scale = value
     return True
+
+
+def split_grouped_qkv(
+    packed: torch.Tensor, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused QKV tensor whose rows go per key/value head (group): the group's queries, its key, its value
+    (Megatron's `linear_qkv`, InternLM2's `wqkv`; a weight, a bias or a LoRA B) -> (q, k, v) rows."""
+    rest = packed.shape[1:]
+    grouped = packed.reshape(kv_heads, -1, head_dim, *rest)
+    return (
+        grouped[:, :-2].reshape(-1, *rest),
+        grouped[:, -2].reshape(-1, *rest),
+        grouped[:, -1].reshape(-1, *rest),
+    )

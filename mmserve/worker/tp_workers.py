@@ -13,7 +13,8 @@ lockstep, so the collectives inside the forward passes (the row-parallel linears
   `step_execution.execute_step`.
 
 Workers compute hidden states the driver also computes and drop them; sampling, logits and the encoder cache
-live on the driver only.
+live on the driver only. Under multi-node tensor parallelism the ranks on other nodes get the same messages over
+torch.distributed instead of a pipe (`worker/tp_control.py`); those nodes run `worker/node_workers.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmserve.distributed import init_tensor_parallel, shutdown_tensor_parallel, tp_broadcast
+from mmserve.core.logs import configure_logging, current_logging
+from mmserve.distributed import (
+    TIMEOUT,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+    tp_broadcast,
+)
+from mmserve.distributed.launch import NodeLayout
+from mmserve.worker.tp_control import ControlChannel, NodeControl, join_control_group
 
 if TYPE_CHECKING:
     from mmserve.worker.step_execution import StepInputs
@@ -79,34 +88,46 @@ def check_tensor_parallel(hf_config, mc) -> None:
 
 
 class TPWorkers:
-    """The driver's handle on its worker processes (rank 0 joins the group in `start`)."""
+    """The driver's handle on its worker processes (rank 0 joins the group in `start`), and on the ranks of the
+    other nodes under multi-node tensor parallelism (`control`)."""
 
-    def __init__(self, procs: list, conns: list) -> None:
-        self.procs, self.conns = procs, conns
+    def __init__(self, procs: list, conns: list, control: NodeControl | None = None) -> None:
+        self.procs, self.conns, self.control = procs, conns, control
 
     @classmethod
     def start(cls, config, device: torch.device) -> TPWorkers:
         size = config.model.tensor_parallel_size
-        if device.type == "cuda" and torch.cuda.device_count() < size:
+        layout = NodeLayout.of(config.model)
+        if device.type == "cuda" and torch.cuda.device_count() < layout.per_node:
             raise ValueError(
-                f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible"
+                f"tensor_parallel_size {size} needs {layout.per_node} GPUs"
+                f"{' on each of the nnodes' if layout.nnodes > 1 else ''}; "
+                f"{torch.cuda.device_count()} visible"
             )
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = layout.init_method() or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         procs, conns = [], []
-        for rank in range(1, size):
+        for rank in range(1, layout.per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, size, init_method, config, device.type, child),
+                args=(rank, size, init_method, config, device.type, child, current_logging()),
                 name=f"mmserve-tp{rank}",
                 daemon=True,
             )
             proc.start()
             procs.append(proc)
             conns.append(parent)
+        if layout.nnodes > 1:
+            logger.info(
+                "waiting up to %d s for nodes 1..%d to join the tensor-parallel group at %s",
+                TIMEOUT.total_seconds(),
+                layout.nnodes - 1,
+                layout.init_addr,
+            )
         init_tensor_parallel(0, size, init_method, rank_device(device, 0))
-        return cls(procs, conns)
+        group = join_control_group(layout)
+        return cls(procs, conns, NodeControl(group, layout) if group is not None else None)
 
     def call(self, name: str, *args: Any) -> Callable[[], list]:
         """Start runner.name(*args) on every worker and return a function that waits for their results. The
@@ -115,7 +136,15 @@ class TPWorkers:
         self.check_alive()
         for conn in self.conns:
             conn.send(("call", (name, args)))
-        return lambda: [self._reply(conn) for conn in self.conns]
+        if self.control is not None:
+            self.control.send(("call", (name, args)))
+        control = self.control
+
+        def wait() -> list:  # every reply is read before one's error is raised
+            replies = [conn.recv() for conn in self.conns]
+            return [self._reply(r) for r in replies + (control.replies() if control else [])]
+
+        return wait
 
     def forward(self, inputs: StepInputs, tensors: list[torch.Tensor]) -> None:
         """Have every worker run this pass (ModelRunner.run_mirrored): `inputs` by pipe, then `tensors` by
@@ -124,6 +153,8 @@ class TPWorkers:
         self.check_alive()
         for conn in self.conns:
             conn.send(("forward", inputs))
+        if self.control is not None:
+            self.control.send(("forward", inputs))
         for t in tensors:
             tp_broadcast(t.contiguous())
 
@@ -139,9 +170,11 @@ class TPWorkers:
                     f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}; "
                     "the engine cannot go on without it"
                 )
+        if self.control is not None:  # another node's ranks: can they still be sent a message?
+            self.control.probe() if wait_s else self.control.check()
 
-    def _reply(self, conn) -> Any:
-        status, value = conn.recv()
+    def _reply(self, reply: tuple[str, Any]) -> Any:
+        status, value = reply
         if status == "error":
             raise RuntimeError(f"tensor-parallel worker failed:\n{value}")
         return value
@@ -155,33 +188,57 @@ class TPWorkers:
                 conn.send(("stop", None))
             except (BrokenPipeError, OSError):
                 pass
-        shutdown_tensor_parallel(abort=not all(proc.is_alive() for proc in self.procs))
+        alive = all(proc.is_alive() for proc in self.procs)
+        if self.control is not None:
+            try:
+                self.control.send(("stop", None))
+            except WorkerDied:
+                alive = False
+        shutdown_tensor_parallel(abort=not alive)
         for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.control = [], [], None
 
 
-def worker_main(rank: int, size: int, init_method: str, config, device_type: str, conn) -> None:
+def worker_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    config,
+    device_type: str,
+    conn,
+    log: tuple[str, str] = ("info", "text"),
+) -> None:
     """A worker's life: join the group, build shard `rank` of the model and its ModelRunner, then serve the
-    driver's calls and forwards until told to stop."""
+    driver's calls and forwards until told to stop. `conn` None: a rank on another node, whose messages come
+    over torch.distributed (worker/tp_control.py) instead of a pipe. `log`: the spawning process's (level,
+    format)."""
     from mmserve.lora import LoRAManager
     from mmserve.models.loader import load_model
     from mmserve.worker.model_runner import ModelRunner
 
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s"
-    )
+    layout = NodeLayout.of(config.model)
+    configure_logging(*log, origin=f"tp{rank} node{layout.node_rank}")
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
     )  # `kill -USR1 <pid>`: where is this worker stuck?
-    device = rank_device(torch.device(device_type), rank)
+    device = rank_device(torch.device(device_type), layout.local_rank(rank))
     # the driver keeps its threads (it preprocesses and, on the CPU, computes shard 0); N processes that each
     # spin up a thread per core starve one another
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))
+    if layout.nnodes > 1:
+        logger.info(
+            "joining the tensor-parallel group at %s (waits up to %d s for every rank)",
+            layout.init_addr,
+            TIMEOUT.total_seconds(),
+        )
     init_tensor_parallel(rank, size, init_method, device)
-    logger.info("joined the tensor-parallel group on %s", device)
+    control = join_control_group(layout)
+    if conn is None:
+        conn = ControlChannel(control, layout, rank)
+    logger.info("joined the tensor-parallel group as rank %d of %d on %s", rank, size, device)
     mc = config.model
     loaded = load_model(mc, device)
     loaded.model.drop_encoders()
@@ -208,6 +265,8 @@ def worker_main(rank: int, size: int, init_method: str, config, device_type: str
                 os._exit(0)
             if op == "stop":
                 break
+            if op == "ping":  # the driver checks that this node is still there
+                continue
             if op == "forward":
                 try:
                     runner.run_mirrored(payload)

@@ -220,9 +220,9 @@ def test_unsupported_quantization_is_refused_by_name(tiny_llava_dir, tmp_path):
     awq = tmp_path / "awq"
     shutil.copytree(tiny_llava_dir, awq)
     config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "awq", "version": "gemv", "bits": 4}
     (awq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+    with pytest.raises(ValueError, match="AWQ version 'gemv'"):
         LLM(str(awq), device="cpu")
 
 

@@ -39,3 +39,27 @@ def test_json_lines_and_one_line_per_finished_request(tiny_llava_dir, tmp_path):
     assert done["prompt_tokens"] > done["image_tokens"] and 0 < done["ttft_s"] <= done["e2e_s"]
     assert any(r["logger"].startswith("uvicorn") for r in records)  # the HTTP server's lines too
     assert any(r["message"].startswith("400 ") for r in records)
+
+
+def test_tensor_parallel_workers_log_in_the_servers_format(tiny_llava_dir, tmp_path):
+    """The spawned rank's lines are JSON too, saying which rank wrote them."""
+    with start_server(
+        tiny_llava_dir,
+        tmp_path,
+        "--log-level",
+        "info",
+        "--log-format",
+        "json",
+        "--tensor-parallel-size",
+        "2",
+    ) as server:
+        r = httpx.post(
+            f"{server.http_url}/v2/models/ensemble/generate",
+            json={"text_input": "hi", "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        lines = [ln for ln in server.log().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]  # every line parses, the worker's included
+    worker = [r for r in records if r.get("origin") == "tp1 node0"]
+    assert any("joined the tensor-parallel group" in r["message"] for r in worker)

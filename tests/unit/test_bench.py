@@ -787,3 +787,18 @@ def test_throughput_rounds_draw_new_images():
         assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)
         assert not set(rounds[0]) & set(rounds[1])  # no picture of round 1 again in round 2
         assert len(set(rounds[0])) == (1 if same_image else 3)
+
+
+def test_bench_quantization_choices_are_the_servers():
+    """The bench parser lists `--quantization`'s methods itself (it imports no torch); they are config's."""
+    from mmserve.bench.cli import build_parser
+    from mmserve.config import QUANTIZATION_METHODS
+
+    args = build_parser().parse_args(["latency", "--quantization", QUANTIZATION_METHODS[-1]])
+    assert args.quantization == QUANTIZATION_METHODS[-1]
+    (action,) = [
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices["latency"]._actions
+        if a.dest == "quantization"
+    ]
+    assert tuple(action.choices) == QUANTIZATION_METHODS

@@ -1,0 +1,77 @@
+"""Group-wise int4 linear math and its dispatch: y = x @ W^T (+ bias) with W = (q - z[:, g]) * s[:, g]
+(layers/group_quant_linear.py holds the weights, kernels/group_int4_gemm.py the Triton kernels).
+
+On CUDA in fp16 / bf16: one row (batch-1 decode) goes to the Triton GEMV, up to SMALL_M rows (batched decode) to the
+Triton GEMM, more rows (prompts, compute-bound) to whichever of that GEMM and cuBLAS on a copy dequantized for the
+call was timed faster for the shape (kernels/fastest.py). Elsewhere (the CPU) the weight is dequantized in fp32
+((q - z) * s is exact there: a small integer times an fp16 scale) and multiplied in the activations' dtype, so an
+fp32 model equals the fp32 model holding the dequantized weights up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.layers.group_int4 import dequantize_groups, unpack_nibbles_k
+
+
+def dequantize_packed(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """W [N, K] in `dtype` from the layers' layout (uint8 [N, K / 2], scales / zeros [N, G], optional g_idx)."""
+    return dequantize_groups(unpack_nibbles_k(weight), scales, zeros, group_size, g_idx, dtype)
+
+
+def group_int4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [..., N] in x's dtype for x [..., K]."""
+    n = weight.shape[0]
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from mmserve.kernels.fastest import run_fastest
+        from mmserve.kernels.group_int4_gemm import SMALL_M, group_int4_gemm, group_int4_gemv
+        from mmserve.layers.weight_only import rows_bucket
+
+        x2 = x.reshape(rows, -1).contiguous()
+        args = (weight, scales, zeros, group_size, g_idx, bias)
+        if rows == 1:
+            y = group_int4_gemv(x2, *args)
+        elif rows <= SMALL_M:
+            y = group_int4_gemm(x2, *args)
+        else:
+            key = (
+                "group_int4_linear",
+                tuple(weight.shape),
+                group_size,
+                g_idx is not None,
+                x.dtype,
+                rows_bucket(rows),
+                x.device,
+            )
+            y = run_fastest(
+                key,
+                [
+                    lambda: group_int4_gemm(x2, *args),
+                    lambda: F.linear(
+                        x2,
+                        dequantize_packed(weight, scales, zeros, group_size, g_idx, x.dtype),
+                        bias,
+                    ),
+                ],
+            )
+        return y.reshape(*x.shape[:-1], n)
+    w = dequantize_packed(weight, scales, zeros, group_size, g_idx, torch.float32).to(x.dtype)
+    return F.linear(x, w, bias)
