@@ -50,9 +50,9 @@ def quantize_groups(
     return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
-def group_index(k: int, group_size: int) -> torch.Tensor:
+def group_index(k: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
     """g(k) = k // group_size for columns 0..k-1 (int64 [K]); group_size -1: all in group 0."""
-    return torch.arange(k) // (k if group_size == -1 else group_size)
+    return torch.arange(k, device=device) // (k if group_size == -1 else group_size)
 
 
 def dequantize_groups(
@@ -65,9 +65,9 @@ def dequantize_groups(
 ) -> torch.Tensor:
     """W [N, K] in `dtype` = (q - zeros[:, g]) * scales[:, g] with g = g_idx (GPTQ act-order: column k uses group
     g_idx[k]) or k // group_size; computed in fp32. zeros may be uint8 or float (GPTQ's may read 16)."""
-    g = (g_idx if g_idx is not None else group_index(q.shape[1], group_size)).to(
-        device=q.device, dtype=torch.long
-    )
+    # made on q's device: no host copy (a CUDA graph may be capturing)
+    g = g_idx if g_idx is not None else group_index(q.shape[1], group_size, q.device)
+    g = g.to(device=q.device, dtype=torch.long)
     w = (q.float() - zeros.float()[:, g]) * scales.float()[:, g]
     return w.to(dtype)
 
