@@ -134,7 +134,17 @@ class ModelConfig:
         default=1,
         metadata=dict(
             help="shard the language model over GPUs 0..N-1, one process each (TensorRT-LLM's --tp_size "
-            "/ --world_size); the vision encoders run on GPU 0"
+            "/ --world_size); the vision encoders run on GPU 0 (see --mm-encoder-tp-mode)"
+        ),
+    )
+    mm_encoder_tp_mode: str = field(
+        default="driver",
+        metadata=dict(
+            help="where the vision encoders run under tensor parallelism: driver (rank 0 encodes every "
+            "picture; workers hold no encoder) | data (every rank keeps a replica of the vision tower and "
+            "projector, a step's new pictures are split over the ranks by size and their embeddings gathered "
+            "on rank 0, as vLLM's --mm-encoder-tp-mode data / SGLang's --mm-enable-dp-encoder; costs the "
+            "encoder's weights on every worker; self-attention families only, others keep driver)"
         ),
     )
     nnodes: int | None = field(
@@ -167,6 +177,10 @@ class ModelConfig:
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         check_nodes(self.tensor_parallel_size, self.nnodes, self.node_rank, self.dist_init_addr)
+        if self.mm_encoder_tp_mode not in ("driver", "data"):
+            raise ValueError(
+                f"mm_encoder_tp_mode must be driver|data, got {self.mm_encoder_tp_mode!r}"
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}"

@@ -59,6 +59,7 @@ class LLM:
         max_loras: int = 8,
         preprocess_on_gpu: bool = True,
         tensor_parallel_size: int = 1,
+        mm_encoder_tp_mode: str = "driver",
         max_stop_sequences: int = RequestLimits.max_stop_sequences,
         max_stop_sequence_chars: int = RequestLimits.max_stop_sequence_chars,
         revision: str | None = None,
@@ -76,6 +77,7 @@ class LLM:
                 quantization=quantization,
                 max_loras=max_loras,
                 tensor_parallel_size=tensor_parallel_size,
+                mm_encoder_tp_mode=mm_encoder_tp_mode,
                 preprocess_on_gpu=preprocess_on_gpu,
             ),
             cache=CacheConfig(

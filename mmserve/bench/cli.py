@@ -154,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument(
         "--bandwidth-mib", type=int, default=None, help="copy size for the bandwidth probe"
     )
+    lat.add_argument(
+        "--images-per-request",
+        type=int,
+        default=1,
+        help="distinct pictures in each prompt (more than 1: mmserve only, with --baseline none)",
+    )
+    lat.add_argument(
+        "--mm-encoder-tp-mode",
+        default="driver",
+        choices=("driver", "data"),
+        help="mmserve's vision encoders under --tensor-parallel-size: on rank 0 (driver) or split over "
+        "every rank (data)",
+    )
     _engine_args(lat, max_num_seqs=False)
 
     thr = sub.add_parser(
@@ -274,6 +287,8 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
             enforce_eager=args.enforce_eager,
             bandwidth_mib=args.bandwidth_mib,
             image_size=args.image_size,
+            images_per_request=args.images_per_request,
+            mm_encoder_tp_mode=args.mm_encoder_tp_mode,
             **common,
         )
         return run_latency, cfg

@@ -9,6 +9,7 @@ generate(max_new_tokens=K+1), timestamped by a streamer (whose .cpu() of each to
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,8 @@ class LatencyConfig:
         None  # mmserve's decoder weights: None (as in the checkpoint) | fp8 | int8 | int4
     )
     tensor_parallel_size: int = 1  # mmserve's language model over this many GPUs
+    mm_encoder_tp_mode: str = "driver"  # mmserve's vision encoders under TP: driver | data
+    images_per_request: int = 1  # pictures per prompt (more than 1: --baseline none)
     enforce_eager: bool = False  # mmserve without CUDA graphs
     block_size: int = 16  # mmserve: tokens per KV cache block
     bandwidth_mib: int | None = (
@@ -71,6 +74,10 @@ class LatencyConfig:
             raise ValueError("need input_len >= 0, output_len >= 1, warmup >= 0, iters >= 1")
         if self.baseline not in ("hf", "none"):
             raise ValueError(f"baseline must be hf or none, got {self.baseline!r}")
+        if self.images_per_request < 1:
+            raise ValueError(f"images_per_request must be >= 1, got {self.images_per_request}")
+        if self.images_per_request > 1 and self.baseline == "hf":
+            raise ValueError("several images per request: mmserve only (--baseline none)")
 
 
 def _trial_images(cfg: LatencyConfig, size: int, batch: int, trial: int) -> list[Any]:
@@ -78,12 +85,34 @@ def _trial_images(cfg: LatencyConfig, size: int, batch: int, trial: int) -> list
     return make_images(batch, size, seed=cfg.seed * 1_000_003 + batch * 1_000 + trial)
 
 
+def _request_images(cfg: LatencyConfig, size: int, batch: int, trial: int) -> list[list[Any]]:
+    """Each request's pictures (images_per_request each), all distinct."""
+    n = cfg.images_per_request
+    flat = make_images(batch * n, size, seed=cfg.seed * 1_000_003 + batch * 1_000 + trial)
+    return [flat[i * n : (i + 1) * n] for i in range(batch)]
+
+
+def multi_image_text(template: PromptTemplate, spec: PromptSpec, n: int) -> str:
+    """`spec`'s prompt with n pictures instead of one: n image parts in the chat template's user turn, else n
+    image placeholders in front (a family whose processor inserts them itself gets none)."""
+    if n == 1:
+        return spec.text
+    if template.chat_template:
+        parts = [{"type": "image"} for _ in range(n)] + [{"type": "text", "text": spec.filler}]
+        messages = [{"role": "user", "content": parts}]
+        return template.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    image = f"{template.image_token}\n" if template.placeholder_in_prompt else ""
+    return f"{image * n}Question: {spec.filler} Answer:"
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
 def _mmserve_trial(
-    engine: Any, spec: PromptSpec, images: list[Any], steps: int, tag: str
+    engine: Any, spec: PromptSpec, images: list[list[Any]], steps: int, tag: str
 ) -> dict[str, float]:
     """One batch through the engine: TTFT of every request, then `steps` timed decode-only steps."""
     from mmserve.sampling_params import SamplingParams
@@ -95,8 +124,8 @@ def _mmserve_trial(
     prompt_tokens = 0
     sync(engine.device.type)
     t0 = now()
-    for rid, img in zip(ids, images, strict=True):
-        engine.add_request(rid, {"prompt": spec.text, "images": [img]}, params)
+    for rid, imgs in zip(ids, images, strict=True):
+        engine.add_request(rid, {"prompt": spec.text, "images": imgs}, params)
     try:
         while len(first) < len(ids):
             if not engine.has_unfinished():
@@ -148,6 +177,7 @@ def _run_mmserve(
         seed=cfg.seed,
         block_size=cfg.block_size,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        mm_encoder_tp_mode=cfg.mm_encoder_tp_mode,
         enforce_eager=cfg.enforce_eager,
     )
     samples: dict[int, list[dict]] = {}
@@ -159,7 +189,7 @@ def _run_mmserve(
                 res = _mmserve_trial(
                     llm.engine,
                     spec,
-                    _trial_images(cfg, size, b, trial),
+                    _request_images(cfg, size, b, trial),
                     cfg.output_len,
                     f"b{b}t{trial}",
                 )
@@ -233,7 +263,9 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     shape = lm_shape(
         model_dir, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.tensor_parallel_size
     )
-    spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
+    template = PromptTemplate(model_dir)
+    spec = make_prompt(template, cfg.input_len)
+    spec = dataclasses.replace(spec, text=multi_image_text(template, spec, cfg.images_per_request))
     size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}
     hf_attn = None

@@ -3,7 +3,8 @@
 TP=1 needs none of it: every function here is the identity then. With `--tensor-parallel-size N` the engine's
 process is rank 0 (the driver: scheduling, preprocessing, vision encoders, sampling) and N - 1 worker processes
 (`worker/tp_workers.py`) hold the other shards of the language model; `layers/linear.py` shards by these numbers
-and sums row-parallel outputs with `tp_all_reduce`. Collectives run over NCCL on CUDA and gloo on the CPU. With
+and sums row-parallel outputs with `tp_all_reduce` (with `--mm-encoder-tp-mode data` the ranks also encode a step's pictures and gather them:
+`tp_all_gather_varlen`). Collectives run over NCCL on CUDA and gloo on the CPU. With
 `--nnodes` the ranks span machines (`distributed/launch.py`: who runs where, and where they meet).
 """
 
@@ -60,6 +61,22 @@ def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE > 1:
         dist.broadcast(x, src=0)
     return x
+
+
+def tp_all_gather_varlen(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's 1-D `x` (lengths may differ; dtype and device the same on every rank), in rank order, on
+    every rank: the lengths first (a host sync), then the tensors padded to the longest ([x] at TP=1)."""
+    if _TP_SIZE == 1:
+        return [x]
+    sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(_TP_SIZE)]
+    dist.all_gather(sizes, torch.tensor([x.numel()], dtype=torch.int64, device=x.device))
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=x.dtype, device=x.device)
+    padded[: x.numel()] = x
+    out = [torch.empty(longest, dtype=x.dtype, device=x.device) for _ in range(_TP_SIZE)]
+    dist.all_gather(out, padded)
+    return [t[:n] for t, n in zip(out, lengths)]
 
 
 def shutdown_tensor_parallel(abort: bool = False) -> None:

@@ -26,6 +26,7 @@ from mmserve.lora import LoRAManager
 from mmserve.models.loader import load_hf_config, load_model
 from mmserve.multimodal.media_limits import MediaConfig
 from mmserve.multimodal.processors import InputProcessor
+from mmserve.worker.encoder_sharding import attach_encoder_sharding, host_item
 from mmserve.worker.model_runner import ModelRunner
 from mmserve.worker.tp_workers import TPWorkers, check_tensor_parallel, rank_device
 
@@ -95,6 +96,7 @@ def start_engine(config: EngineConfig, media: MediaConfig | None) -> EngineParts
             mc.attention_backend,
         )
         runner.tp = tp_workers
+        attach_encoder_sharding(runner, tp_workers, mc)
         return _build(config, device, tp_workers, loaded, inputs, runner)
     except BaseException:
         stop_workers(runner, tp_workers)
@@ -115,6 +117,7 @@ def stop_workers(runner: ModelRunner | None, tp_workers: TPWorkers | None) -> No
 def _build(config, device, tp_workers, loaded, inputs, runner) -> EngineParts:
     mc = config.model
     model = loaded.model
+    split = runner.encoder.sharding is not None  # --mm-encoder-tp-mode data: each rank encodes
     # T5's relative positions have no table size: 4096 unless max_model_len says otherwise
     max_model_len = min(
         mc.max_model_len or 1 << 30,
@@ -124,10 +127,11 @@ def _build(config, device, tp_workers, loaded, inputs, runner) -> EngineParts:
         own_bytes, worker_bytes = on_every_rank(runner, tp_workers, "weight_bytes", ())
         logger.info(
             "tensor parallelism over %d ranks: weights %s GiB here (with the encoders), %s GiB on the "
-            "workers",
+            "workers%s",
             len(worker_bytes) + 1,
             f"{own_bytes / 2**30:.2f}",
             ", ".join(f"{b / 2**30:.2f}" for b in worker_bytes),
+            " (with the encoders too)" if split else "",
         )
     lora = runner.lora = LoRAManager(model, device, loaded.dtype, mc.max_loras)
     prompt_ends = None
@@ -139,9 +143,11 @@ def _build(config, device, tp_workers, loaded, inputs, runner) -> EngineParts:
     if (
         not mc.enforce_eager
     ):  # before the KV cache is sized: the encoder graphs' memory is not free for it
-        runner.encoder.capture_graphs(blank, max_batched)
+        encoder_workers = tp_workers if split else None
+        here_args, worker_args = (blank, max_batched), (host_item(blank), max_batched)
+        on_every_rank(runner, encoder_workers, "capture_encoder_graphs", here_args, worker_args)
     profile_tokens = min(max_batched, max_model_len)
-    here, workers = profile_templates(model, blank, tp_workers is not None)
+    here, workers = profile_templates(model, blank, tp_workers is not None, split)
     num_blocks, others = on_every_rank(
         runner,
         tp_workers,
@@ -216,11 +222,17 @@ def cross_tokens(model: torch.nn.Module, blank) -> int | None:
     return model.cross_kv_tokens(blank)
 
 
-def profile_templates(model: torch.nn.Module, blank, tensor_parallel: bool) -> tuple[tuple, tuple]:
+def profile_templates(
+    model: torch.nn.Module, blank, tensor_parallel: bool, workers_encode: bool = False
+) -> tuple[tuple, tuple]:
     """The activation profile's picture arguments (`ModelRunner.plan_kv_cache` / `profile_prefill`), here and
     on the tensor-parallel workers. Workers encode no pictures: their profile is the language model's alone,
     and a cross-attention family's attends zeros of the picture's shape where this rank's attends its
-    encoder output, so that every rank runs the same layers and collectives."""
+    encoder output, so that every rank runs the same layers and collectives. `workers_encode`
+    (--mm-encoder-tp-mode data): each worker profiles the encoding of the step's pictures too, as the driver
+    does (a bound on its share: one picture may be the whole step's cost)."""
+    if workers_encode:
+        return (blank,), (host_item(blank), None)
     tokens = cross_tokens(model, blank)
     cross = (
         (model.cross_item_layout(blank), tokens) if tokens is not None and tensor_parallel else None

@@ -13,7 +13,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.config import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from mmserve.entrypoints.config_flags import (
     ConfigError,
     Flag,
@@ -112,11 +118,12 @@ def serve_flags() -> tuple[Flag, ...]:
             skip=["model"],
             preprocess_on_gpu=dict(option="--cpu-preprocess", negate=True),
             attention_backend=dict(choices=("auto", "torch", "triton")),
-            quantization=dict(choices=("fp8", "int8", "int4")),
+            quantization=dict(choices=QUANTIZATION_METHODS),
             tensor_parallel_size=dict(group="parallel", aliases=("--tp-size",), metavar="N"),
             nnodes=dict(group="parallel", metavar="N"),
             node_rank=dict(group="parallel", metavar="R"),
             dist_init_addr=dict(group="parallel", metavar="HOST:PORT"),
+            mm_encoder_tp_mode=dict(group="parallel", choices=("driver", "data")),
         ),
         *flags_of(
             CacheConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from mmserve.core.transfer import cdiv, to_device
 from mmserve.multimodal.prompt_table import MODALITY as TABLE_MODALITY
 from mmserve.worker.encoder_cache import EncoderCache
 from mmserve.worker.encoder_graphs import EncoderGraphs, vision_kernels
+
+if TYPE_CHECKING:
+    from mmserve.worker.encoder_sharding import EncoderSharding
 
 
 class EncoderRunner:
@@ -28,6 +32,9 @@ class EncoderRunner:
         self.dtype = dtype
         self.cache = EncoderCache(cache_size)
         self.graphs: EncoderGraphs | None = None
+        # --mm-encoder-tp-mode data, on the driver: cache misses encoded over every rank (encoder_sharding.py)
+        self.sharding: EncoderSharding | None = None
+        self.items_encoded = 0  # items this rank's tower encoded (stats, tests)
 
     def capture_graphs(self, template: MultiModalItem | None, max_num_batched_tokens: int) -> None:
         """Replay the encoder from CUDA graphs (CUDA only); with a template item, capture its shapes now for
@@ -59,7 +66,7 @@ class EncoderRunner:
     def encode(self, items: list[MultiModalItem]) -> dict[str, torch.Tensor]:
         """Embeddings by content hash: cached ones reused, the rest encoded in batches of equal shape."""
         out: dict[str, torch.Tensor] = {}
-        todo: dict[tuple, list[MultiModalItem]] = {}
+        pending: list[MultiModalItem] = []
         for item in items:
             if item.content_hash in out:
                 continue
@@ -73,20 +80,37 @@ class EncoderRunner:
                 out[item.content_hash] = emb
                 continue
             out[item.content_hash] = None
+            pending.append(item)
+        if not pending:
+            return out
+        if self.sharding is not None:
+            embeddings = self.sharding.encode(self, pending)
+        else:
+            embeddings = self.encode_uncached(pending)
+        for item, emb in zip(pending, embeddings):
+            out[item.content_hash] = emb
+            self.cache.put(item.content_hash, emb)
+        return out
+
+    def encode_uncached(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Encode `items` here, without the cache: batches of equal shape, in order."""
+        groups: dict[tuple, list[int]] = {}
+        for i, item in enumerate(items):
             key = (item.modality,) + tuple(
                 (k, tuple(v.shape)) for k, v in sorted(item.data.items())
             )
-            todo.setdefault(key, []).append(item)
-        for group in todo.values():
-            moved = [self.on_device(it) for it in group]
+            groups.setdefault(key, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for group in groups.values():
+            moved = [self.on_device(items[i]) for i in group]
             with self.kernels():
                 if self.graphs is not None:
                     embeddings = self.graphs.encode(moved)
                 else:
                     embeddings = self.model.get_mm_embeddings(moved)
-            for item, emb in zip(group, embeddings):
-                out[item.content_hash] = emb
-                self.cache.put(item.content_hash, emb)
+            for i, emb in zip(group, embeddings):
+                out[i] = emb
+        self.items_encoded += len(items)
         return out
 
     def kernels(self) -> contextlib.AbstractContextManager:

@@ -126,6 +126,14 @@ class ModelRunner:
             ),
         )
 
+    def capture_encoder_graphs(self, template: MultiModalItem | None, max_tokens: int) -> None:
+        """EncoderRunner.capture_graphs (every rank's, with --mm-encoder-tp-mode data)."""
+        self.encoder.capture_graphs(template, max_tokens)
+
+    def items_encoded(self) -> int:
+        """Pictures and videos this rank's vision tower has encoded (EncoderRunner.items_encoded)."""
+        return self.encoder.items_encoded
+
     def release_cuda_graphs(self) -> None:
         """Drop every captured graph. Under tensor parallelism this must come before the process group is
         destroyed: NCCL will not tear down a communicator while a graph that captured its collectives exists."""

@@ -3,7 +3,8 @@
 Rank 0's runner decides the pass and lays its inputs out as one `StepInputs` (host values) plus the device tensors
 that go with it; under tensor parallelism it sends both to the workers (the dataclass by pipe, the tensors by
 broadcast) and every rank, itself included, runs `execute_step` on them. Only the driver embeds the prompt and
-encodes pictures (workers hold the language model alone), so the embeddings travel as the first tensor.
+merges the pictures into it (workers hold the language model alone, or with `--mm-encoder-tp-mode data` encode a
+share of the pictures beforehand: encoder_sharding.py), so the embeddings travel as the first tensor.
 """
 
 from __future__ import annotations

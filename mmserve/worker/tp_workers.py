@@ -1,6 +1,7 @@
 """Tensor-parallel worker processes: ranks 1..N-1 of `--tensor-parallel-size N`.
 
-The engine's process is rank 0, the driver: it schedules, preprocesses, runs the vision encoders, samples, and
+The engine's process is rank 0, the driver: it schedules, preprocesses, runs the vision encoders (with
+`--mm-encoder-tp-mode data` every rank encodes a share of a step's pictures: encoder_sharding.py), samples, and
 holds shard 0 of the language model. Each worker holds another shard and mirrors the driver's ModelRunner in
 lockstep, so the collectives inside the forward passes (the row-parallel linears' all-reduces) meet:
 
@@ -42,6 +43,7 @@ from mmserve.distributed.launch import NodeLayout
 from mmserve.worker.tp_control import ControlChannel, NodeControl, join_control_group
 
 if TYPE_CHECKING:
+    from mmserve.worker.encoder_sharding import EncodeShares
     from mmserve.worker.step_execution import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -150,11 +152,19 @@ class TPWorkers:
         """Have every worker run this pass (ModelRunner.run_mirrored): `inputs` by pipe, then `tensors` by
         broadcast; the driver runs the same pass right after."""
         inputs.tensors = [(tuple(t.shape), t.dtype) for t in tensors]
+        self._send_with_tensors("forward", inputs, tensors)
+
+    def encode(self, shares: EncodeShares, tensors: list[torch.Tensor]) -> None:
+        """Have every worker encode its share of a step's pictures (worker/encoder_sharding.py): `shares` by
+        pipe, then their floating inputs by broadcast; the driver encodes its own share and gathers right after."""
+        self._send_with_tensors("encode", shares, tensors)
+
+    def _send_with_tensors(self, op: str, payload: Any, tensors: list[torch.Tensor]) -> None:
         self.check_alive()
         for conn in self.conns:
-            conn.send(("forward", inputs))
+            conn.send((op, payload))
         if self.control is not None:
-            self.control.send(("forward", inputs))
+            self.control.send((op, payload))
         for t in tensors:
             tp_broadcast(t.contiguous())
 
@@ -217,6 +227,7 @@ def worker_main(
     format)."""
     from mmserve.lora import LoRAManager
     from mmserve.models.loader import load_model
+    from mmserve.worker.encoder_sharding import encode_mirrored, encoders_split
     from mmserve.worker.model_runner import ModelRunner
 
     layout = NodeLayout.of(config.model)
@@ -241,7 +252,9 @@ def worker_main(
     logger.info("joined the tensor-parallel group as rank %d of %d on %s", rank, size, device)
     mc = config.model
     loaded = load_model(mc, device)
-    loaded.model.drop_encoders()
+    split = encoders_split(mc, loaded.model)  # --mm-encoder-tp-mode data: this rank encodes a share
+    if not split:
+        loaded.model.drop_encoders()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     runner = ModelRunner(
@@ -255,7 +268,14 @@ def worker_main(
     runner.lora = LoRAManager(
         loaded.model, device, loaded.dtype, mc.max_loras
     )  # the driver's adapters, sharded
-    logger.info("shard %d of %d loaded", rank, size)
+    if split:  # the driver caches the embeddings: no cache here, none in this rank's profile
+        runner.encoder.cache.capacity = 0
+    logger.info(
+        "shard %d of %d loaded%s",
+        rank,
+        size,
+        " with the vision encoders (mm_encoder_tp_mode data)" if split else "",
+    )
     with torch.inference_mode():
         while True:
             try:
@@ -267,9 +287,12 @@ def worker_main(
                 break
             if op == "ping":  # the driver checks that this node is still there
                 continue
-            if op == "forward":
+            if op in ("forward", "encode"):
                 try:
-                    runner.run_mirrored(payload)
+                    if op == "forward":
+                        runner.run_mirrored(payload)
+                    else:
+                        encode_mirrored(runner.encoder, payload)
                 except (
                     Exception
                 ):  # the group cannot go on without this rank: exit (no teardown, which would

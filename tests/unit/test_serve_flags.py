@@ -265,3 +265,16 @@ def test_docs_list_every_flag():
     text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     missing = [f.option for f in serve_flags() if f"`{f.option}" not in text]
     assert not missing, missing
+
+
+def test_serve_takes_every_quantization_method():
+    """`serve --quantization` offers config's methods (the new ones included), and nothing else."""
+    from mmserve.config import QUANTIZATION_METHODS
+    from mmserve.entrypoints.serve_args import parse_serve_args
+
+    for method in QUANTIZATION_METHODS:
+        assert parse_serve_args(["m", "--quantization", method], {}).quantization == method
+    with pytest.raises(SystemExit):
+        parse_serve_args(
+            ["m", "--quantization", "awq"], {}
+        )  # a checkpoint's format, not a conversion
