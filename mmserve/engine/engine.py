@@ -161,7 +161,8 @@ class Engine:
     def encode_media(self, inputs: ProcessedInputs) -> list[torch.Tensor]:
         """The embeddings of `inputs`' pictures and videos through the vision tower and projector, one
         [item.length, hidden] float32 host tensor per item in prompt order (the runner's encoder, its cache and
-        graphs); no request, no KV blocks. On the engine's thread, between steps (TP: the driver encodes)."""
+        graphs); no request, no KV blocks. On the engine's thread, between steps (under TP the driver, or
+        every rank with --mm-encoder-tp-mode data)."""
         encoded = self.runner.encoder.encode(inputs.mm_items)
         return [encoded[item.content_hash].float().cpu() for item in inputs.mm_items]
 
