@@ -31,7 +31,7 @@ LAYERS = [
     {"multimodal"},
     {"worker"},
     {"engine"},
-    {"llm", "entrypoints", "bench", "testing", "quantize", "__init__"},
+    {"llm", "entrypoints", "serving_ray", "bench", "testing", "quantize", "__init__"},
 ]
 FAMILY_WORDS = re.compile(
     r"llava|qwen2|qwen|blip|mllama|fuyu|kosmos|nougat|pix2struct|pixtral|persimmon|onevision|"

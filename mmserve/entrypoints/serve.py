@@ -64,14 +64,33 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
+def build_state(args: argparse.Namespace, engine_config, media, server_config: ServerConfig):
+    """The engine (with --lora-modules) and the ServerState over it, the collector settled: (engine, state)."""
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.cache_caps import caps_line
+    from mmserve.engine.engine import Engine
+    from mmserve.entrypoints.state import ServerState
+
+    engine = Engine(engine_config, media)
+    for spec in args.lora_modules:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
+        engine.add_lora(name, path)
+    logging.getLogger("mmserve.serve").info(caps_line(engine))  # what fills, up to where
+    state = ServerState(
+        AsyncEngine(engine), server_config, media, args.model, engine.model_info.family.name
+    )
+    settle_garbage_collector()
+    return engine, state
+
+
 async def serve(args: argparse.Namespace) -> None:
     """`mmserve serve`: load the engine, serve HTTP (and gRPC) until a signal, drain (entrypoints/drain.py), then
     shut the engine down."""
     import uvicorn
 
     from mmserve.distributed.launch import apply_launcher_env
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.engine import Engine
     from mmserve.entrypoints.drain import DrainingServer
     from mmserve.entrypoints.serve_args import (  # the config dataclasses import torch: not for the CLI
         build_engine_config,
@@ -79,7 +98,6 @@ async def serve(args: argparse.Namespace) -> None:
         build_server_config,
         explain,
     )
-    from mmserve.entrypoints.state import ServerState
 
     if args.model is None:
         from mmserve.testing import default_model_dir
@@ -115,21 +133,14 @@ async def serve(args: argparse.Namespace) -> None:
             raise SystemExit(run_worker_node(engine_config))
         except ValueError as exc:
             usage_error(explain(exc, args))
-    engine = Engine(engine_config, media)
-    for spec in args.lora_modules:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora-modules: {spec!r} is not NAME=PATH")
-        engine.add_lora(name, path)
-    from mmserve.engine.cache_caps import caps_line
+    if args.data_parallel_size > 1 or args.ray_address:  # replicas on Ray Serve (serving_ray/)
+        from mmserve.serving_ray.launch import serve_on_ray
 
-    logging.getLogger("mmserve.serve").info(
-        caps_line(engine)
-    )  # what fills with traffic, and up to where
-    state = ServerState(
-        AsyncEngine(engine), server_config, media, args.model, engine.model_info.family.name
-    )
-    settle_garbage_collector()
+        try:
+            return await serve_on_ray(args, server_config)
+        except ValueError as exc:
+            usage_error(explain(exc, args))
+    engine, state = build_state(args, engine_config, media, server_config)
     from mmserve.entrypoints.http_server import build_app
 
     app = build_app(state)
@@ -146,7 +157,11 @@ async def serve(args: argparse.Namespace) -> None:
         host=server_config.host,
         port=server_config.http_port,
         log_level=args.log_level,
-        log_config=None,  # uvicorn's loggers go through the server's one format (log_format.py)
+        log_config=None,  # uvicorn's loggers go through the server's one format (core/logs.py)
+        # the same event loop and HTTP parser wherever it runs (ray[serve] installs uvloop / httptools, which
+        # uvicorn would otherwise pick on its own): what the tests and benchmarks ran is what the image runs
+        loop="asyncio",
+        http="h11",
         timeout_graceful_shutdown=5,  # after the drain: what is left is idle keep-alive connections
         ssl_certfile=server_config.ssl_certfile,
         ssl_keyfile=server_config.ssl_keyfile,

@@ -76,6 +76,29 @@ class LaunchOptions:
         default_factory=list,
         metadata=dict(help="PEFT LoRA adapters to load; OpenAI requests name one as their `model`"),
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=dict(
+            help="engine replicas, each on its own GPU (or tensor-parallel group), as a Ray Serve application "
+            "behind Ray's HTTP proxy on --http-port; > 1 (or --ray-address) serves through Ray "
+            '(pip install mmserve[ray]; docs/deploy.md "Replicas on Ray Serve")'
+        ),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=dict(
+            help="the Ray cluster to deploy the replicas on, HOST:PORT of its head (`ray start --head`); none: "
+            "a local Ray started for this server"
+        ),
+    )
+    ray_autoscaling_config: str | None = field(
+        default=None,
+        metadata=dict(
+            help='Ray Serve\'s autoscaling_config as JSON, e.g. \'{"min_replicas": 1, "max_replicas": 4, '
+            '"target_ongoing_requests": 8}\': replicas follow the queue depth instead of '
+            "--data-parallel-size"
+        ),
+    )
     log_level: str = field(
         default="info", metadata=dict(help="debug | info | warning | error | critical")
     )
@@ -111,6 +134,9 @@ def serve_flags() -> tuple[Flag, ...]:
             lora_modules=dict(metavar="NAME=PATH"),
             log_level=dict(group="server"),
             log_format=dict(group="server", choices=("text", "json")),
+            data_parallel_size=dict(group="parallel", aliases=("--dp-size",), metavar="N"),
+            ray_address=dict(group="parallel", metavar="HOST:PORT"),
+            ray_autoscaling_config=dict(group="parallel", metavar="JSON"),
         ),
         *flags_of(
             ModelConfig,
