@@ -19,6 +19,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.engine.startup import on_every_rank, profile_templates
 from mmserve.testing import family_cases, make_checkpoint, make_test_image
+from tests.parity.hf_oracle import assert_two_shards_match_one
 
 N = 8
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, logprobs=2)
@@ -50,20 +51,9 @@ def test_two_shards_give_one_process_tokens(family, tmp_path, device):
         }
         for i in range(2)
     ]
-    _assert_two_shards_give_one_process(model_dir, prompts, device)
-
-
-def _assert_two_shards_give_one_process(model_dir: str, prompts: list[dict], device: str) -> None:
-    kw = dict(device=device, dtype="float32", max_num_seqs=4)  # few CUDA graphs to capture
-    with LLM(model_dir, tensor_parallel_size=2, **kw) as llm:
-        two = llm.generate(prompts, GREEDY, use_tqdm=False)
-    one = LLM(model_dir, **kw).generate(prompts, GREEDY, use_tqdm=False)
-    tol = 1e-4 if device == "cpu" else 2e-3  # GPU kernels sum the split features in another order
-    for a, b in zip(two, one):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tok, lp in lb.items():
-                assert math.isclose(la[tok].logprob, lp.logprob, abs_tol=tol)
+    assert_two_shards_match_one(
+        model_dir, prompts, device, max_num_seqs=4
+    )  # few CUDA graphs to capture
 
 
 ENCODER_DECODERS = {  # family: (writer preset, the prompt's text, picture size)
@@ -85,7 +75,9 @@ def test_encoder_decoder_over_two_shards(family, tmp_path, device):
         }
         for i in range(2)
     ]
-    _assert_two_shards_give_one_process(model_dir, prompts, device)
+    assert_two_shards_match_one(
+        model_dir, prompts, device, max_num_seqs=4
+    )  # few CUDA graphs to capture
 
 
 @pytest.mark.parametrize("device", DEVICES)
