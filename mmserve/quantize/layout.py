@@ -19,7 +19,8 @@ from torch import nn
 from mmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from mmserve.models.quantization import decoder_linears
 
-# checked by tests/unit/test_quantize_layout.py against every family's test checkpoint
+# the families the structural check (check_family) admits, for its refusal message; tests/unit/test_quantize_folding.py
+# checks this list against every family's test checkpoint
 SUPPORTED_FAMILIES = "llava, llava_next, llava_onevision, pixtral, qwen2_vl, vila"
 
 
