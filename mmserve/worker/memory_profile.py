@@ -40,7 +40,7 @@ def peak_activation_bytes(
     and attends zeros of that shape: every rank must run the same layers, whose collectives pair up."""
     if runner.device.type != "cuda":
         return 0
-    if runner.model.family.encoder_decoder and template is None:
+    if runner.model.family.encoder_decoder and template is None and cross_template is None:
         logger.warning(
             "no activation profile: an encoder-decoder's decoder needs a picture's encoder output"
         )
