@@ -10,7 +10,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from mmserve.bench.goodput import parse_goodput
 from mmserve.bench.workload import DEFAULT_FAMILY, DEFAULT_WORK_DIR, ModelSource
+
+WARMUP_HELP = (
+    "untimed runs before any timing: every shape the timed part runs gets one at least (serve: 0 = none, "
+    "for a server that an earlier run warmed up)"
+)
+QUANTIZATION_CHOICES = ("fp8", "int8", "int4", "int4_g128", "w8a8")  # config's (no torch here)
 
 
 def _ints(text: str) -> list[int]:
@@ -69,14 +76,20 @@ def _common(
         default=input_len,
         help="text tokens per prompt, besides the image's",
     )
-    w.add_argument("--output-len", type=int, default=output_len)
+    w.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help=f"tokens generated per request (default {output_len}; with --dataset: each line's own)",
+    )
+    p.set_defaults(default_output_len=output_len)
     w.add_argument(
         "--image-size",
         type=int,
         default=None,
         help="side of the square images (default: the vision tower's input size, else 336)",
     )
-    w.add_argument("--warmup", type=int, default=warmup)
+    w.add_argument("--warmup", type=int, default=warmup, help=WARMUP_HELP)
     if iters is not None:
         w.add_argument("--iters", type=int, default=iters)
     w.add_argument("--seed", type=int, default=0)
@@ -95,6 +108,25 @@ def _common(
     b.add_argument("--plot-dir", default=None, help="write PNG plots here")
 
 
+def _dataset_and_goodput(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("dataset and objectives")
+    w.add_argument(
+        "--dataset",
+        default=None,
+        metavar="FILE.jsonl",
+        help="requests from a JSONL file, one per line: {prompt, images, output_len} or ShareGPT4V / "
+        "LLaVA-instruct {image, conversations}; --num-requests takes the first lines (cycled if short)",
+    )
+    w.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="service-level objectives, e.g. ttft:300 tpot:50 e2e:2000 (any of them, space- or "
+        "comma-separated): requests/s meeting all of them",
+    )
+
+
 def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
     g = p.add_argument_group("mmserve engine")
     if max_num_seqs:
@@ -110,13 +142,7 @@ def _engine_args(p: argparse.ArgumentParser, max_num_seqs: bool) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=(
-            "fp8",
-            "int8",
-            "int4",
-            "int4_g128",
-            "w8a8",
-        ),  # config.QUANTIZATION_METHODS (no torch here)
+        choices=QUANTIZATION_CHOICES,
         help="mmserve's decoder linear weights to e4m3 (fp8), int8 / int4 (weight-only, a scale per row), "
         "int4_g128 (group-wise, the AWQ / GPTQ kernel) or w8a8 (int8 weights and activations) at load (the "
         "transformers baseline stays as is)",
@@ -191,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the timed rounds, run one more under the torch profiler (CUDA) and write its "
         "trace and a kernel-time summary (kernels.md) here",
     )
+    _dataset_and_goodput(thr)
     _engine_args(thr, max_num_seqs=True)
 
     srv = sub.add_parser(
@@ -235,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sent with every request (HTTP header / gRPC metadata), e.g. for a server started with "
         "--http-restricted-api; repeatable",
     )
+    srv.add_argument(
+        "--label",
+        default=None,
+        help="the measured server's name in the results (default: the name it reports, else 'server')",
+    )
+    _dataset_and_goodput(srv)
     return parser
 
 
@@ -262,7 +295,7 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
         device=device,
         dtype=dtype,
         input_len=args.input_len,
-        output_len=args.output_len,
+        output_len=args.output_len or args.default_output_len,
         warmup=args.warmup,
         baseline=args.baseline,
         hf_attn=args.hf_attn,
@@ -314,6 +347,9 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
             top_p=args.top_p,
             top_k=args.top_k,
             profile_dir=args.profile_dir,
+            dataset=args.dataset,
+            output_len_fixed=args.output_len is not None,
+            goodput=parse_goodput(args.goodput),
             **common,
         )
         return run_throughput, cfg
@@ -337,6 +373,10 @@ def _build(args: argparse.Namespace) -> tuple[Callable[..., dict[str, Any]], Any
         unique_images=not args.same_image,
         source=source,
         headers=dict(args.header),
+        label=args.label,
+        dataset=args.dataset,
+        output_len_fixed=args.output_len is not None,
+        goodput=parse_goodput(args.goodput),
         **common,
     )
     return run_serve, cfg

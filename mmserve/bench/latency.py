@@ -43,7 +43,7 @@ class LatencyConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     input_len: int = 128  # text tokens of each prompt (besides the image's placeholders)
     output_len: int = 32  # decode steps timed per trial (K)
-    warmup: int = 1  # untimed trials per batch size
+    warmup: int = 1  # untimed trials per batch size, all before the first timed one (at least 1)
     iters: int = 3  # timed trials per batch size; medians are reported
     baseline: str = "hf"  # hf | none
     prefix_caching: bool = False  # off: every trial computes its prompt, as transformers does
@@ -78,6 +78,14 @@ class LatencyConfig:
             raise ValueError(f"images_per_request must be >= 1, got {self.images_per_request}")
         if self.images_per_request > 1 and self.baseline == "hf":
             raise ValueError("several images per request: mmserve only (--baseline none)")
+        self.warmup = max(1, self.warmup)  # a shape's first run compiles kernels: never timed
+
+
+def trial_order(cfg: LatencyConfig) -> list[tuple[int, int, bool]]:
+    """(batch size, trial number, timed) in run order: every batch size's warm-up trials first, so each shape
+    a timed trial runs (its prefill and decode steps, TTFT included) has run before any timing starts."""
+    warm = [(b, t, False) for t in range(cfg.warmup) for b in cfg.batch_sizes]
+    return warm + [(b, cfg.warmup + t, True) for b in cfg.batch_sizes for t in range(cfg.iters)]
 
 
 def _trial_images(cfg: LatencyConfig, size: int, batch: int, trial: int) -> list[Any]:
@@ -93,18 +101,8 @@ def _request_images(cfg: LatencyConfig, size: int, batch: int, trial: int) -> li
 
 
 def multi_image_text(template: PromptTemplate, spec: PromptSpec, n: int) -> str:
-    """`spec`'s prompt with n pictures instead of one: n image parts in the chat template's user turn, else n
-    image placeholders in front (a family whose processor inserts them itself gets none)."""
-    if n == 1:
-        return spec.text
-    if template.chat_template:
-        parts = [{"type": "image"} for _ in range(n)] + [{"type": "text", "text": spec.filler}]
-        messages = [{"role": "user", "content": parts}]
-        return template.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-    image = f"{template.image_token}\n" if template.placeholder_in_prompt else ""
-    return f"{image * n}Question: {spec.filler} Answer:"
+    """`spec`'s prompt with n pictures instead of one."""
+    return spec.text if n == 1 else template.wrap(spec.filler, n)
 
 
 def _median(xs: list[float]) -> float:
@@ -159,8 +157,24 @@ def _mmserve_trial(
     }
 
 
+def _device_memory(runner: Any, device: str) -> dict[str, float | None]:
+    """GiB this rank holds: the model's weights as stored (quantized ones at their packed size), the KV pool,
+    and the device's peak allocation over the run (CUDA only: weights, KV pool, activations, graphs)."""
+    import torch
+
+    gib = 2**30
+    peak = None
+    if torch.device(device).type == "cuda":
+        peak = torch.cuda.max_memory_allocated(torch.device(device)) / gib
+    return {
+        "weights_gib": runner.weight_bytes() / gib,
+        "kv_cache_gib": sum(c.numel() * c.element_size() for c in runner.kv_caches) / gib,
+        "peak_allocated_gib": peak,
+    }
+
+
 def _run_mmserve(
-    cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int
+    cfg: LatencyConfig, model_dir: str, spec: PromptSpec, size: int, memory: dict[str, Any]
 ) -> dict[int, list[dict]]:
     from mmserve.llm import LLM
 
@@ -180,23 +194,19 @@ def _run_mmserve(
         mm_encoder_tp_mode=cfg.mm_encoder_tp_mode,
         enforce_eager=cfg.enforce_eager,
     )
-    samples: dict[int, list[dict]] = {}
+    samples: dict[int, list[dict]] = {b: [] for b in cfg.batch_sizes}
     try:
-        bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="mmserve latency")
-        for b in cfg.batch_sizes:
-            samples[b] = []
-            for trial in range(cfg.warmup + cfg.iters):
-                res = _mmserve_trial(
-                    llm.engine,
-                    spec,
-                    _request_images(cfg, size, b, trial),
-                    cfg.output_len,
-                    f"b{b}t{trial}",
-                )
-                if trial >= cfg.warmup:
-                    samples[b].append(res)
-                bar.update(1)
-        bar.close()
+        for b, trial, timed in tqdm(trial_order(cfg), desc="mmserve latency"):
+            res = _mmserve_trial(
+                llm.engine,
+                spec,
+                _request_images(cfg, size, b, trial),
+                cfg.output_len,
+                f"{'timed' if timed else 'warmup'}-b{b}t{trial}",
+            )
+            if timed:
+                samples[b].append(res)
+        memory.update(_device_memory(llm.engine.runner, cfg.device))
     finally:
         llm.close()
         del llm
@@ -210,31 +220,24 @@ def _run_hf(
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
-    samples: dict[int, list[dict]] = {}
+    samples: dict[int, list[dict]] = {b: [] for b in cfg.batch_sizes}
     try:
-        bar = tqdm(
-            total=len(cfg.batch_sizes) * (cfg.warmup + cfg.iters), desc="transformers latency"
-        )
-        for b in cfg.batch_sizes:
-            samples[b] = []
-            for trial in range(cfg.warmup + cfg.iters):
-                images = _trial_images(cfg, size, b, trial)
-                prompts = [spec.text] * b
-                one = hf.generate(prompts, images, 1)
-                full = hf.generate(prompts, images, cfg.output_len + 1, stream=True)
-                # K decode steps lie between the first and the last token of one call.
-                decode_s = (full.token_times_s[-1] - full.token_times_s[0]) / cfg.output_len
-                if trial >= cfg.warmup:
-                    samples[b].append(
-                        {
-                            "ttft_s": one.total_s,
-                            "ttft_mean_s": one.total_s,
-                            "decode_s": decode_s,
-                            "prompt_tokens": one.prompt_tokens,
-                        }
-                    )
-                bar.update(1)
-        bar.close()
+        for b, trial, timed in tqdm(trial_order(cfg), desc="transformers latency"):
+            images = _trial_images(cfg, size, b, trial)
+            prompts = [spec.text] * b
+            one = hf.generate(prompts, images, 1)  # TTFT: its own call, warmed up as the other
+            full = hf.generate(prompts, images, cfg.output_len + 1, stream=True)
+            # K decode steps lie between the first and the last token of one call.
+            decode_s = (full.token_times_s[-1] - full.token_times_s[0]) / cfg.output_len
+            if timed:
+                samples[b].append(
+                    {
+                        "ttft_s": one.total_s,
+                        "ttft_mean_s": one.total_s,
+                        "decode_s": decode_s,
+                        "prompt_tokens": one.prompt_tokens,
+                    }
+                )
         return samples, hf.attn_implementation
     finally:
         hf.close()
@@ -268,9 +271,10 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
     spec = dataclasses.replace(spec, text=multi_image_text(template, spec, cfg.images_per_request))
     size = cfg.image_size or image_size_of(model_dir)
     runs: dict[str, dict[int, list[dict]]] = {}
+    memory: dict[str, Any] = {}  # mmserve's, on its first rank
     hf_attn = None
     try:
-        runs["mmserve"] = _run_mmserve(cfg, model_dir, spec, size)
+        runs["mmserve"] = _run_mmserve(cfg, model_dir, spec, size, memory)
     except Exception:  # keep going: the baseline's numbers are still worth having
         errors.append("mmserve: " + traceback.format_exc())
     if cfg.baseline == "hf":
@@ -316,6 +320,7 @@ def run_latency(cfg: LatencyConfig, argv: list[str] | None = None) -> dict[str, 
             "lm": shape_record(shape),
         },
         "bandwidth": bandwidth,
+        "memory": memory or None,
         "results": results,
         "errors": errors,
     }

@@ -78,10 +78,11 @@ def _latency_md(result: dict[str, Any]) -> list[str]:
         None,
     )
     lines = _preamble(result) + [
-        f"- prompt: 1 image + {result['model']['text_tokens']} text tokens = {prompt} tokens; "
+        f"- prompt: {_pictures(cfg)} + {result['model']['text_tokens']} text tokens = {prompt} tokens; "
         f"{cfg['output_len']} decode steps timed; {cfg['warmup']} warmup + {cfg['iters']} timed trials (median)",
         f"- device copy bandwidth: {_f(result['bandwidth']['gb_per_s'])} GB/s (read + write); roofline = "
         f"(LM weights + KV read per step) / that bandwidth",
+        *_memory_line(result.get("memory")),
         "",
     ]
     header = [
@@ -117,6 +118,22 @@ def _latency_md(result: dict[str, Any]) -> list[str]:
     return lines + _table(header, body) + ["", note]
 
 
+def _memory_line(memory: dict[str, Any] | None) -> list[str]:
+    if not memory:
+        return []
+    peak = memory.get("peak_allocated_gib")
+    return [
+        f"- mmserve's device memory (first rank): weights {_f(memory['weights_gib'])} GiB as stored, KV pool "
+        f"{_f(memory['kv_cache_gib'])} GiB"
+        + (f", peak allocated {_f(peak)} GiB" if peak is not None else "")
+    ]
+
+
+def _pictures(cfg: dict[str, Any]) -> str:
+    n, size = cfg.get("images_per_request", 1), cfg.get("image_size")
+    return (f"{n} image" if n == 1 else f"{n} images") + (f" of {size}²" if size else "")
+
+
 def _images_note(cfg: dict[str, Any], model: dict[str, Any]) -> str:
     if not cfg.get("same_image"):
         return " (a distinct image per request)"
@@ -136,11 +153,18 @@ def _sampling_note(cfg: dict[str, Any]) -> str:
 
 def _throughput_md(result: dict[str, Any]) -> list[str]:
     cfg, res = result["config"], result["results"]
+    model = result["model"]
+    if model.get("dataset"):
+        cycled = f", its {model['distinct_lines']} lines cycled" if model.get("cycled") else ""
+        lens = "--output-len" if model["output_len_from"] == "--output-len" else "each line's"
+        what = f"from `{model['dataset']}`{cycled}, {lens} output length (ignore_eos, {_sampling_note(cfg)})"
+    else:
+        what = (
+            f"each 1 image + {model['text_tokens']} text tokens{_images_note(cfg, model)}, "
+            f"{cfg['output_len']} output tokens (ignore_eos, {_sampling_note(cfg)})"
+        )
     lines = _preamble(result) + [
-        f"- {cfg['num_requests']} requests, each 1 image + {result['model']['text_tokens']} text tokens"
-        f"{_images_note(cfg, result['model'])}, "
-        f"{cfg['output_len']} output tokens (ignore_eos, {_sampling_note(cfg)}); "
-        f"mmserve max_num_seqs {cfg['max_num_seqs']}, "
+        f"- {cfg['num_requests']} requests, {what}; mmserve max_num_seqs {cfg['max_num_seqs']}, "
         f"transformers batches of {cfg['hf_batch_size']} (left-padded)",
         "",
     ]
@@ -165,6 +189,15 @@ def _throughput_md(result: dict[str, Any]) -> list[str]:
             ["ratio mmserve/hf", None, None, ratio["requests_per_s"], ratio["output_tok_s"], None]
         )
     lines += _table(header, body)
+    good = nested(res, "mmserve", "goodput")
+    if good:
+        limits = ", ".join(f"{k} ≤ {_f(v)} ms" for k, v in good["slo_ms"].items())
+        lines += [
+            "",
+            f"mmserve's goodput ({limits}, every request sent at the start): "
+            f"{_f(good['goodput_requests_per_s'])} requests/s, {good['good_requests']} of "
+            f"{res['mmserve']['num_requests']} requests ({_f(100 * good['good_fraction'])} %)",
+        ]
     every = (res.get("mmserve") or {}).get("output_tok_s_every_round") or []
     if len(every) > 1:
         lines += [
@@ -208,71 +241,117 @@ def _throughput_md(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _serve_md(result: dict[str, Any]) -> list[str]:
-    cfg, res = result["config"], result["results"]
-    lines = _preamble(result) + [
-        f"- server: `{cfg['url']}` over `{cfg['protocol']}` (model `{result['model']['served_name']}`); "
-        f"{cfg['num_requests']} requests per point, 1 image + {cfg['input_len']} text tokens, "
-        f"{cfg['output_len']} output tokens; latencies in ms",
-        "",
-    ]
-    header = [
-        "point",
-        "engine",
-        "done/failed",
-        "req/s",
-        "out tok/s",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "ITL p99",
-        "E2E p50",
-        "E2E p99",
-    ]
-    body = []
-    for row in res["rate_sweep"] + res["concurrency_sweep"]:
-        point = (
-            f"rate {row['request_rate']}"
-            if row["concurrency"] is None
-            else f"concurrency {row['concurrency']}"
+def serve_columns(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(row key, name) of a serve result's engines: the measured server, then the transformers baseline. Results
+    written before the server had a label keep its numbers under "mmserve"."""
+    labels = result.get("labels") or {}
+    key = "server" if labels else "mmserve"
+    return [(key, labels.get("server", "mmserve")), ("hf", labels.get("hf", "transformers"))]
+
+
+def _point(row: dict[str, Any]) -> str:
+    point = (
+        f"rate {row['request_rate']}"
+        if row["concurrency"] is None
+        else f"concurrency {row['concurrency']}"
+    )
+    return point + (" (cut by time)" if row.get("truncated") else "")
+
+
+def _serve_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return result["results"]["rate_sweep"] + result["results"]["concurrency_sweep"]
+
+
+def _workload_note(result: dict[str, Any]) -> str:
+    cfg, work = result["config"], result.get("workload") or {}
+    if work.get("source") == "dataset":
+        lens = "--output-len" if work["output_len_from"] == "--output-len" else "each line's"
+        cycled = f", its {work['distinct_lines']} lines cycled" if work.get("cycled") else ""
+        return (
+            f"{cfg['num_requests']} requests per point from `{work['dataset']}`{cycled} "
+            f"({_f(work['pictures_per_request'])} pictures per request, {lens} output length; the same "
+            "requests at every point)"
         )
-        point += " (cut by time)" if row.get("truncated") else ""
-        for name in ("mmserve", "hf"):
-            m = row.get(name)
+    return (
+        f"{cfg['num_requests']} requests per point, 1 image + {cfg['input_len']} text tokens, "
+        f"{cfg['output_len']} output tokens"
+    )
+
+
+def _serve_table(result: dict[str, Any]) -> list[str]:
+    header = ["point", "engine", "done/failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99"]
+    header += ["ITL p50", "ITL p99", "E2E p50", "E2E p99"]
+    body = []
+    for row in _serve_rows(result):
+        for key, name in serve_columns(result):
+            m = row.get(key)
             if m:
                 body.append(
-                    [
-                        point,
-                        name,
-                        f"{m['completed']}/{m['failed']}",
-                        m["requests_per_s"],
-                        m["output_tok_s"],
-                        nested(m, "ttft_ms", "p50"),
-                        nested(m, "ttft_ms", "p99"),
-                        nested(m, "itl_ms", "p50"),
-                        nested(m, "itl_ms", "p99"),
-                        nested(m, "e2e_ms", "p50"),
-                        nested(m, "e2e_ms", "p99"),
+                    [_point(row), name, f"{m['completed']}/{m['failed']}", m["requests_per_s"]]
+                    + [m["output_tok_s"]]
+                    + [
+                        nested(m, k, q)
+                        for k in ("ttft_ms", "itl_ms", "e2e_ms")
+                        for q in ("p50", "p99")
                     ]
                 )
         if row.get("ratio"):
             rt = row["ratio"]
-            body.append(
-                [
-                    point,
-                    "ratio",
-                    None,
-                    rt["requests_per_s"],
-                    rt["output_tok_s"],
-                    rt["ttft_p50"],
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                ]
-            )
-    return lines + _table(header, body)
+            ratio = [rt["requests_per_s"], rt["output_tok_s"], rt["ttft_p50"]]
+            body.append([_point(row), "ratio", None, *ratio, None, None, None, None, None])
+    return _table(header, body)
+
+
+def _serve_goodput(result: dict[str, Any]) -> list[str]:
+    slos = result["config"].get("goodput")
+    if not slos:
+        return []
+    limits = ", ".join(f"{k} ≤ {_f(v)} ms" for k, v in slos.items())
+    body = [
+        [_point(row), name, g["good_requests"], g["goodput_requests_per_s"], g["good_fraction"]]
+        for row in _serve_rows(result)
+        for key, name in serve_columns(result)
+        if (g := nested(row, key, "goodput"))
+    ]
+    header = ["point", "engine", "good requests", "goodput req/s", "share of completed"]
+    return [
+        f"Goodput: requests meeting every objective ({limits}; tpot: one-token requests meet it)",
+        "",
+    ] + (_table(header, body))
+
+
+def _serve_phases(result: dict[str, Any]) -> list[str]:
+    rows = [row for row in _serve_rows(result) if row.get("phases")]
+    if not rows:
+        return []
+    names = list(rows[0]["phases"]["mean_ms"])
+    body = [
+        [_point(row)] + [f"{_f(ph['mean_ms'][n])} ({_f(ph['p50_ms'][n])})" for n in names]
+        for row in rows
+        if (ph := row["phases"])
+    ]
+    return [
+        "Where the first token's time goes on the server (`mmserve_request_phase_seconds`): mean (p50) ms per "
+        "request; p50 from the histogram's buckets",
+        "",
+    ] + _table(["point", *names], body)
+
+
+# The serve report's sections after its preamble, in order; each gives its lines ([] to leave itself out).
+SERVE_SECTIONS = (_serve_table, _serve_goodput, _serve_phases)
+
+
+def _serve_md(result: dict[str, Any]) -> list[str]:
+    cfg = result["config"]
+    lines = _preamble(result) + [
+        f"- server: `{cfg['url']}` over `{cfg['protocol']}` (model `{result['model']['served_name']}`, "
+        f"named {serve_columns(result)[0][1]}); {_workload_note(result)}; latencies in ms",
+    ]
+    for section in SERVE_SECTIONS:
+        part = section(result)
+        if part:
+            lines += [""] + part
+    return lines
 
 
 _MARKDOWN = {"latency": _latency_md, "throughput": _throughput_md, "serve": _serve_md}

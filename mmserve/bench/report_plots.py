@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mmserve.bench.report_markdown import nested
+from mmserve.bench.report_markdown import nested, serve_columns
 
 
 def _plot_latency(plt: Any, result: dict[str, Any], out: Path) -> list[Path]:
@@ -72,11 +72,11 @@ def _plot_serve(plt: Any, result: dict[str, Any], out: Path) -> list[Path]:
         (res["rate_sweep"], ax1, "requests_per_s"),
         (res["concurrency_sweep"], ax2, None),
     ):
-        for name, color in (("mmserve", "C0"), ("hf", "C1")):
+        for (key, name), color in zip(serve_columns(result), ("C0", "C1"), strict=True):
             pts = [
-                (row["concurrency"] if xkey is None else row[name][xkey], row[name]["ttft_ms"])
+                (row["concurrency"] if xkey is None else row[key][xkey], row[key]["ttft_ms"])
                 for row in sweep
-                if row.get(name) and row[name]["ttft_ms"]
+                if row.get(key) and row[key]["ttft_ms"]
             ]
             for q, style in (("p50", "o-"), ("p99", "^--")):
                 if pts:
@@ -85,7 +85,7 @@ def _plot_serve(plt: Any, result: dict[str, Any], out: Path) -> list[Path]:
                         [p[1][q] for p in pts],
                         style,
                         color=color,
-                        label=f"{'transformers' if name == 'hf' else name} TTFT {q}",
+                        label=f"{name} TTFT {q}",
                     )
     concs = [row["concurrency"] for row in res["concurrency_sweep"]]
     if concs:

@@ -38,6 +38,10 @@ class ServeConfig:
     # sent with every request: HTTP headers, or gRPC metadata (a Triton server started with
     # --grpc-restricted-protocol wants `triton-grpc-protocol-<key>`)
     headers: dict[str, str] = field(default_factory=dict)
+    label: str | None = None  # the measured server's name in the results; None: ask the server
+    goodput: dict[str, float] = field(default_factory=dict)  # SLO limits in ms: ttft / tpot / e2e
+    dataset: str | None = None  # a JSONL of requests (bench/dataset.py) instead of synthetic ones
+    output_len_fixed: bool = True  # False: a dataset line's own output length wins over output_len
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -54,6 +58,16 @@ class ServeConfig:
             raise ValueError(
                 "--baseline hf needs --model or --preset (the checkpoint the server runs)"
             )
+        if self.dataset is not None and self.baseline == "hf":
+            raise ValueError("--dataset runs the server only: use --baseline none")
+        if (
+            self.dataset is not None
+        ):  # a malformed line or a missing picture: refused before any load
+            from mmserve.bench.dataset import load_dataset
+
+            load_dataset(self.dataset, self.num_requests, note=False)
+        if self.label is not None and not self.label.strip():
+            raise ValueError("--label must not be empty")
         if self.protocol == "triton-grpc":
             self.url = self.url.split("://", 1)[-1].rstrip("/")
         elif urlsplit(self.url).scheme not in ("http", "https"):

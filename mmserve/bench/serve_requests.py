@@ -6,8 +6,6 @@ requests (Poisson arrivals at a rate, or a cap on concurrent requests; none laun
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import math
 import random
@@ -17,14 +15,8 @@ from tqdm import tqdm
 
 from mmserve.bench.serve_config import ServeConfig
 from mmserve.bench.serve_metrics import Record
+from mmserve.bench.serve_workload import ServeRequest
 from mmserve.bench.workload import now
-
-
-def data_uri(image: Any) -> str:
-    """A PIL image as the JPEG data URI a request carries."""
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 async def _sse_events(response: Any):
@@ -41,16 +33,17 @@ async def _raise_for_status(response: Any) -> None:
 
 
 async def _triton_http(
-    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
+    client: Any, cfg: ServeConfig, req: ServeRequest, rec: Record, t0: float
 ) -> None:
-    body = {
-        "text_input": text,
-        "image_url_input": image_uri,
-        "max_tokens": cfg.output_len,
-        "min_tokens": cfg.output_len,
+    body: dict[str, Any] = {
+        "text_input": req.text,
+        "max_tokens": req.output_len,
+        "min_tokens": req.output_len,
         "temperature": 0.0,
         "stream": True,
     }
+    if req.image_uris:
+        body["image_url_input"] = list(req.image_uris)
     async with client.stream(
         "POST", f"{cfg.url}/v2/models/{cfg.model_name}/generate_stream", json=body
     ) as resp:
@@ -61,27 +54,23 @@ async def _triton_http(
                 raise RuntimeError(event["error"])
             if event.get("text_output"):
                 rec.chunk_times.append(now() - t0)
-    rec.output_tokens = cfg.output_len  # min_tokens = max_tokens fixes the count
+    rec.output_tokens = req.output_len  # min_tokens = max_tokens fixes the count
 
 
-async def _openai(
-    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
-) -> None:
+async def _openai(client: Any, cfg: ServeConfig, req: ServeRequest, rec: Record, t0: float) -> None:
+    pictures = [{"type": "image_url", "image_url": {"url": u}} for u in req.image_uris]
     body = {
         "model": cfg.model_name,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "max_tokens": cfg.output_len,
-        "min_tokens": cfg.output_len,
+        "max_tokens": req.output_len,
+        "min_tokens": req.output_len,
         "ignore_eos": True,
         "temperature": 0.0,
         "messages": [
             {
                 "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image_uri}},
-                    {"type": "text", "text": text},
-                ],
+                "content": [*pictures, {"type": "text", "text": req.text}],
             }
         ],
     }
@@ -101,13 +90,13 @@ async def _openai(
 
 
 async def _triton_grpc(
-    client: Any, cfg: ServeConfig, text: str, image_uri: str, rec: Record, t0: float
+    client: Any, cfg: ServeConfig, req: ServeRequest, rec: Record, t0: float
 ) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
     def tensor(name: str, value: Any, dtype: Any) -> Any:
-        arr = np.array([[value]], dtype=dtype)
+        arr = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
         inp = grpcclient.InferInput(
             name,
             list(arr.shape),
@@ -119,13 +108,14 @@ async def _triton_grpc(
         return inp
 
     inputs = [
-        tensor("text_input", text.encode(), object),
-        tensor("image_url_input", image_uri.encode(), object),
-        tensor("max_tokens", cfg.output_len, np.int32),
-        tensor("min_tokens", cfg.output_len, np.int32),
+        tensor("text_input", req.text.encode(), object),
+        tensor("max_tokens", req.output_len, np.int32),
+        tensor("min_tokens", req.output_len, np.int32),
         tensor("temperature", 0.0, np.float32),
         tensor("stream", True, np.bool_),
     ]
+    if req.image_uris:
+        inputs.append(tensor("image_url_input", [u.encode() for u in req.image_uris], object))
 
     async def requests():
         yield {
@@ -144,7 +134,7 @@ async def _triton_grpc(
         final = result.get_response().parameters.get("triton_final_response")
         if final is not None and final.bool_param:
             break
-    rec.output_tokens = cfg.output_len
+    rec.output_tokens = req.output_len
 
 
 _SENDERS = {"triton-http": _triton_http, "triton-grpc": _triton_grpc, "openai": _openai}
@@ -174,12 +164,12 @@ async def _close(client: Any) -> None:
     )
 
 
-async def _send(client: Any, cfg: ServeConfig, text: str, image_uri: str) -> Record:
+async def _send(client: Any, cfg: ServeConfig, req: ServeRequest) -> Record:
     rec = Record()
     t0 = now()
     try:
         await asyncio.wait_for(
-            _SENDERS[cfg.protocol](client, cfg, text, image_uri, rec, t0), cfg.request_timeout_s
+            _SENDERS[cfg.protocol](client, cfg, req, rec, t0), cfg.request_timeout_s
         )
         rec.ok = bool(rec.chunk_times)
         rec.error = None if rec.ok else "no streamed output"
@@ -190,19 +180,23 @@ async def _send(client: Any, cfg: ServeConfig, text: str, image_uri: str) -> Rec
 
 
 async def run_point(
-    cfg: ServeConfig, text: str, uris: list[str], rate: float, concurrency: int | None, desc: str
+    cfg: ServeConfig,
+    requests: list[ServeRequest],
+    rate: float,
+    concurrency: int | None,
+    desc: str,
 ) -> tuple[list[Record], float, bool]:
-    """One sweep point: a request per URI, Poisson arrivals at `rate` (inf: all at once), at most `concurrency`
+    """One sweep point: each of `requests`, Poisson arrivals at `rate` (inf: all at once), at most `concurrency`
     in flight (None: no cap), none launched after max_duration_s. Returns the launched requests' records, the
     point's wall time in seconds and whether max_duration_s cut it short."""
     client = _client(cfg)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(cfg.seed)
-    bar = tqdm(total=len(uris), desc=desc, leave=False)
+    bar = tqdm(total=len(requests), desc=desc, leave=False)
 
-    async def one(uri: str) -> Record:
+    async def one(req: ServeRequest) -> Record:
         try:
-            return await _send(client, cfg, text, uri)
+            return await _send(client, cfg, req)
         finally:
             bar.update(1)
             if sem is not None:
@@ -212,7 +206,7 @@ async def run_point(
     truncated = False
     start = now()
     try:
-        for uri in uris:
+        for req in requests:
             if not math.isinf(rate):
                 await asyncio.sleep(rng.expovariate(rate))
             if sem is not None:
@@ -228,7 +222,7 @@ async def run_point(
                 if sem is not None:
                     sem.release()
                 break
-            tasks.append(asyncio.create_task(one(uri)))
+            tasks.append(asyncio.create_task(one(req)))
         records = list(await asyncio.gather(*tasks))
     finally:
         bar.close()

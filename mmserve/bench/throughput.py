@@ -1,18 +1,21 @@
-"""`mmserve bench throughput`: N requests (1 image + input_len text tokens, output_len tokens, ignore_eos)
-offline through `LLM.generate`; output tok/s and requests/s, and the same requests through transformers
-in left-padded batches of `hf_batch_size`.
+"""`mmserve bench throughput`: N requests (1 image + input_len text tokens, output_len tokens, ignore_eos; or a
+`--dataset` file's) offline through `LLM.generate`; output tok/s, requests/s and goodput under `--goodput`
+objectives, and the same requests through transformers in left-padded batches of `hf_batch_size`. Warm-up rounds
+send the timed round's requests with fresh pictures of the same sizes, so every shape runs before the timing.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
+from mmserve.bench.goodput import RequestTimes, goodput
 from mmserve.bench.workload import (
     ModelSource,
     PromptTemplate,
@@ -38,7 +41,7 @@ class ThroughputConfig:
     num_requests: int = 256
     input_len: int = 128  # text tokens per prompt (besides the image's placeholders)
     output_len: int = 128  # tokens generated per request (EOS ignored)
-    warmup: int = 1  # untimed warmup rounds (a few short requests each)
+    warmup: int = 1  # untimed rounds of the timed requests (new pictures) first; at least 1
     iters: int = 1  # timed rounds, each with new images; the best (shortest) is reported
     baseline: str = "hf"  # hf | none
     hf_batch_size: int = 32  # transformers batch (static, left-padded)
@@ -63,6 +66,9 @@ class ThroughputConfig:
     profile_dir: str | None = (
         None  # after the timed rounds, one more (new images) under the torch profiler
     )
+    dataset: str | None = None  # a JSONL of requests (bench/dataset.py) instead of synthetic ones
+    output_len_fixed: bool = True  # False: a dataset line's own output length wins over output_len
+    goodput: dict[str, float] = field(default_factory=dict)  # SLO limits in ms: ttft / tpot / e2e
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.output_len < 1 or self.input_len < 0:
@@ -73,6 +79,27 @@ class ThroughputConfig:
             raise ValueError(f"baseline must be hf or none, got {self.baseline!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self.dataset is not None and (self.baseline == "hf" or self.same_image):
+            raise ValueError("--dataset runs mmserve only, with its own pictures: --baseline none")
+        if (
+            self.dataset is not None
+        ):  # a malformed line or a missing picture: refused before any load
+            from mmserve.bench.dataset import load_dataset
+
+            load_dataset(self.dataset, self.num_requests, note=False)
+        self.warmup = max(1, self.warmup)  # a shape's first run compiles kernels: never timed
+
+
+@dataclass
+class Workload:
+    """The requests of a run: each one's full prompt and output length, and each round's pictures (warm-up
+    rounds first, then timed rounds)."""
+
+    texts: list[str]
+    output_lens: list[int]
+    warmup_rounds: list[list[list[Any]]]  # [round][request] -> pictures
+    timed_rounds: list[list[list[Any]]]
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 def _rates(
@@ -89,19 +116,31 @@ def _rates(
     }
 
 
-def _image_rounds(cfg: ThroughputConfig, size: int) -> list[list[Any]]:
-    """One list of request images per timed round, each drawn afresh: a round must not find the pictures of an
-    earlier one in the prefix and encoder caches (same-image mode: one new picture per round, shared by that
-    round's requests)."""
-    seeds = [cfg.seed + r * 1_000_003 for r in range(cfg.iters)]
+def _image_rounds(
+    cfg: ThroughputConfig, size: int, first: int = 0, count: int | None = None
+) -> list[list[Any]]:
+    """One list of request images per round (`count`, default the timed ones, from round number `first`), each
+    drawn afresh: a round must not find the pictures of an earlier one in the prefix and encoder caches
+    (same-image mode: one new picture per round, shared by that round's requests)."""
+    rounds = range(first, first + (cfg.iters if count is None else count))
+    seeds = [cfg.seed + r * 1_000_003 for r in rounds]
     if cfg.same_image:
         return [make_images(1, size, seed=seed) * cfg.num_requests for seed in seeds]
     return [make_images(cfg.num_requests, size, seed=seed) for seed in seeds]
 
 
-def _run_mmserve(
-    cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
-) -> dict[str, Any]:
+def _request_times(outs: list[Any], start_wall: float) -> list[RequestTimes]:
+    """Each request's latencies from its metrics, every request arriving at the round's start."""
+    times = []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        first, done = m.first_token_time - start_wall, m.finished_time - start_wall
+        tpot = (done - first) * 1e3 / (n - 1) if n > 1 else None
+        times.append(RequestTimes(ttft_ms=first * 1e3, e2e_ms=done * 1e3, tpot_ms=tpot))
+    return times
+
+
+def _run_mmserve(cfg: ThroughputConfig, model_dir: str, work: Workload) -> dict[str, Any]:
     from mmserve.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -120,38 +159,40 @@ def _run_mmserve(
         tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=cfg.enforce_eager,
     )
-    params = SamplingParams(
-        max_tokens=cfg.output_len,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        ignore_eos=True,
-    )
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            ignore_eos=True,
+        )
+        for n in work.output_lens
+    ]
+
+    def prompts(images: list[list[Any]]) -> list[dict[str, Any]]:
+        return [{"prompt": t, "images": ims} for t, ims in zip(work.texts, images, strict=True)]
+
     try:
-        for w in range(cfg.warmup):
-            warm = make_images(min(4, cfg.num_requests), rounds[0][0].width, seed=10_000 + w)
-            llm.generate(
-                [{"prompt": texts[0], "images": [im]} for im in warm],
-                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                use_tqdm=False,
-            )
+        for images in work.warmup_rounds:  # the timed requests' shapes, new pictures
+            llm.generate(prompts(images), params, use_tqdm=False)
         best: dict[str, float] | None = None
         every_round: list[float] = []
-        for images in rounds:
-            prompts = [{"prompt": text, "images": [im]} for text, im in zip(texts, images)]
+        for images in work.timed_rounds:
             sync(cfg.device)
             llm.engine.step_stats.reset()
-            t0 = now()
-            outs = llm.generate(prompts, params)
+            start_wall, t0 = time.time(), now()
+            outs = llm.generate(prompts(images), params)
             sync(cfg.device)
             elapsed = now() - t0
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            expected = cfg.num_requests * cfg.output_len
+            expected = sum(work.output_lens)
             if out_tokens != expected:
                 raise RuntimeError(f"mmserve generated {out_tokens} tokens, expected {expected}")
             res = _rates(len(outs), out_tokens, sum(len(o.prompt_token_ids) for o in outs), elapsed)
             res["cached_prompt_tokens"] = sum(o.metrics.num_cached_tokens for o in outs)
             res["steps"] = llm.engine.step_stats.as_dict()
+            res["goodput"] = goodput(_request_times(outs, start_wall), cfg.goodput, elapsed)
             every_round.append(res["output_tok_s"])
             if best is None or res["elapsed_s"] < best["elapsed_s"]:
                 best = res
@@ -160,13 +201,9 @@ def _run_mmserve(
         if cfg.profile_dir:
             from mmserve.bench.kernel_profile import profiled
 
-            images = make_images(cfg.num_requests, rounds[0][0].width, seed=cfg.seed + 777_777)
+            (images,) = _fresh_pictures(work.timed_rounds[0], cfg.seed + 777_777, 1)
             with profiled(cfg.profile_dir):
-                llm.generate(
-                    [{"prompt": text, "images": [im]} for text, im in zip(texts, images)],
-                    params,
-                    use_tqdm=False,
-                )
+                llm.generate(prompts(images), params, use_tqdm=False)
             best["profile"] = os.path.join(cfg.profile_dir, "kernels.md")
         return best
     finally:
@@ -175,19 +212,18 @@ def _run_mmserve(
         free_device_memory(cfg.device)
 
 
-def _run_hf(
-    cfg: ThroughputConfig, model_dir: str, texts: list[str], rounds: list[list[Any]]
-) -> dict[str, Any]:
+def _run_hf(cfg: ThroughputConfig, model_dir: str, work: Workload) -> dict[str, Any]:
     from mmserve.bench.hf_baseline import HFBaseline
 
     hf = HFBaseline(model_dir, cfg.device, cfg.dtype, cfg.hf_attn)
-    bs = cfg.hf_batch_size
+    bs, texts = cfg.hf_batch_size, work.texts
     try:
-        for w in range(cfg.warmup):
-            warm = make_images(min(bs, cfg.num_requests), rounds[0][0].width, seed=20_000 + w)
-            hf.generate(texts[: len(warm)], warm, 4)
+        for rounds in work.warmup_rounds:  # each batch size the timed round runs
+            for size in sorted({len(texts[i : i + bs]) for i in range(0, len(texts), bs)}):
+                hf.generate(texts[:size], [ims[0] for ims in rounds[:size]], 4)
         best: dict[str, Any] | None = None
-        for images in rounds:
+        for requests in work.timed_rounds:
+            images = [ims[0] for ims in requests]
             out_tokens = prompt_tokens = 0
             sync(cfg.device)
             t0 = now()
@@ -221,25 +257,76 @@ def _run_hf(
         hf.close()
 
 
+def _fresh_pictures(model: list[list[Any]], seed: int, count: int) -> list[list[list[Any]]]:
+    """`count` rounds of new noise pictures of the sizes of `model`'s, request by request."""
+    return [
+        [
+            [
+                make_images(1, im.width, seed=seed + r * 1_000_003 + i * 101 + k, height=im.height)[
+                    0
+                ]
+                for k, im in enumerate(ims)
+            ]
+            for i, ims in enumerate(model)
+        ]
+        for r in range(count)
+    ]
+
+
+def _workload(cfg: ThroughputConfig, template: PromptTemplate, size: int) -> Workload:
+    """Synthetic requests (new pictures every round), or the --dataset file's (its own pictures every timed
+    round; the warm-up's are noise of their sizes)."""
+    if cfg.dataset is None:
+        spec = make_prompt(template, cfg.input_len)
+        texts = (
+            prompt_variants(template, spec, cfg.num_requests)
+            if cfg.same_image
+            else [spec.text] * cfg.num_requests
+        )
+        timed, warm = (
+            [[[im] for im in images] for images in _image_rounds(cfg, size, first, count)]
+            for first, count in ((0, cfg.iters), (cfg.iters, cfg.warmup))
+        )
+        record = {"text_tokens": spec.text_tokens, "distinct_texts": len(set(texts))}
+        return Workload(texts, [cfg.output_len] * cfg.num_requests, warm, timed, record)
+    from mmserve.bench.dataset import load_dataset, output_lens
+
+    def count(text: str) -> int:
+        return len(template.tokenizer(text, add_special_tokens=False).input_ids)
+
+    lines = load_dataset(cfg.dataset, cfg.num_requests, count)
+    pictures = [r.read_images() for r in lines]
+    record = {
+        "dataset": cfg.dataset,
+        "distinct_lines": len({r.line for r in lines}),
+        "cycled": len({r.line for r in lines}) < len(lines),
+        "output_len_from": "--output-len" if cfg.output_len_fixed else "dataset",
+    }
+    return Workload(
+        texts=[template.wrap(r.prompt, len(r.images)) for r in lines],
+        output_lens=output_lens(
+            lines, cfg.output_len if cfg.output_len_fixed else None, cfg.output_len
+        ),
+        warmup_rounds=_fresh_pictures(pictures, cfg.seed + 555_557, cfg.warmup),
+        timed_rounds=[pictures] * cfg.iters,
+        record=record,
+    )
+
+
 def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run mmserve (and the baseline) over the same requests; return the result record."""
     model_dir = cfg.source.resolve()
-    spec = make_prompt(PromptTemplate(model_dir), cfg.input_len)
     size = cfg.image_size or image_size_of(model_dir)
-    rounds = _image_rounds(cfg, size)
-    if cfg.same_image:
-        texts = prompt_variants(PromptTemplate(model_dir), spec, cfg.num_requests)
-    else:
-        texts = [spec.text] * cfg.num_requests
+    work = _workload(cfg, PromptTemplate(model_dir), size)
     results: dict[str, Any] = {}
     errors: list[str] = []
     try:
-        results["mmserve"] = _run_mmserve(cfg, model_dir, texts, rounds)
+        results["mmserve"] = _run_mmserve(cfg, model_dir, work)
     except Exception:
         errors.append("mmserve: " + traceback.format_exc())
     if cfg.baseline == "hf":
         try:
-            results["hf"] = _run_hf(cfg, model_dir, texts, rounds)
+            results["hf"] = _run_hf(cfg, model_dir, work)
         except Exception:
             errors.append("hf: " + traceback.format_exc())
     if "mmserve" in results and "hf" in results:
@@ -257,8 +344,7 @@ def run_throughput(cfg: ThroughputConfig, argv: list[str] | None = None) -> dict
             **model_record(cfg.source, model_dir),
             "dtype": cfg.dtype,
             "image_size": size,
-            "text_tokens": spec.text_tokens,
-            "distinct_texts": len(set(texts)),
+            **work.record,
         },
         "results": results,
         "errors": errors,

@@ -225,19 +225,20 @@ class PromptTemplate:
                 getattr(config, "is_vqa", False)
             )  # Deplot: the question is drawn on the picture
 
-    def wrap(self, text: str) -> str:
-        """The full prompt of one image + the user `text` (an encoder-decoder's: the text that starts its answer)."""
+    def wrap(self, text: str, images: int = 1) -> str:
+        """The full prompt of `images` pictures + the user `text` (an encoder-decoder's: the text that starts its
+        answer): image parts in the chat template's user turn, else placeholders in front (none where the
+        processor inserts them itself)."""
         if self.decoder_prompt:
             return text
         if self.chat_template:
-            messages = [
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
-            ]
+            parts = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": text}]
+            messages = [{"role": "user", "content": parts}]
             return self.processor.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
         image = f"{self.image_token}\n" if self.placeholder_in_prompt else ""
-        return f"{image}Question: {text} Answer:"
+        return f"{image * images}Question: {text} Answer:"
 
     def text_tokens(self, prompt: str) -> int:
         """Tokens of `prompt` as the processor tokenizes it (special tokens added), minus its image placeholders; a
@@ -314,16 +315,15 @@ def image_size_of(model_dir: str) -> int:
     return int(size or DEFAULT_IMAGE_SIZE)
 
 
-def make_images(n: int, size: int, seed: int = 0) -> list[Any]:
-    """`n` distinct RGB noise images (distinct content: no encoder- or prefix-cache hits between requests)."""
+def make_images(n: int, size: int, seed: int = 0, height: int | None = None) -> list[Any]:
+    """`n` distinct RGB noise images, `size` wide and `height` (default `size`) high (distinct content: no
+    encoder- or prefix-cache hits between requests)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return [
-        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
-        for _ in range(n)
-    ]
+    shape = (height or size, size, 3)
+    return [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), "RGB") for _ in range(n)]
 
 
 # ---- environment ----------------------------------------------------------------------------

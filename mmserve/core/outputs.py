@@ -7,6 +7,7 @@ Outputs are cumulative: each RequestOutput of a stream carries all text and toke
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 
@@ -51,6 +52,50 @@ class RequestMetrics:
     # the launch of the step(s) running its vision encoder (Engine._launch)
     encode_start_time: float | None = None
     encode_end_time: float | None = None
+    # a served request's way to its first response bytes (time.monotonic()); None offline
+    phases: PhaseTimes | None = None
+
+
+# A served request's phases to its first response bytes, in order, and the events that end them: `receive` runs
+# from the call's start (ASGI app / gRPC handler) to the engine taking it, `media` loads its pictures,
+# `preprocess` runs the processor (waiting for a thread included), `queue` from the hand-off to the engine thread
+# to its first scheduling, `first_step` to its first token on the host, `first_byte` to the first response bytes
+# handed to the transport after it (a response that is not streamed: the whole response).
+PHASES = ("receive", "media", "preprocess", "queue", "first_step", "first_byte")
+PHASE_EVENTS = (
+    "received",
+    "handed",
+    "media_loaded",
+    "preprocessed",
+    "scheduled",
+    "first_token",
+    "first_byte",
+)
+
+
+@dataclass
+class PhaseTimes:
+    """The monotonic times (time.monotonic()) of PHASE_EVENTS one HTTP request / gRPC call reached. Each is kept
+    as first marked: the engine requests of one call (several choices, a batch) share it, the first to get
+    somewhere marks it."""
+
+    stamps: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, event: str, at: float | None = None) -> None:
+        self.stamps.setdefault(event, time.monotonic() if at is None else at)
+
+    def reached(self, event: str) -> bool:
+        return event in self.stamps
+
+    def durations(self) -> dict[str, float] | None:
+        """Seconds per phase (PHASES), or None while an event is missing."""
+        s = self.stamps
+        if len(s) < len(PHASE_EVENTS) or not all(e in s for e in PHASE_EVENTS):
+            return None
+        return {
+            phase: s[end] - s[start]
+            for phase, start, end in zip(PHASES, PHASE_EVENTS, PHASE_EVENTS[1:])
+        }
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mmserve.core.outputs import RequestOutput
+from mmserve.core.outputs import PhaseTimes, RequestOutput
 from mmserve.engine.engine import Engine
 from mmserve.engine.model_info import ModelInfo
 from mmserve.engine.stats_log import StatsLog
@@ -48,6 +48,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
         self.dead_error: BaseException | None = None
         self._current: tuple | None = None  # the command the engine thread is handling
+        # engine thread: requests whose call is timed (PhaseTimes) and has no first token yet, by request id
+        self._timed: dict[str, tuple[Any, PhaseTimes]] = {}
         self._thread.start()
 
     @property
@@ -73,9 +75,14 @@ class AsyncEngine:
         await asyncio.to_thread(self.engine.grammars.compile, kind, guide)
 
     async def generate(
-        self, prompt: str | dict[str, Any], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | dict[str, Any],
+        params: SamplingParams,
+        request_id: str | None = None,
+        phases: PhaseTimes | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until the finished one.
+        """Queue a request and yield its outputs until the finished one. `phases`: the served call's phase times,
+        marked on the way (media, preprocessing, first scheduled, first token) and in each output's metrics.
 
         Raises ValueError/TypeError for bad input and EngineOverloaded when the queue is full,
         before the first output.
@@ -83,18 +90,23 @@ class AsyncEngine:
         if self.dead_error is not None:
             raise EngineStopped(f"the engine loop has stopped: {self.dead_error}")
         started = time.time()
-        inputs = await self.preprocess(prompt)
+        inputs = await self.preprocess(prompt, phases)
         times = (started, time.time())  # for its trace (RequestMetrics)
-        async for out in self.generate_processed(inputs, params, request_id, times):
+        async for out in self.generate_processed(inputs, params, request_id, times, phases):
             yield out
 
-    async def preprocess(self, prompt: str | dict[str, Any]):
+    async def preprocess(self, prompt: str | dict[str, Any], phases: PhaseTimes | None = None):
         """Engine.preprocess on a preprocessing thread: the prompt's ProcessedInputs (its pictures loaded first, for
         every API, by `aload_prompt_media`)."""
         prompt = await aload_prompt_media(prompt, self.engine.inputs.media)
-        return await asyncio.get_running_loop().run_in_executor(
+        if phases is not None:
+            phases.mark("media_loaded")
+        inputs = await asyncio.get_running_loop().run_in_executor(
             self._preprocess, self.engine.preprocess, prompt
         )
+        if phases is not None:
+            phases.mark("preprocessed")
+        return inputs
 
     async def generate_processed(
         self,
@@ -102,6 +114,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         preprocess_times: tuple[float, float] | None = None,
+        phases: PhaseTimes | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """generate() for a prompt already preprocessed (ProcessedInputs); `preprocess_times`: when that ran."""
         if self.dead_error is not None:
@@ -119,7 +132,8 @@ class AsyncEngine:
             )
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
-        self._commands.put(("add", rid, inputs, params, loop, stream, preprocess_times, added))
+        add = ("add", rid, inputs, params, loop, stream, preprocess_times, phases, added)
+        self._commands.put(add)
         finished = False
         try:
             await added
@@ -128,6 +142,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if phases is not None and item.metrics is not None:
+                    item.metrics.phases = phases
                 yield item
                 if finished:
                     return
@@ -218,6 +234,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 continue
             try:
+                step_start = time.monotonic()
                 outputs = self.engine.step()
             except WorkerDied:  # no later step can run either: the loop dies, health turns 503
                 raise
@@ -229,18 +246,22 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting the running requests")
                 self._fail_all(e)
                 continue
+            if self._timed:
+                self._mark_phases(step_start)
             self._deliver_all([(out.request_id, out, out.finished) for out in outputs])
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, inputs, params, loop, stream, preprocess_times, added = cmd
+            _, rid, inputs, params, loop, stream, preprocess_times, phases, added = cmd
             try:
                 req = self.engine.add_processed(rid, inputs, params)
             except Exception as e:
                 loop.call_soon_threadsafe(_set_exception, added, e)
                 return
             req.preprocess_times = preprocess_times
+            if phases is not None:
+                self._timed[rid] = (req, phases)
             self._streams[rid] = (loop, stream)
             loop.call_soon_threadsafe(_set_result, added, None)
         elif kind == "lora":
@@ -260,9 +281,22 @@ class AsyncEngine:
                 return
             loop.call_soon_threadsafe(_set_result, done, embeddings)
         elif kind == "abort":
+            self._timed.pop(cmd[1], None)
             out = self.engine.abort(cmd[1])
             if out is not None:
                 self._deliver(cmd[1], out, last=True)
+
+    def _mark_phases(self, step_start: float) -> None:
+        """The timed requests' first scheduling (by the step just run, which schedules first: its start) and first
+        token on the host (now, before it is delivered)."""
+        now = time.monotonic()
+        for rid, (req, phases) in list(self._timed.items()):
+            if req.first_scheduled_time is not None:
+                phases.mark("scheduled", step_start)
+            if req.first_token_time is not None or req.finished:
+                if req.first_token_time is not None:
+                    phases.mark("first_token", now)
+                del self._timed[rid]
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
         self._deliver_all([(rid, item, last)])
@@ -282,6 +316,7 @@ class AsyncEngine:
                 pass
 
     def _fail_all(self, error: BaseException) -> None:
+        self._timed.clear()
         for rid in list(self._streams):
             try:
                 self.engine.abort(rid)

@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from mmserve.entrypoints.json_wire import WireJSONResponse
 from mmserve.entrypoints.openai.responses import edge_error_response
 from mmserve.entrypoints.request_ids import RequestIds
+from mmserve.entrypoints.request_phases import RequestPhases
 from mmserve.entrypoints.restricted_apis import Restriction, http_category
 from mmserve.entrypoints.state import ServerState
 
@@ -132,7 +133,10 @@ def build_app(state: ServerState) -> FastAPI:
         )
     app.add_middleware(LimitsAndCounts, state=state)  # refusals are counted too
     app.add_middleware(RequestIds)  # outside the refusals: theirs carry the id too
-    app.add_middleware(UnexpectedErrors)  # added last = outermost: covers the other middlewares too
+    app.add_middleware(UnexpectedErrors)  # covers the other middlewares too
+    app.add_middleware(
+        RequestPhases, metrics=state.metrics
+    )  # added last = outermost: the call's whole time
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mmserve.core.outputs import RequestOutput
+from mmserve.core.outputs import PHASES, PhaseTimes, RequestOutput
 from mmserve.core.step import STEP_KINDS
 
 _LATENCY_BUCKETS = (
@@ -33,6 +33,8 @@ _LATENCY_BUCKETS = (
     20.48,
     60.0,
 )
+# 0.1 ms .. 10 s in 1-2-5 steps: a request's phases on the host take tenths of a millisecond
+_PHASE_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (1, 2, 5)) + (10.0,)
 
 
 class Metrics:
@@ -57,6 +59,17 @@ class Metrics:
             "mmserve_inter_token_latency_seconds", "Mean time between output tokens per request"
         )
         self.e2e = histogram("mmserve_e2e_request_latency_seconds", "Arrival to finish")
+        phases = Histogram(
+            "mmserve_request_phase_seconds",
+            "A request's way to its first response bytes, by phase: receive (call start to the engine), media "
+            "(picture fetch and decode), preprocess (processor, thread wait included), queue (engine thread to "
+            "first scheduled), first_step (to the first token on the host), first_byte (to the first response "
+            "bytes handed to the transport; the whole response when not streamed)",
+            ["model_name", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.phases = {phase: phases.labels(model_name, phase) for phase in PHASES}
         self.prompt_tokens = Counter(
             "mmserve_prompt_tokens", "Prompt tokens of finished requests", m, registry=r
         ).labels(model_name)
@@ -125,6 +138,12 @@ class Metrics:
                 self.itl.observe((m.finished_time - m.first_token_time) / (n_out - 1))
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def observe_phases(self, times: PhaseTimes) -> None:
+        """Record a request's phases, once it reached its first response bytes (nothing when a time is missing)."""
+        durations = times.durations()
+        for phase, seconds in (durations or {}).items():
+            self.phases[phase].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

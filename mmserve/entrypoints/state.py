@@ -15,6 +15,7 @@ from mmserve.engine.beam_search import beam_search_steps
 from mmserve.entrypoints.log_format import log_finished
 from mmserve.entrypoints.metrics import Metrics
 from mmserve.entrypoints.request_ids import engine_request_id
+from mmserve.entrypoints.request_phases import current_phases
 from mmserve.entrypoints.server_config import ServerConfig
 from mmserve.entrypoints.triton.metrics import TritonCollector
 from mmserve.entrypoints.triton.statistics import TritonStatistics
@@ -114,13 +115,17 @@ class ServerState:
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate with the server's concurrency cap and metrics; every frontend goes through here.
         `request_id` names the engine request (a fresh uuid when None); it must be unique among running ones.
-        `client_id` (the client's own id, may repeat) lets `cancel` find it."""
+        `client_id` (the client's own id, may repeat) lets `cancel` find it. The call's phase times
+        (request_phases.py) go with it: the engine takes the request now."""
         request_id = request_id or engine_request_id()
+        phases = current_phases()
+        if phases is not None:
+            phases.mark("handed")
         with (
             self._slot(),
             self._registered(client_id, request_id, lambda: self.engine.abort(request_id)),
         ):
-            stream = self.engine.generate(prompt, params, request_id)
+            stream = self.engine.generate(prompt, params, request_id, phases)
             if self.tracer is not None:
                 stream = self.tracer.traced(stream, request_id, params)
             # aclosing: when our consumer goes away, the engine stream closes now and aborts the request

@@ -125,13 +125,21 @@ def _decode_data_uri(uri: str, kind: str, config: MediaConfig, field: str) -> by
             len(payload) // 4 * 3, config, field
         )  # refuse before decoding: 4 chars carry 3 bytes
         try:
-            data = base64.b64decode("".join(payload.split()), validate=True)
+            data = _b64decode(payload)
         except ValueError as exc:  # binascii.Error, or non-ASCII characters
             raise media_error(field, "invalid base64 in data URI") from exc
     else:
         data = urllib.parse.unquote_to_bytes(payload)
     check_media_bytes(len(data), config, field)
     return data
+
+
+def _b64decode(payload: str) -> bytes:
+    """Strict base64, line breaks and spaces allowed; the payload is copied without them only when it has some."""
+    try:
+        return base64.b64decode(payload, validate=True)
+    except ValueError:
+        return base64.b64decode("".join(payload.split()), validate=True)
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -248,11 +256,20 @@ def load_video_bytes(
 async def aload_image(
     source: Any, config: MediaConfig = MediaConfig(), *, field: str = "image"
 ) -> Image.Image:
-    """load_image for servers: the download is async, file reads and decoding run in worker threads."""
-    item = await asyncio.to_thread(_resolve, source, config, field, "image")
+    """load_image for servers: the download is async; file reads, data URIs and decoding run in a worker thread
+    (one hop for a source that needs no download)."""
+    item = await asyncio.to_thread(_load_local, source, config, field)
     if isinstance(item, _Remote):
-        item = await adownload(item, config, field)
-    return await asyncio.to_thread(_to_image, item, config, field)
+        return await asyncio.to_thread(
+            _to_image, await adownload(item, config, field), config, field
+        )
+    return item
+
+
+def _load_local(source: Any, config: MediaConfig, field: str) -> Image.Image | _Remote:
+    """load_image short of a download: the picture, or the URL still to fetch."""
+    item = _resolve(source, config, field, "image")
+    return item if isinstance(item, _Remote) else _to_image(item, config, field)
 
 
 async def aload_images(

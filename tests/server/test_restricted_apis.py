@@ -244,12 +244,12 @@ def test_the_serve_bench_sends_headers_and_keeps_no_secret(restricted, tmp_path,
     ]
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert main([*common, "--header", header, "--out", str(out), "--markdown", str(md)]) == 0
-    row = json.loads(out.read_text())["results"]["rate_sweep"][0]["mmserve"]
+    row = json.loads(out.read_text())["results"]["rate_sweep"][0]["server"]
     assert (row["completed"], row["failed"]) == (2, 0), row["errors"]
     assert secret not in out.read_text() and secret not in md.read_text()
     assert "<redacted>" in out.read_text()
     assert main([*common, "--out", str(tmp_path / "x.json")]) == 0
-    refused = json.loads((tmp_path / "x.json").read_text())["results"]["rate_sweep"][0]["mmserve"]
+    refused = json.loads((tmp_path / "x.json").read_text())["results"]["rate_sweep"][0]["server"]
     assert refused["failed"] == 2 and "restricted" in str(refused["errors"])
 
 

@@ -19,6 +19,7 @@ from mmserve.bench.report import write_outputs
 from mmserve.bench.roofline import lm_shape
 from mmserve.bench.serve_config import ServeConfig
 from mmserve.bench.workload import ModelSource, PromptTemplate, make_prompt
+from mmserve.core.outputs import PHASES
 from mmserve.models import registry
 from mmserve.testing import FAMILIES, family_cases
 from tests.conftest import strict_json
@@ -593,12 +594,25 @@ def test_serve_bench_sweeps_rate_and_concurrency_against_a_real_server(
     res = result["results"]
     assert [r["request_rate"] for r in res["rate_sweep"]] == [20.0, "inf"]
     assert [r["concurrency"] for r in res["concurrency_sweep"]] == [2]
+    assert result["labels"] == {"server": "mmserve", "hf": "transformers"}  # the server's own name
     for row in res["rate_sweep"] + res["concurrency_sweep"]:
-        m = row["mmserve"]
+        m = row["server"]
         assert (m["completed"], m["failed"], m["output_tokens"]) == (4, 0, 16), m["errors"]
         assert all(_positive(m[k]) for k in ("requests_per_s", "output_tok_s", "duration_s"))
         for key in ("ttft_ms", "e2e_ms", "tpot_ms"):
             assert _positive(m[key]["p50"]) and m[key]["p99"] >= m[key]["p50"]
+        if (
+            protocol == "triton-grpc"
+        ):  # the server's /metrics is on its HTTP port, which the bench is not told
+            assert row["phases"] is None
+        else:  # each point's own requests, from the server's phase histogram scraped around the point
+            means = row["phases"]["mean_ms"]
+            assert list(means) == list(PHASES) and all(
+                v is not None and v >= 0 for v in means.values()
+            )
+            assert sum(means.values()) <= m["ttft_ms"]["max"] + 1.0
+    report = (tmp_path / "b.md").read_text()
+    assert ("Where the first token's time goes" in report) == (protocol != "triton-grpc")
     if protocol == "openai":
         row = res["concurrency_sweep"][0]
         assert row["hf"]["completed"] == 4 and _positive(row["hf"]["ttft_ms"]["p50"])
@@ -652,7 +666,7 @@ def test_serve_point_stops_sending_after_max_duration(bench_server, tmp_path):
     )
     assert rc == 0
     row = strict_json((tmp_path / "r.json").read_text())["results"]["rate_sweep"][0]
-    assert row["truncated"] and row["mmserve"]["completed"] + row["mmserve"]["failed"] < 50
+    assert row["truncated"] and row["server"]["completed"] + row["server"]["failed"] < 50
 
 
 def test_throughput_bench_can_sample_in_both_engines(tiny_llava_dir, tmp_path, capsys):
@@ -787,6 +801,39 @@ def test_throughput_rounds_draw_new_images():
         assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)
         assert not set(rounds[0]) & set(rounds[1])  # no picture of round 1 again in round 2
         assert len(set(rounds[0])) == (1 if same_image else 3)
+
+
+def test_latency_bench_reports_memory_and_quantized_weights_are_smaller(tiny_llava_dir, tmp_path):
+    """The weights as stored: int8 decoder matrices take a quarter of their float32 bytes, the rest stays."""
+    memory, reports = {}, {}
+    for q in ("none", "int8"):
+        out = tmp_path / q
+        flags = [] if q == "none" else ["--quantization", q]
+        args = ["latency", "--model", tiny_llava_dir, "--device", "cpu", "--dtype", "float32"]
+        args += ["--batch-sizes", "1", "--input-len", "8", "--output-len", "2", "--iters", "1"]
+        args += [
+            "--baseline",
+            "none",
+            "--out",
+            str(out / "r.json"),
+            "--markdown",
+            str(out / "r.md"),
+        ]
+        assert main(args + flags) == 0
+        memory[q] = strict_json((out / "r.json").read_text())["memory"]
+        reports[q] = (out / "r.md").read_text()
+    full, int8 = memory["none"], memory["int8"]
+    assert full["peak_allocated_gib"] is None and _positive(
+        full["kv_cache_gib"]
+    )  # no peak on the CPU
+    assert 0 < int8["weights_gib"] < full["weights_gib"]
+    shape = lm_shape(tiny_llava_dir, "float32")
+    saved = (
+        shape.weight_bytes - lm_shape(tiny_llava_dir, "float32", quantization="int8").weight_bytes
+    )
+    # the int8 run also stores per-channel scales, a few bytes per output row
+    assert full["weights_gib"] - int8["weights_gib"] == pytest.approx(saved / 2**30, rel=0.05)
+    assert "weights" in reports["int8"] and "GiB as stored" in reports["int8"]
 
 
 def test_bench_quantization_choices_are_the_servers():

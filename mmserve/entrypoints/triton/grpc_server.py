@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 import mmserve
 from mmserve.entrypoints import request_ids as ids
+from mmserve.entrypoints.request_phases import bytes_out, start_timed_call, timed_call
 from mmserve.entrypoints.state import ServerState
 from mmserve.entrypoints.triton import protocol as tp
 from mmserve.entrypoints.triton import run as tr
@@ -223,7 +224,8 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         state, error = self.state, None
-        with ids.request_context(*ids.caller(context.invocation_metadata())) as request_id:
+        caller = ids.caller(context.invocation_metadata())
+        with timed_call() as times, ids.request_context(*caller) as request_id:
             await _send_request_id(context, request_id)
             try:
                 tp.check_model(state, request.model_name, request.model_version)
@@ -242,7 +244,9 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 error = exc
         if error is None:
             state.metrics.count_request("grpc:ModelInfer", "OK")
-            return _response(request.model_name, request.id, outputs)
+            response = _response(request.model_name, request.id, outputs)
+            bytes_out(times, state.metrics)  # handed to grpc as it returns
+            return response
         code, message = _status(error)
         state.metrics.count_request("grpc:ModelInfer", code.name)
         await context.abort(code, message)
@@ -292,6 +296,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> None:
         """Answer one request of a stream into `queue` (PROTOCOL §4 decoupled semantics); ends with _DONE."""
         state, model, started = self.state, request.model_name, False
+        times = start_timed_call()  # this request's task only
         params = request.parameters
         empty_final = (
             "triton_enable_empty_final_response" in params
@@ -325,6 +330,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         infer_response=_response(model, request.id, outputs, final)
                     )
                 )
+                bytes_out(times, state.metrics)  # queued for the stream's writer
             if flag_only_final and empty_final:
                 queue.put_nowait(
                     pb.ModelStreamInferResponse(
