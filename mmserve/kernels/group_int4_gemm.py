@@ -1,15 +1,20 @@
 """Triton kernels for group-wise int4 weights (layers/group_quant_linear.py's layout): y [M, N] = x [M, K] @ W^T
-(+ bias) with W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)], q packed two to a byte along K (uint8 [N, K / 2], the
-even column in the low nibble), s fp16 [N, G], z uint8 [N, G], g(k) = k // GROUP or g_idx[k] (GPTQ act-order and
-row-parallel shards that do not hold whole groups).
+(+ bias) with W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)], q packed two to a byte along K (uint8 [N, K / 2] in
+blocks of 16 columns: byte j of block b holds column 16b + j in its low nibble and 16b + 8 + j in its high one,
+layers/group_int4.pack_nibbles_k), s fp16 [N, G], z uint8 [N, G], g(k) = k // GROUP or g_idx[k] (GPTQ act-order,
+row-parallel shards that do not hold whole groups). This file: the GEMM and what both kernels share;
+kernels/group_int4_gemv.py: the one-row GEMV.
 
-`group_int4_gemv` (one row, batch-1 decode: a stream of weight reads) gives each program BLOCK_N rows and keeps an
-fp32 [BLOCK_N, BLOCK_K / 2] partial sum in registers, reduced once at the end. `group_int4_gemm` (more rows) computes
-[BLOCK_N, BLOCK_M] tiles of y^T = W x^T on the tensor cores (operands swapped as in kernels/weight_only_gemm.py: the
-dequantized weight tile is the left operand, a few rows of x the narrow side). Both dequantize in registers: the
-nibbles less their group's zero (exact small integers) times its scale in fp32, then the activations' dtype. Where
-a K tile lies inside one group (GROUP a multiple of BLOCK_K, no g_idx) each row's scale and zero are loaded once per
-tile; otherwise per column.
+Both kernels dequantize in registers with `dequant_pair`: a nibble u less its zero z is the exact fp32
+(2^23 + u) - (2^23 + z), 2^23 + u being u OR-ed into the mantissa of 2^23 (no int-to-float instruction; the idea
+of kernels/gemv.py `int4_as_float`). The high nibble is taken in place, as 16 u (one AND, no shift), and its 1/16
+folded into the scale (exact: a power of two). The block layout puts the low nibbles of 8 bytes against 8
+contiguous activations and the high nibbles against the next 8, so each half of x is read in 16-byte vectors.
+
+`group_int4_gemm` computes [BLOCK_N, BLOCK_M] tiles of y^T = W x^T on the tensor cores (operands swapped as in
+kernels/weight_only_gemm.py: the dequantized weight tile is the left operand, a few rows of x the narrow side); a
+K tile inside one group loads one scale and zero per row. Up to SMALL_M rows (decode) it streams the weights with
+narrow tiles; more rows (prompts) take 128-row tiles.
 """
 
 from __future__ import annotations
@@ -19,21 +24,12 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
+from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
 SMALL_M = 64
-_GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (4, 256, 4, 3),
-        (4, 512, 4, 3),
-        (8, 256, 4, 3),
-        (8, 512, 8, 3),
-        (16, 128, 4, 4),
-        (16, 256, 8, 3),
-        (2, 1024, 4, 3),
-        (1, 1024, 4, 3),
-    ]
-]
+# a block's low nibbles are its first 8 columns, the high nibbles the next 8
+HALF_BLOCK = tl.constexpr(8)
+
 _GEMM_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bm in (16, 32, 64)
@@ -46,7 +42,13 @@ _GEMM_CONFIGS = [
     ]
 ] + [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-    for bn, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3)]
+    for bn, bk, w, st in [
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (64, 64, 4, 4),
+        (256, 64, 8, 3),
+        (128, 128, 4, 4),
+    ]
 ]
 
 
@@ -58,106 +60,69 @@ def _prune_m_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] == _m_tile(named_args["M"])]
 
 
+def gemm_configs(m: int) -> list[triton.Config]:
+    """The GEMM's autotuning candidates for M rows."""
+    return _prune_m_tiles(_GEMM_CONFIGS, {"M": m})
+
+
+def _per_group(group_size: int, has_g_idx: bool) -> bool:
+    """Whether the kernels may load one scale and zero per row and group part of a tile (module docstring)."""
+    return not has_g_idx and group_size >= 16 and group_size & (group_size - 1) == 0
+
+
 @triton.jit
-def _dequant(
-    q,
-    rn,
+def _low_columns(t):
+    """The column (from the tile's start) of the low nibble of byte t of a tile; the high nibble's is 8 more."""
+    return (t // HALF_BLOCK) * (2 * HALF_BLOCK) + t % HALF_BLOCK
+
+
+@triton.jit
+def _group(cols, c_mask, g_ptr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    if HAS_G_IDX:
+        return tl.load(g_ptr + cols, mask=c_mask, other=0)
+    else:
+        return cols // GROUP
+
+
+@triton.jit
+def dequant_pair(
+    packed,
+    rows,
+    mask,
+    hi_mask,
     cols,
-    k,
+    g_ptr,
     s_ptr,
     z_ptr,
-    g_ptr,
-    n_mask,
-    G,
     GROUP: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """(q - z) * s for a [BLOCK_N, C] tile of nibbles q whose columns are k + cols, in DTYPE."""
-    rows = rn[:, None].to(tl.int64) * G
-    if HAS_G_IDX:
-        g = tl.load(g_ptr + k + cols)[None, :]
-        s = tl.load(s_ptr + rows + g, mask=n_mask[:, None], other=0.0)
-        z = tl.load(z_ptr + rows + g, mask=n_mask[:, None], other=0)
-    elif GROUP % BLOCK_K == 0:  # the whole tile in one group: a scale and a zero per row
-        s = tl.load(s_ptr + rows + k // GROUP, mask=n_mask[:, None], other=0.0)
-        z = tl.load(z_ptr + rows + k // GROUP, mask=n_mask[:, None], other=0)
+    """(low, high) nibbles of the uint8 tile `packed` less their group's zero; the high ones times 16 (module
+    docstring). SCALED: times the group's scale (the high ones' / 16), in DTYPE; else exact fp32, the caller scales.
+    rows: the tile's rows times G (int64); cols: the low nibbles' absolute columns (the high ones' are 8 more),
+    broadcastable to packed ([..., 1] where a row's part of the tile lies in one group); mask, hi_mask: rows and
+    the low / high nibbles' columns in range (they differ in a last half block of 8 columns)."""
+    g_lo = _group(cols, mask, g_ptr, GROUP, HAS_G_IDX)
+    z_lo = tl.load(z_ptr + rows + g_lo, mask=mask, other=0).to(tl.float32)
+    if HAS_G_IDX:  # a column's group is its own: the high nibbles' are looked up apart
+        g_hi = _group(cols + HALF_BLOCK, hi_mask, g_ptr, GROUP, HAS_G_IDX)
+        z_hi = tl.load(z_ptr + rows + g_hi, mask=hi_mask, other=0).to(tl.float32)
+    else:  # GROUP is a multiple of 16 (layers/group_quant_linear.py): a block lies in one group
+        g_hi, z_hi = g_lo, z_lo
+    b = packed.to(tl.uint32) | 0x4B000000  # then one AND (one immediate) a nibble
+    lo = (b & 0x4B00000F).to(tl.float32, bitcast=True) - (z_lo + 8388608.0)
+    hi = (b & 0x4B0000F0).to(tl.float32, bitcast=True) - (z_hi * 16.0 + 8388608.0)
+    if SCALED:
+        s_lo = tl.load(s_ptr + rows + g_lo, mask=mask, other=0.0).to(tl.float32)
+        if HAS_G_IDX:
+            s_hi = tl.load(s_ptr + rows + g_hi, mask=hi_mask, other=0.0).to(tl.float32)
+        else:
+            s_hi = s_lo
+        return (lo * s_lo).to(DTYPE), (hi * (s_hi * 0.0625)).to(DTYPE)
     else:
-        g = ((k + cols) // GROUP)[None, :]
-        s = tl.load(s_ptr + rows + g, mask=n_mask[:, None], other=0.0)
-        z = tl.load(z_ptr + rows + g, mask=n_mask[:, None], other=0)
-    return ((q.to(tl.int32) - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(DTYPE)
-
-
-@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "GROUP", "HAS_G_IDX"], do_bench=bench_ms)
-@triton.jit
-def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    z_ptr,
-    g_ptr,
-    b_ptr,
-    y_ptr,
-    N,
-    K,
-    G,
-    stride_w,
-    GROUP: tl.constexpr,
-    HAS_G_IDX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    rb = tl.arange(0, BLOCK_K // 2)  # bytes of a K tile
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        b_mask = (k // 2 + rb) < K // 2
-        packed = tl.load(
-            w_rows + k // 2 + rb[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0
-        )
-        x_even = tl.load(x_ptr + k + 2 * rb, mask=b_mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + k + 2 * rb + 1, mask=b_mask, other=0.0).to(tl.float32)
-        cols = tl.where(b_mask, 2 * rb, 0)  # masked columns read group 0 (and multiply zeros)
-        lo = _dequant(
-            packed & 0xF,
-            rn,
-            cols,
-            k,
-            s_ptr,
-            z_ptr,
-            g_ptr,
-            n_mask,
-            G,
-            GROUP,
-            HAS_G_IDX,
-            BLOCK_K,
-            tl.float32,
-        )
-        hi = _dequant(
-            packed >> 4,
-            rn,
-            tl.where(b_mask, 2 * rb + 1, 0),
-            k,
-            s_ptr,
-            z_ptr,
-            g_ptr,
-            n_mask,
-            G,
-            GROUP,
-            HAS_G_IDX,
-            BLOCK_K,
-            tl.float32,
-        )
-        acc += lo * x_even[None, :] + hi * x_odd[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        return lo, hi
 
 
 @triton.autotune(
@@ -185,100 +150,89 @@ def _gemm_kernel(
     M_TILE,
     GROUP: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
+    PER_GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    rk = tl.arange(0, BLOCK_K)
-    rb = tl.arange(0, BLOCK_K // 2)
+    rb = tl.arange(0, BLOCK_K // 2)  # bytes of a K tile
+    low = _low_columns(rb)
+    x_cols = x_ptr + rm[None, :].to(tl.int64) * stride_x + low[:, None]  # x^T, low-nibble columns
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rb[None, :]
+    rows = rn[:, None].to(tl.int64) * G
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     for k in range(0, K, BLOCK_K):
-        x = tl.load(
-            x_rows + k + rk[None, :], mask=m_mask[:, None] & ((k + rk) < K)[None, :], other=0.0
-        )
-        b_mask = (k // 2 + rb) < K // 2
-        packed = tl.load(
-            w_rows + k // 2 + rb[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0
-        )
-        cols = tl.where(b_mask, 2 * rb, 0)
-        lo = _dequant(
-            packed & 0xF,
-            rn,
+        c_lo, c_hi = (k + low) < K, (k + low + HALF_BLOCK) < K  # K is a multiple of 8
+        x_lo = tl.load(x_cols + k, mask=c_lo[:, None] & m_mask[None, :], other=0.0)
+        x_hi = tl.load(x_cols + k + HALF_BLOCK, mask=c_hi[:, None] & m_mask[None, :], other=0.0)
+        mask = n_mask[:, None] & c_lo[None, :]
+        packed = tl.load(w_rows + k // 2, mask=mask, other=0)
+        if PER_GROUP and GROUP % BLOCK_K == 0:  # the tile in one group: a scale and a zero per row
+            cols, lo_mask, hi_mask = (
+                tl.full([1, 1], 0, tl.int32) + k,
+                n_mask[:, None],
+                n_mask[:, None],
+            )
+        else:
+            cols, lo_mask, hi_mask = (k + low)[None, :], mask, n_mask[:, None] & c_hi[None, :]
+        lo, hi = dequant_pair(
+            packed,
+            rows,
+            lo_mask,
+            hi_mask,
             cols,
-            k,
+            g_ptr,
             s_ptr,
             z_ptr,
-            g_ptr,
-            n_mask,
-            G,
             GROUP,
             HAS_G_IDX,
-            BLOCK_K,
-            x.dtype,
+            True,
+            x_lo.dtype,
         )
-        hi = _dequant(
-            packed >> 4,
-            rn,
-            tl.where(b_mask, 2 * rb + 1, 0),
-            k,
-            s_ptr,
-            z_ptr,
-            g_ptr,
-            n_mask,
-            G,
-            GROUP,
-            HAS_G_IDX,
-            BLOCK_K,
-            x.dtype,
-        )
-        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-        acc = tl.dot(lo, tl.trans(x_even), acc)
-        acc = tl.dot(hi, tl.trans(x_odd), acc)
+        acc = tl.dot(lo, x_lo, acc)
+        acc = tl.dot(hi, x_hi, acc)
+    release_dependents(PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(
-        y_ptr + rm[None, :] * stride_y + rn[:, None],
+        y_ptr + rm[None, :].to(tl.int64) * stride_y + rn[:, None],
         acc.to(y_ptr.dtype.element_ty),
         mask=n_mask[:, None] & m_mask[None, :],
     )
 
 
-def _common(weight, scales, zeros, g_idx, bias, group_size):
-    n, k = weight.shape[0], 2 * weight.shape[1]
-    assert weight.stride(1) == 1 and scales.is_contiguous() and zeros.is_contiguous(), (
-        "contiguous layout"
-    )
-    g = g_idx if g_idx is not None else zeros  # an unread pointer
-    flags = dict(GROUP=group_size, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None)
-    return n, k, g, bias if bias is not None else scales, flags
-
-
-def group_int4_gemv(
-    x: torch.Tensor,
+def check_layout(
     weight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
     group_size: int,
-    g_idx: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y [N] (x's dtype) for one row x [K]; weight uint8 [N, K / 2], scales / zeros [N, G], g_idx int32 [K]."""
-    n, k, g, b, flags = _common(weight, scales, zeros, g_idx, bias, group_size)
-    x = x.reshape(-1).contiguous()
-    assert x.numel() == k, (tuple(x.shape), tuple(weight.shape))
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    args = (x, weight, scales, zeros, g, b, y, n, k, scales.shape[1], weight.stride(0))
-    if x.is_cuda:
-        _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    else:  # Triton's interpreter (CPU tests): one fixed config
-        _gemv_kernel.fn[(triton.cdiv(n, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=32)
-    return y
+    k: int,
+) -> tuple[int, int, torch.Tensor, torch.Tensor, dict]:
+    """(N, K, the g_idx pointer, the bias pointer, the kernels' flags) for K input features, after checking the
+    layout (module docstring); an absent g_idx or bias passes a tensor the kernel does not read."""
+    n = weight.shape[0]
+    assert weight.stride(1) == 1 and scales.is_contiguous() and zeros.is_contiguous(), (
+        "contiguous layout"
+    )
+    assert k % 8 == 0 and 2 * weight.shape[1] == -(-k // 16) * 16, (k, tuple(weight.shape))
+    # without g_idx a block of 16 columns lies in one group, and K holds whole groups
+    assert g_idx is not None or (group_size % 16 == 0 and k % group_size == 0), (k, group_size)
+    g = g_idx if g_idx is not None else zeros  # an unread pointer
+    flags = dict(
+        GROUP=group_size,
+        HAS_G_IDX=g_idx is not None,
+        PER_GROUP=_per_group(group_size, g_idx is not None),
+        HAS_BIAS=bias is not None,
+    )
+    return n, k, g, bias if bias is not None else scales, flags
 
 
 def group_int4_gemm(
@@ -289,34 +243,26 @@ def group_int4_gemm(
     group_size: int,
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """y [M, N] (x's dtype) for x [M, K] (unit stride along K); the weights as for `group_int4_gemv`."""
-    n, k, g, b, flags = _common(weight, scales, zeros, g_idx, bias, group_size)
+    """y [M, N] (x's dtype) for x [M, K] (unit stride along K); the weights as for `group_int4_gemv`. `config`: one
+    of gemm_configs(M) instead of the autotuner's choice."""
     m = x.shape[0]
-    assert x.shape[1] == k and x.stride(1) == 1, (tuple(x.shape), tuple(weight.shape))
+    assert x.stride(1) == 1, x.stride()
+    n, k, g, b, flags = check_layout(weight, scales, zeros, g_idx, bias, group_size, x.shape[1])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    args = (
-        x,
-        weight,
-        scales,
-        zeros,
-        g,
-        b,
-        y,
-        m,
-        n,
-        k,
-        scales.shape[1],
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        _m_tile(m),
-    )
-    if x.is_cuda:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
-        _gemm_kernel[grid](*args, **flags)
+    if m == 0:
+        return y
+    strides = (x.stride(0), weight.stride(0), y.stride(0))
+    args = (x, weight, scales, zeros, g, b, y, m, n, k, scales.shape[1], *strides, _m_tile(m))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
+    pdl = pdl_options(x.device, release_after_loop=True)
+    if config is not None:
+        _gemm_kernel.fn[grid(config.kwargs)](*args, **flags, **config.all_kwargs(), **pdl)
+    elif x.is_cuda:
+        _gemm_kernel[grid](*args, **flags, **pdl)
     else:
         _gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](
-            *args, **flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32
+            *args, **flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, PDL=0
         )
     return y

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
+PACK_BLOCK = 16  # input columns per block of the layers' own layout (`pack_nibbles_k`)
 INT4_LEVELS = 15
 
 
@@ -152,12 +153,21 @@ def unpack_gptq(
 
 
 def pack_nibbles_k(q: torch.Tensor) -> torch.Tensor:
-    """The layers' own layout (layers/group_quant_linear.py): uint8 [N, K / 2] from q [N, K] in 0..15, q[:, 2i] in
-    the low nibble of byte i and q[:, 2i + 1] in the high one (as the per-row int4 weights, but unsigned)."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
+    """The layers' own layout (layers/group_quant_linear.py): uint8 [N, ceil(K / 16) * 8] from q [N, K] in 0..15 (K a
+    multiple of 8; a last half block is padded with zeros). Byte j (0..7) of block b holds column 16b + j in its low
+    nibble and column 16b + 8 + j in its high one, so the low nibbles of a block's bytes meet 8 contiguous
+    activations and the high nibbles the next 8 (kernels/group_int4_gemm.py loads each half as one vector)."""
+    n, k = q.shape
+    if k % (PACK_BLOCK // 2):
+        raise ValueError(f"group-wise int4 packs input columns in halves of {PACK_BLOCK}, got {k}")
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, -k % PACK_BLOCK))
+    blocks = q.reshape(n, -1, 2, PACK_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, -1)
 
 
-def unpack_nibbles_k(packed: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] in 0..15 from the layers' layout uint8 [N, K / 2] (the inverse of `pack_nibbles_k`)."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+def unpack_nibbles_k(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 from the layers' layout (the inverse of `pack_nibbles_k`); `k` drops the padding."""
+    n = packed.shape[0]
+    blocks = packed.reshape(n, -1, PACK_BLOCK // 2)
+    q = torch.stack([blocks & 0xF, blocks >> 4], dim=2).reshape(n, -1)
+    return q if k is None else q[:, :k]

@@ -1,11 +1,13 @@
 """Group-wise int4 linear math and its dispatch: y = x @ W^T (+ bias) with W = (q - z[:, g]) * s[:, g]
-(layers/group_quant_linear.py holds the weights, kernels/group_int4_gemm.py the Triton kernels).
+(layers/group_quant_linear.py holds the weights, kernels/group_int4_gemv.py and group_int4_gemm.py the Triton
+kernels).
 
-On CUDA in fp16 / bf16: one row (batch-1 decode) goes to the Triton GEMV, up to SMALL_M rows (batched decode) to the
-Triton GEMM, more rows (prompts, compute-bound) to whichever of that GEMM and cuBLAS on a copy dequantized for the
-call was timed faster for the shape (kernels/fastest.py). Elsewhere (the CPU) the weight is dequantized in fp32
-((q - z) * s is exact there: a small integer times an fp16 scale) and multiplied in the activations' dtype, so an
-fp32 model equals the fp32 model holding the dequantized weights up to summation order.
+On CUDA in fp16 / bf16: one row (batch-1 decode) goes to whichever of the Triton GEMV and GEMM was timed faster for
+the shape (kernels/fastest.py), up to SMALL_M rows (batched decode) to the Triton GEMM, more rows (prompts,
+compute-bound) to whichever of that GEMM and cuBLAS on a copy dequantized for the call was timed faster.
+Elsewhere (the CPU) the weight is dequantized in fp32 ((q - z) * s is exact there: a small integer times an fp16
+scale) and multiplied in the activations' dtype, so an fp32 model equals the fp32 model holding the dequantized
+weights up to summation order.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ def dequantize_packed(
     g_idx: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """W [N, K] in `dtype` from the layers' layout (uint8 [N, K / 2], scales / zeros [N, G], optional g_idx)."""
-    return dequantize_groups(unpack_nibbles_k(weight), scales, zeros, group_size, g_idx, dtype)
+    """W [N, K] in `dtype` from the layers' layout (uint8 [N, K / 2] padded to blocks of 16 columns, scales / zeros
+    [N, G], optional g_idx); K is len(g_idx), else G * group_size."""
+    k = g_idx.numel() if g_idx is not None else scales.shape[1] * group_size
+    return dequantize_groups(unpack_nibbles_k(weight, k), scales, zeros, group_size, g_idx, dtype)
 
 
 def group_int4_linear(
@@ -42,13 +46,18 @@ def group_int4_linear(
     rows = x.numel() // x.shape[-1]
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from mmserve.kernels.fastest import run_fastest
-        from mmserve.kernels.group_int4_gemm import SMALL_M, group_int4_gemm, group_int4_gemv
+        from mmserve.kernels.group_int4_gemm import SMALL_M, group_int4_gemm
+        from mmserve.kernels.group_int4_gemv import group_int4_gemv
         from mmserve.layers.weight_only import rows_bucket
 
         x2 = x.reshape(rows, -1).contiguous()
         args = (weight, scales, zeros, group_size, g_idx, bias)
-        if rows == 1:
-            y = group_int4_gemv(x2, *args)
+        if rows == 1:  # the GEMV or the tensor-core GEMM (16-row tiles), whichever timed faster
+            key = ("group_int4_one_row", tuple(weight.shape), group_size, g_idx is not None)
+            y = run_fastest(
+                (*key, bias is not None, x.dtype, x.device),
+                [lambda: group_int4_gemv(x2, *args)[None], lambda: group_int4_gemm(x2, *args)],
+            )
         elif rows <= SMALL_M:
             y = group_int4_gemm(x2, *args)
         else:

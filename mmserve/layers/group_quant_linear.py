@@ -2,7 +2,8 @@
 published checkpoint tensors of every linear kind under tensor parallelism.
 
 Group-wise int4 (`GroupInt4`): the layer holds
-    qweight uint8 [N, K / 2]  q in 0..15 packed along K (group_int4.pack_nibbles_k),
+    qweight uint8 [N, K / 2]  q in 0..15 packed along K in blocks of 16 columns (group_int4.pack_nibbles_k;
+                              K / 2 rounded up to a whole block),
     scales  fp16  [N, G]      one per output row and group of `group_size` input columns,
     qzeros  uint8 [N, G]      zero points (GPTQ's read 1..16),
     g_idx   int32 [K]         the group of each input column (GPTQ act-order, or shards not on group boundaries),
@@ -29,6 +30,7 @@ from torch import nn
 from mmserve.distributed import get_tp_rank
 from mmserve.layers.group_int4 import (
     AWQ_ORDER,
+    PACK_BLOCK,
     group_index,
     pack_nibbles_k,
     quantize_groups,
@@ -77,8 +79,9 @@ class GroupInt4:
             raise ValueError(f"group-wise int4 needs in_features per rank divisible by 8, got {k}")
         self.spec, self.group_size, self.groups_total = spec, gs, k_full // gs
         self.k0 = get_tp_rank() * k if k != k_full else 0  # this rank's first input column
-        # whole groups on this rank: keep only their scales; else all groups and each column's group (g_idx)
-        self.uses_g_idx = spec.act_order or self.k0 % gs != 0 or k % gs != 0
+        # whole groups on this rank: keep only their scales; else all groups and each column's group (g_idx). The
+        # kernels read a block of 16 columns with one group unless they look groups up per column.
+        self.uses_g_idx = spec.act_order or self.k0 % gs != 0 or k % gs != 0 or gs % PACK_BLOCK != 0
         self.g0, groups = (0, k_full // gs) if self.uses_g_idx else (self.k0 // gs, k // gs)
         self._g_idx_parts: set = set()
         device = layer.weight.device
@@ -86,7 +89,7 @@ class GroupInt4:
         _param(
             layer,
             "qweight",
-            torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
+            torch.zeros(n, -(-k // PACK_BLOCK) * PACK_BLOCK // 2, dtype=torch.uint8, device=device),
             self._loader("qweight", layer),
         )
         _param(

@@ -4,9 +4,13 @@ symmetric: s_x[m] = max_k |x[m, k]| / 127, q_x = round(x / s_x) in -127..127), a
 
     y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k]   (+ bias[n]),
 
-the sum in int32: exact, in any order. On CUDA the sum is cuBLAS's int8 GEMM (`torch._int_mm`, which wants more than
-16 rows and K, N multiples of 8: fewer rows are padded to 17, other K / N go through float64, exact for these
-sums); the CPU runs `torch._int_mm` too, so both compute the same integers.
+the sum in int32: exact, in any order. On CUDA (kernels/int8_gemm.py) one Triton launch quantizes the activations
+and, up to SMALL_M rows (decode), a Triton int8 tensor-core GEMM applies both scales and the bias in its epilogue
+(one row: that or kernels/gemv.py's GEMV, whichever was timed faster; its fp32 sums of int8 products are exact up
+to 2^24 per partial sum, within a few ulps past it); more rows take whichever of that GEMM and cuBLAS's int8 GEMM
+(`torch._int_mm`) plus one epilogue kernel was timed faster for the shape (kernels/fastest.py). The CPU runs the
+torch reference below (`torch._int_mm` where K and N are multiples of 8, else float64, exact for these sums), so
+both compute the same integers.
 """
 
 from __future__ import annotations
@@ -34,9 +38,39 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     if k % 8 or n % 8:
         return (a.double() @ b.double().t()).to(torch.int32)  # |sum| < 127^2 K < 2^53: exact
+    # a reference on CUDA too (tests); w8a8_linear's CUDA path has no padding
     if a.is_cuda and m < _INT_MM_MIN_ROWS:
         return torch._int_mm(F.pad(a, (0, 0, 0, _INT_MM_MIN_ROWS - m)), b.t())[:m]
     return torch._int_mm(a, b.t())
+
+
+def _cuda_matmul(
+    x2: torch.Tensor,
+    amax: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The Triton / cuBLAS path of `w8a8_linear` for x2 [M, K] on a GPU."""
+    from mmserve.kernels.fastest import run_fastest
+    from mmserve.kernels.gemv import gemv
+    from mmserve.kernels.int8_gemm import SMALL_M, int8_gemm, int_mm_scaled, quant_rows_int8
+    from mmserve.layers.weight_only import rows_bucket
+
+    xq, xs = quant_rows_int8(x2 if x2.stride(-1) == 1 else x2.contiguous(), amax)
+    args = (xq, xs, weight, weight_scale.float(), bias, x2.dtype)
+    m, (n, k) = len(xq), weight.shape
+    if (
+        m == 1
+    ):  # kernels/gemv.py's one-row GEMV over int8 operands (fp32 sums) or the GEMM's 16-row tiles
+        key = ("w8a8_one_row", (n, k), bias is not None, x2.dtype, x2.device)
+        return run_fastest(
+            key, [lambda: int8_gemm(*args), lambda: gemv(xq, weight, bias, xs, args[3], x2.dtype)]
+        )
+    if m <= SMALL_M or k % 8 or n % 8:  # SMALL_M >= 16: more rows suit torch._int_mm
+        return int8_gemm(*args)
+    key = ("w8a8_linear", (n, k), bias is not None, x2.dtype, rows_bucket(m), x2.device)
+    return run_fastest(key, [lambda: int8_gemm(*args), lambda: int_mm_scaled(*args)])
 
 
 def w8a8_linear(
@@ -55,6 +89,9 @@ def w8a8_linear(
         from mmserve.distributed import tp_all_reduce
 
         amax = tp_all_reduce(x2.float().abs().amax(dim=-1), op="max")
+    if x2.is_cuda:
+        y = _cuda_matmul(x2, amax, weight, weight_scale, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     xq, xs = quantize_rows_int8(x2, amax)
     acc = int8_matmul(xq, weight)
     y = acc.float() * xs[:, None] * weight_scale.float()[None, :]

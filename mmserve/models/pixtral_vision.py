@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mmserve.attention.packed import PackedSegments, packed_attention
 from mmserve.core.transfer import to_device
 from mmserve.layers.activation import get_act_fn
 from mmserve.layers.linear import ReplicatedLinear
@@ -53,24 +53,6 @@ class PixtralRotary(nn.Module):
         return VisionRope(None, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
-def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], scale: float
-) -> torch.Tensor:
-    """q, k, v [N, H, D] of consecutive segments of `seqlens` tokens, each attending only itself -> [N, H * D]."""
-    heads, head_dim = q.shape[1:]
-    out, start = [], 0
-    for length, run in itertools.groupby(seqlens):  # consecutive equal segments attend as one batch
-        m = len(list(run))
-        qs, ks, vs = (
-            t[start : start + m * length].view(m, length, heads, head_dim).transpose(1, 2)
-            for t in (q, k, v)
-        )  # [m, H, length, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out.append(o.transpose(1, 2).reshape(m * length, heads * head_dim))
-        start += m * length
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
 class PixtralAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -80,14 +62,14 @@ class PixtralAttention(nn.Module):
         self.v_proj = ReplicatedLinear(dim, dim, bias=False)
         self.o_proj = ReplicatedLinear(dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: PackedSegments, rope: VisionRope) -> torch.Tensor:
         n = len(x)
         q, k, v = (
             p(x).view(n, self.num_heads, self.head_dim)
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = rope.apply(q, k)
-        return self.o_proj(packed_attention(q, k, v, seqlens, self.head_dim**-0.5))
+        return self.o_proj(packed_attention(q, k, v, segments, self.head_dim**-0.5))
 
 
 class PixtralMLP(nn.Module):
@@ -111,8 +93,8 @@ class PixtralBlock(nn.Module):
         self.ffn_norm = RMSNorm(dim, NORM_EPS)
         self.feed_forward = PixtralMLP(dim, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), seqlens, rope)
+    def forward(self, x: torch.Tensor, segments: PackedSegments, rope: VisionRope) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), segments, rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -179,11 +161,11 @@ class PixtralVisionTower(nn.Module):
         ]
         x = self.ln_pre(self.embed(images))
         rope = self.rotary(patch_positions(grids), x.device)
-        seqlens = [rows * cols for rows, cols in grids]
+        segments = PackedSegments.build([rows * cols for rows, cols in grids], x.device, x.dtype)
         num_layers = len(self.transformer.layers)
         wanted = [layer % (num_layers + 1) for layer in feature_layers]
         states = {0: x}
         for i, block in enumerate(self.transformer.layers[: max(wanted)], start=1):
-            x = block(x, seqlens, rope)
+            x = block(x, segments, rope)
             states[i] = x
         return [states[w] for w in wanted]

@@ -1,22 +1,23 @@
-"""Qwen2-VL / Qwen2.5-VL vision tower: Conv3d patch embedding, ViT blocks with 2D (h, w) rotary, 2x2 patch merger.
+"""Qwen2-VL / Qwen2.5-VL vision tower: patch embedding, ViT blocks with 2D (h, w) rotary, 2x2 patch merger.
 
 Patches of all images in a batch are packed into one sequence; attention stays within each frame of
-each image or video (block-diagonal, like flash-attention's cu_seqlens). Qwen2.5-VL: RMSNorm, gated
-MLP, and all but `fullatt_block_indexes` attend within windows of the frame.
+each image or video (block-diagonal: attention/packed.py, one varlen flash call per block on CUDA). Qwen2.5-VL:
+RMSNorm, gated MLP, and all but `fullatt_block_indexes` attend within windows of the frame. The indices a
+batch of grids needs (window order, segment starts, rotary positions) are built once per grids and kept.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.attention.packed import PackedSegments, packed_attention
 from mmserve.core.transfer import to_device
-from mmserve.layers.activation import get_act_fn
-from mmserve.layers.linear import ReplicatedLinear
+from mmserve.layers.activation import SiluAndMul, get_act_fn
+from mmserve.layers.linear import ReplicatedLinear, default_weight_loader
 from mmserve.layers.norm import RMSNorm
 from mmserve.layers.rotary import _rotate_half
 
@@ -135,26 +136,12 @@ class VisionAttention(nn.Module):
         self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
         self.proj = ReplicatedLinear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
-        # x [N, dim]; seqlens: lengths of the packed attention segments (sum N)
+    def forward(self, x: torch.Tensor, segments: PackedSegments, rope: VisionRope) -> torch.Tensor:
+        # x [N, dim]; segments: the packed attention segments (lengths sum to N)
         n = len(x)
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
         q, k = rope.apply(q, k)
-        out, start = [], 0
-        for length, run in itertools.groupby(
-            seqlens
-        ):  # consecutive equal segments attend as one batch
-            m = len(list(run))
-            qs, ks, vs = (
-                t[start : start + m * length]
-                .view(m, length, self.num_heads, self.head_dim)
-                .transpose(1, 2)
-                for t in (q, k, v)
-            )  # [m, H, length, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim**-0.5)
-            out.append(o.transpose(1, 2).reshape(m * length, -1))
-            start += m * length
-        return self.proj(out[0] if len(out) == 1 else torch.cat(out))
+        return self.proj(packed_attention(q, k, v, segments, self.head_dim**-0.5))
 
 
 class VisionMLP(nn.Module):
@@ -168,36 +155,90 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GateUpLinear(ReplicatedLinear):
+    """gate_proj and up_proj of one input as one matmul, whole on every rank; the checkpoint's parts load by
+    shard id (0: gate, 1: up), as load_weights' packed modules name them."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool) -> None:
+        super().__init__(dim, 2 * hidden, bias)
+        self.hidden = hidden
+
+    def _out_rows(self, shard_id: object) -> tuple[int, int, int]:
+        if shard_id is None:
+            return 0, self.out_features, 0
+        return int(shard_id) * self.hidden, self.hidden, 0
+
+    def full_rows(self, shard_id: object = None) -> int:
+        return self.out_features if shard_id is None else self.hidden
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
+        offset, size, _ = self._out_rows(shard_id)
+        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+
+
 class VisionGatedMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = ReplicatedLinear(dim, hidden, bias=True)
-        self.up_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.gate_up_proj = GateUpLinear(dim, hidden, bias=True)
+        self.silu_and_mul = SiluAndMul() if act == "silu" else None  # one fused kernel on CUDA
         self.act = get_act_fn(act)
         self.down_proj = ReplicatedLinear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        y = self.gate_up_proj(x)  # [N, 2 * hidden]: gate | up
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(y))
+        gate, up = y.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def _is_qwen2_5(config) -> bool:
     return config.model_type == "qwen2_5_vl_vision"
 
 
+class ResidualLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with RMSNorm's residual interface: norm(x), or (norm(x + residual), x + residual)."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
+
+
+def _norm(dim: int, rms: bool) -> nn.Module:
+    return RMSNorm(dim, 1e-6) if rms else ResidualLayerNorm(dim, eps=1e-6)
+
+
 class VisionBlock(nn.Module):
+    """Pre-norm ViT block; the residual add rides in the next norm (one fused kernel for RMSNorm on CUDA)."""
+
     def __init__(self, config, dim: int) -> None:
         super().__init__()
-        if _is_qwen2_5(config):
-            self.norm1, self.norm2 = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
+        qwen2_5 = _is_qwen2_5(config)
+        self.norm1, self.norm2 = _norm(dim, qwen2_5), _norm(dim, qwen2_5)
+        if qwen2_5:
             self.mlp = VisionGatedMLP(dim, config.intermediate_size, config.hidden_act)
         else:
-            self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
             self.mlp = VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
         self.attn = VisionAttention(dim, config.num_heads)
 
-    def forward(self, x: torch.Tensor, seqlens: list[int], rope: VisionRope) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), seqlens, rope)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        segments: PackedSegments,
+        rope: VisionRope,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's MLP output (the embeddings at the first block, residual None), residual the
+        stream before it -> (this block's MLP output, the stream before it)."""
+        h, residual = (self.norm1(x), x) if residual is None else self.norm1(x, residual)
+        h, residual = self.norm2(self.attn(h, segments, rope), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -206,15 +247,32 @@ class PatchMerger(nn.Module):
     def __init__(self, text_hidden: int, dim: int, merge: int, rms_norm: bool) -> None:
         super().__init__()
         self.in_dim = dim * merge * merge
-        self.ln_q = RMSNorm(dim, 1e-6) if rms_norm else nn.LayerNorm(dim, eps=1e-6)
+        self.ln_q = _norm(dim, rms_norm)
         self.mlp = nn.Sequential(
             ReplicatedLinear(self.in_dim, self.in_dim, bias=True),
             nn.GELU(),
             ReplicatedLinear(self.in_dim, text_hidden, bias=True),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.in_dim))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last block's MLP output and the stream before it -> [N / merge², text_hidden]."""
+        return self.mlp(self.ln_q(x, residual)[0].view(-1, self.in_dim))
+
+
+@dataclass(frozen=True)
+class TowerPlan:
+    """What the tower needs for one batch of grids, on the device: built once per grids and kept."""
+
+    rope: VisionRope  # the tokens' rotary, in the order the blocks see them
+    frames: PackedSegments  # one segment per frame
+    windows: PackedSegments  # Qwen2.5-VL's windows (the frames again for Qwen2-VL)
+    perm: torch.Tensor | None  # Qwen2.5-VL: patch rows in window order
+    unperm: torch.Tensor | None  # Qwen2.5-VL: merged rows back to the processor's order
+
+
+PLAN_CACHE_SIZE = (
+    32  # distinct batches of grids kept (a few KB of indices each, plus their positions)
+)
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -246,30 +304,54 @@ class Qwen2VisionTransformer(nn.Module):
         self.merger = PatchMerger(text_hidden, dim, self.merge, rms_norm=qwen2_5)
         for p in self.parameters():
             p.requires_grad_(False)
+        self.varlen = True  # False: one SDPA call per run of equal segments even where varlen runs
+        self._plans: dict[tuple, TowerPlan] = {}
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[list[int]]) -> torch.Tensor:
         """pixel_values [N, C * T * P * P] (patches of all items, in order), grid_thw one (t, h, w) per item
         -> [N / merge², text_hidden]."""
-        x = pixel_values.to(self.patch_embed.proj.weight.dtype)
-        x = self.patch_embed.proj(
-            x.view(-1, self.in_channels, self.temporal, self.patch, self.patch)
-        )
-        x = x.view(len(x), -1)  # [N, dim]
-        # host-built index tensors go up pinned: a pageable copy would wait for the steps queued on the GPU
-        rope = self.rotary(vision_rope_positions(grid_thw, self.merge), x.device)
-        seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]  # one segment per frame
-        if (
-            self.window is not None
-        ):  # reorder merge blocks window by window (frames stay contiguous)
-            order, window_seqlens = window_order(grid_thw, self.merge, self.window)
-            unit = self.merge**2
-            perm = to_device(
-                (order[:, None] * unit + torch.arange(unit)).flatten(), torch.int64, x.device
-            )
-            x, rope = x[perm], rope.permute(perm)
+        weight = (
+            self.patch_embed.proj.weight
+        )  # [dim, C, T, P, P]: the kernel covers a whole patch, a matmul
+        x = F.linear(pixel_values.to(weight.dtype), weight.view(len(weight), -1))  # [N, dim]
+        plan = self.plan(grid_thw, x.device, x.dtype)
+        if plan.perm is not None:  # merge blocks window by window (frames stay contiguous)
+            x = x[plan.perm]
+        residual = None
         for i, block in enumerate(self.blocks):
-            x = block(x, seqlens if i in self.full_blocks else window_seqlens, rope)
-        x = self.merger(x)
-        return (
-            x if self.window is None else x[to_device(torch.argsort(order), torch.int64, x.device)]
+            segments = plan.frames if i in self.full_blocks else plan.windows
+            x, residual = block(x, residual, segments, plan.rope)
+        x = self.merger(x, residual)
+        return x if plan.unperm is None else x[plan.unperm]
+
+    def plan(
+        self, grid_thw: list[list[int]], device: torch.device, dtype: torch.dtype
+    ) -> TowerPlan:
+        """The batch's TowerPlan, from the cache when these grids were seen (no host work, no copies)."""
+        key = (tuple(tuple(int(v) for v in g) for g in grid_thw), device, dtype, self.varlen)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE_SIZE:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = self._build_plan(key[0], device, dtype)
+        return plan
+
+    def _build_plan(
+        self, grid_thw: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype
+    ) -> TowerPlan:
+        # host-built index tensors go up pinned: a pageable copy would wait for the steps queued on the GPU
+        pos = vision_rope_positions(grid_thw, self.merge)  # [N, 2]
+        frames = [h * w for t, h, w in grid_thw for _ in range(t)]
+        if self.window is None:
+            segments = PackedSegments.build(frames, device, dtype, self.varlen)
+            return TowerPlan(self.rotary(pos, device), segments, segments, None, None)
+        order, window_lengths = window_order(grid_thw, self.merge, self.window)
+        unit = self.merge**2
+        perm = (order[:, None] * unit + torch.arange(unit)).flatten()
+        return TowerPlan(
+            self.rotary(pos[perm], device),
+            PackedSegments.build(frames, device, dtype, self.varlen),
+            PackedSegments.build(window_lengths, device, dtype, self.varlen),
+            to_device(perm, torch.int64, device),
+            to_device(torch.argsort(order), torch.int64, device),
         )

@@ -1,6 +1,7 @@
-"""Group-wise int4 and W8A8 linears on a GPU: the Triton GEMV / GEMM against the dequantized fp32 formula at
-LLaVA-7B shapes (M 1, 8, 64, 512; groups of 128; act-order g_idx), W8A8's int8 GEMM (torch._int_mm, padded below
-17 rows) against exact integer math, and CUDA-graph replays equal to eager calls."""
+"""Group-wise int4 linears on a GPU: the Triton GEMV / GEMM against the dequantized fp32 formula at LLaVA-7B shapes
+(M 1, 8, 64, 512; groups of 128; act-order g_idx), every GEMV config and the one-row choice, odd shapes (groups of
+32 and 64, a last half block of 16 columns), CUDA-graph replays equal to eager calls, and a tiny model quantized at
+load (int4_g128, w8a8) decoding through CUDA graphs as it does eagerly. W8A8's kernels: test_w8a8_gpu.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import torch
 
 from mmserve.layers.group_int4 import pack_nibbles_k, quantize_groups
 from mmserve.layers.group_int4_linear import dequantize_packed, group_int4_linear
-from mmserve.layers.w8a8_linear import quantize_rows_int8, w8a8_linear
-from mmserve.layers.weight_only import quantize_weight_int8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +30,8 @@ def _weights(n: int, k: int, act_order: bool, seed: int):
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008)])
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
 def test_group_int4_linear_matches_the_formula(m, n, k, act_order, dtype):
-    from mmserve.kernels.group_int4_gemm import group_int4_gemm, group_int4_gemv
+    from mmserve.kernels.group_int4_gemm import group_int4_gemm
+    from mmserve.kernels.group_int4_gemv import group_int4_gemv
 
     w, s, z, g_idx = _weights(n, k, act_order, m + n)
     x = torch.randn(m, k, device=CUDA, dtype=dtype)
@@ -59,19 +59,44 @@ def test_group_int4_decode_replays_in_a_cuda_graph(m):
     torch.testing.assert_close(y, group_int4_linear(x, w, s, z, 128, g_idx), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("m", [1, 8, 17, 300])
-def test_w8a8_int8_gemm_is_exact_integer_math(m):
-    wq, ws = quantize_weight_int8(torch.randn(4096, 4096, device=CUDA) * 0.02)
-    x = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
-    xq, xs = quantize_rows_int8(x)
-    want = (xq.double() @ wq.double().t()) * xs.double()[:, None] * ws.double()[None, :]
-    got = w8a8_linear(x, wq, ws)
-    assert (got.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w8a8_linear(x, wq, ws)
-    graph.replay()
-    torch.testing.assert_close(y, got, atol=0, rtol=0)
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 11008)])
+def test_every_gemv_config_matches_the_formula(n, k, act_order):
+    """Each autotuner candidate (tile shapes, activations shared by a thread's rows or read per row), not only the
+    one the autotuner keeps, and each of the GEMM's at one row (the other one-row candidate)."""
+    from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
+    from mmserve.kernels.group_int4_gemv import GEMV_CONFIGS, group_int4_gemv
+
+    w, s, z, g_idx = _weights(n, k, act_order, 7)
+    x = torch.randn(k, device=CUDA, dtype=torch.float16)
+    want = x.float() @ dequantize_packed(w, s, z, 128, g_idx, torch.float32).t()
+    for config in GEMV_CONFIGS:
+        _close(group_int4_gemv(x, w, s, z, 128, g_idx, config=config), want)
+    for config in gemm_configs(1):
+        _close(group_int4_gemm(x[None], w, s, z, 128, g_idx, config=config)[0], want)
+
+
+@pytest.mark.parametrize(
+    "k,group,act_order", [(4096, 64, False), (4096, 32, False), (4104, 8, True), (1032, 24, True)]
+)
+@pytest.mark.parametrize("m", [1, 5, 100])
+def test_group_int4_odd_groups_and_half_blocks(m, k, group, act_order):
+    """Groups of 32 / 64 (several per tile), groups not a multiple of 16 and K = 16 b + 8 (a padded half block:
+    the layer looks each column's group up, g_idx)."""
+    g = torch.Generator(device=CUDA).manual_seed(k + m)
+    q, s, z = quantize_groups(torch.randn(512, k, device=CUDA, generator=g) * 0.02, group)
+    g_idx = (
+        (torch.randperm(k, device=CUDA, generator=g) % (k // group)).int() if act_order else None
+    )
+    w, s = pack_nibbles_k(q), s.half()
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    bias = torch.randn(512, device=CUDA, dtype=torch.bfloat16)
+    want = x.float() @ dequantize_packed(w, s, z, group, g_idx, torch.float32).t() + bias.float()
+    _close(group_int4_linear(x, w, s, z, group, g_idx, bias), want)
 
 
 @pytest.mark.parametrize("quantization", ["int4_g128", "w8a8"])

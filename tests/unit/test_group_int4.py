@@ -10,9 +10,11 @@ from mmserve.layers.group_int4 import (
     dequantize_groups,
     pack_awq,
     pack_gptq,
+    pack_nibbles_k,
     quantize_groups,
     unpack_awq,
     unpack_gptq,
+    unpack_nibbles_k,
 )
 
 
@@ -121,3 +123,20 @@ def test_gptq_refuses_a_zero_it_cannot_store() -> None:
     zeros = torch.zeros(8, 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="zero point of 0"):
         pack_gptq(torch.zeros(8, 8, dtype=torch.uint8), zeros, torch.ones(8, 1))
+
+
+@pytest.mark.parametrize("k", [48, 40])
+def test_layers_layout_pairs_each_column_with_the_one_8_later(k: int) -> None:
+    """Byte j of block b holds column 16b + j (low nibble) and 16b + 8 + j (high); a last half block (K = 40) is
+    padded with zero nibbles, and unpacking to K columns gives q back."""
+    torch.manual_seed(3)
+    q = torch.randint(0, 16, (3, k), dtype=torch.uint8)
+    packed = pack_nibbles_k(q)
+    assert packed.shape == (3, -(-k // 16) * 8)
+    for r, col in [(0, 0), (1, 7), (2, 16), (0, 21), (1, 32), (2, 39)]:
+        block, j = divmod(col, 16)
+        byte = int(packed[r, 8 * block + j % 8])
+        assert (byte >> 4 if j >= 8 else byte & 0xF) == int(q[r, col])
+    if k % 16:
+        assert int((packed[:, -4:] >> 4).max()) == 0  # the missing columns 40..47
+    assert torch.equal(unpack_nibbles_k(packed, k), q)

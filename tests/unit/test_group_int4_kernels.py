@@ -1,6 +1,7 @@
-"""kernels/group_int4_gemm.py (the Triton GEMV and GEMM over group-wise int4 weights) against the dequantized fp32
-formula, in Triton's CPU interpreter. TRITON_INTERPRET must be set before triton is imported and would leak into
-other tests, so the checks run in one child process that prints each case's error."""
+"""kernels/group_int4_gemv.py and group_int4_gemm.py (the Triton GEMV and GEMM over group-wise int4 weights) against the dequantized fp32
+formula, in Triton's CPU interpreter: every row count through the GEMM, one row also through both GEMV variants.
+TRITON_INTERPRET must be set before triton is imported and would leak into other tests, so the checks run in one
+child process that prints each case's error."""
 
 from __future__ import annotations
 
@@ -21,21 +22,19 @@ CASES = [  # (rows, N, K, group_size, act-order g_idx, bias)
     (1, 16, 128, 32, True, False),
     (3, 24, 128, 64, False, True),
     (20, 40, 128, 32, True, True),
-    (
-        5,
-        16,
-        96,
-        48,
-        False,
-        False,
-    ),  # groups not a multiple of the K tile: scales looked up per column
+    (5, 16, 96, 48, False, False),  # groups not a power of two: scales looked up per column
     (1, 16, 96, 48, True, True),
+    (1, 8, 256, 16, False, True),  # several groups per GEMV tile row
+    (1, 16, 136, 8, True, True),  # K = 8.5 blocks of 16: a last half block, groups of 8 (g_idx)
+    (4, 24, 136, 8, True, False),
 ]
 _SCRIPT = """
 import json, sys, torch
-from mmserve.kernels.group_int4_gemm import group_int4_gemm, group_int4_gemv
+from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
+from mmserve.kernels.group_int4_gemv import group_int4_gemv
 from mmserve.layers.group_int4 import pack_nibbles_k, quantize_groups
 from mmserve.layers.group_int4_linear import dequantize_packed
+import mmserve.kernels.group_int4_gemv as kernels
 out = []
 for m, n, k, gs, act, has_bias in json.loads(sys.argv[1]):
     torch.manual_seed(m * 1000 + n + k)
@@ -47,8 +46,25 @@ for m, n, k, gs, act, has_bias in json.loads(sys.argv[1]):
     x = torch.randn(m, k)
     bias = torch.randn(n) if has_bias else None
     want = x @ dequantize_packed(w, s, z, gs, g_idx, torch.float32).t() + (bias if has_bias else 0)
-    got = group_int4_gemv(x[0], w, s, z, gs, g_idx, bias)[None] if m == 1 else group_int4_gemm(x, w, s, z, gs, g_idx, bias)
-    out.append(float((got - want).abs().max() / want.abs().max()))
+    got = [group_int4_gemm(x, w, s, z, gs, g_idx, bias)]
+    if m == 1:  # the GEMV both ways: activations shared by a thread's rows, or read per row
+        for shared in (False, True):
+            kernels._CPU_GEMV["SHARED_X"] = shared
+            got.append(group_int4_gemv(x[0], w, s, z, gs, g_idx, bias)[None])
+    out.append(max(float((y - want).abs().max() / want.abs().max()) for y in got))
+# every autotuning candidate (as the GPU runs them) at one shape: K = 384 is 3 groups, less than most tiles
+torch.manual_seed(0)
+q, s, z = quantize_groups(torch.randn(24, 384), 128)
+w, s = pack_nibbles_k(q), s.half()
+x = torch.randn(70, 384)
+want = x @ dequantize_packed(w, s, z, 128, None, torch.float32).t()
+got = [group_int4_gemv(x[0], w, s, z, 128, config=c)[None] for c in kernels.GEMV_CONFIGS]
+got = [(y, want[:1]) for y in got] + [
+    (group_int4_gemm(x[:m], w, s, z, 128, config=c), want[:m])
+    for m in (1, 20, 70)
+    for c in gemm_configs(m)
+]
+out.append(max(float((y - ref).abs().max() / ref.abs().max()) for y, ref in got))
 print("RESULTS " + json.dumps(out))
 """
 
@@ -68,6 +84,11 @@ def errors() -> list[float]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+def test_every_kernel_config_matches_dequantized_formula(errors: list[float]) -> None:
+    """Each GEMV / GEMM autotuning candidate, at tiles wider than K (one partial tile, masked)."""
+    assert errors[len(CASES)] < 1e-5, errors[len(CASES)]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])
