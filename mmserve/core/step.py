@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ def step_kind(num_tokens_per_seq: list[int]) -> str:
     return "prefill" if ones == 0 else "mixed"
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute token positions [start, start + num_tokens).
 
@@ -39,6 +40,7 @@ class ScheduledRequest:
     samples: bool = False  # the chunk reaches the request's last token, so a new token is sampled
     load_prompt_end: int | None = None
     store_prompt_end: int | None = None
+    block_row: int = -1  # the row of block_ids in SchedulerOutput.block_table (-1: none)
     end: int = field(
         init=False
     )  # start + num_tokens: a field, read several times per request per step
@@ -51,6 +53,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # [rows, width] int32 on the host: each running request's block ids in its row (ScheduledRequest.block_row),
+    # 0 past them; the KV manager's array, valid until the next schedule
+    block_table: np.ndarray | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -68,7 +68,7 @@ class Engine:
             self.tokenizer,
             self.requests,
             self.scheduler.finish,
-            self.kv.cache_computed_blocks,
+            self.kv.cache_computed_blocks_of,
             self.step_stats,
         )
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # tokens not read yet
@@ -211,20 +211,25 @@ class Engine:
         except BaseException:
             self._forget_prompt_end_stores(sched)
             raise
-        row = 0
+        row = prompt_tokens = 0
         for s in sched.scheduled:
-            req = s.request
-            if s.start < req.num_prompt_tokens and req.mm_items and req.mm_items_in(s.start, s.end):
-                # a prompt chunk with pictures: when its encoder ran, for its trace
-                launched_at = launched_at or time.time()
-                req.note_encode(started, launched_at)
-            s.request.num_computed_tokens = s.end
+            req, start, end = s.request, s.start, s.end
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:
+                prompt_tokens += min(end, num_prompt) - start
+                if req.mm_items and req.mm_items_in(start, end):
+                    # a prompt chunk with pictures: when its encoder ran, for its trace
+                    launched_at = launched_at or time.time()
+                    req.note_encode(started, launched_at)
+            req.num_computed_tokens = end
             if s.samples:
-                s.request.add_pending(row)
+                req.add_pending(row)
                 row += 1
-            # register full blocks now, not when the step is read back: a request admitted by the next
-            # schedule may hit them (its reads are queued after this step's writes)
-            self.kv.cache_computed_blocks(s.request)
+        # register full blocks now, not when the step is read back: a request admitted by the next
+        # schedule may hit them (its reads are queued after this step's writes)
+        self.kv.cache_computed_blocks_of(s.request for s in sched.scheduled)
+        self.step_stats.prompt_tokens += prompt_tokens
+        self.step_stats.sampled_tokens += row
         return launched
 
     def _record_step(
@@ -234,11 +239,8 @@ class Engine:
         if launched is None:
             self.step_stats.idle_host_s += host_s
             return
+        # its prompt and sampled tokens were counted when it launched (_launch)
         self.step_stats.launched(sched.kind, sched.num_batched_tokens, len(sched.scheduled), host_s)
-        for s in sched.scheduled:
-            prompt = s.request.num_prompt_tokens
-            self.step_stats.prompt_tokens += max(0, min(s.start + s.num_tokens, prompt) - s.start)
-            self.step_stats.sampled_tokens += bool(s.samples)
         if host_s > SLOW_STEP_S:
             self._log_slow_step(sched, host_s)
 

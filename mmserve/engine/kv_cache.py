@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from mmserve.core.transfer import cdiv
 from mmserve.engine.request import Request
@@ -143,6 +145,46 @@ class BlockPool:
         self._cached.clear()
 
 
+class BlockTableRows:
+    """Every running request's block ids as one row of a persistent int32 array, written as blocks are added, so
+    a step gathers its padded block tables with one indexing op instead of padding a list per request. A row past a
+    request's blocks holds 0 (the padding the attention backends expect); rows and columns grow by doubling, so
+    read `array` afresh after an allocation."""
+
+    def __init__(self, rows: int = 64, width: int = 16) -> None:
+        self.array = np.zeros((rows, width), dtype=np.int32)
+        self._rows: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def row(self, request_id: str) -> int:
+        """The request's row (-1 while it holds no blocks)."""
+        return self._rows.get(request_id, -1)
+
+    def extend(self, request_id: str, start: int, block_ids: list[int]) -> None:
+        """Write block_ids at columns [start, start + len) of the request's row (given one on first use)."""
+        row = self._rows.get(request_id)
+        if row is None:
+            row = self._free.pop() if self._free else len(self._rows)
+            self._rows[request_id] = row
+        rows, width = self.array.shape
+        end = start + len(block_ids)
+        if row >= rows or end > width:
+            grown = np.zeros(
+                (2 * rows if row >= rows else rows, max(2 * width, end) if end > width else width),
+                np.int32,
+            )
+            grown[:rows, :width] = self.array
+            self.array = grown
+        self.array[row, start:end] = block_ids
+
+    def release(self, request_id: str, num_blocks: int) -> None:
+        """Zero the request's row (its num_blocks ids) and give it back."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self.array[row, :num_blocks] = 0
+            self._free.append(row)
+
+
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
@@ -165,6 +207,7 @@ class KVCacheManager:
         self._tables: dict[str, list[KVBlock]] = {}
         # the same tables as block ids, kept alongside: a step reads every running request's ids (block_ids)
         self._ids: dict[str, list[int]] = {}
+        self.rows = BlockTableRows()  # and as rows of one array (a step's padded tables)
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -263,7 +306,10 @@ class KVCacheManager:
         self.pool.touch(computed_blocks)
         new = computed_blocks + (self.pool.take(num_new_blocks) if num_new_blocks > 0 else [])
         table.extend(new)
-        self._ids.setdefault(req.request_id, []).extend(b.block_id for b in new)
+        ids = self._ids.setdefault(req.request_id, [])
+        ids.extend(b.block_id for b in new)
+        if new:
+            self.rows.extend(req.request_id, len(ids) - len(new), ids[len(ids) - len(new) :])
         self._num_registered.setdefault(req.request_id, len(computed_blocks))
         return True
 
@@ -281,10 +327,20 @@ class KVCacheManager:
             self.pool.register(table[i], req.block_hashes[i])
         self._num_registered[req.request_id] = max(done, num_full)
 
+    def cache_computed_blocks_of(self, reqs: Iterable[Request]) -> None:
+        """cache_computed_blocks of each of `reqs`, in order, skipping those with no newly full block (most of a
+        step's) without a call each."""
+        if not self.enable_prefix_caching:
+            return
+        registered, bs = self._num_registered, self.block_size
+        for req in reqs:
+            if req.num_computed_tokens // bs > registered.get(req.request_id, 0):
+                self.cache_computed_blocks(req)
+
     def free(self, req: Request) -> None:
         """Release all of req's blocks; the tail goes first into the LRU so prefixes outlive suffixes."""
         table = self._tables.pop(req.request_id, [])
-        self._ids.pop(req.request_id, None)
+        self.rows.release(req.request_id, len(self._ids.pop(req.request_id, ())))
         self._num_registered.pop(req.request_id, None)
         self.pool.release(list(reversed(table)))
 

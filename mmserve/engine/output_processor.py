@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mmserve.core.outputs import Logprob, RequestOutput
 from mmserve.core.step import RunnerOutput, SchedulerOutput
@@ -51,13 +51,14 @@ class OutputProcessor:
         tokenizer,
         requests: dict[str, Request],
         finish: Callable[[Request, RequestStatus], None],
-        cache_computed_blocks: Callable[[Request], None],
+        cache_computed_blocks: Callable[[Iterable[Request]], None],
         step_stats: StepStats,
     ) -> None:
         self.tokenizer = tokenizer
         self.requests = requests
         self._finish = finish  # Scheduler.finish: frees the request's blocks
-        self._cache_computed_blocks = cache_computed_blocks  # KVCacheManager.cache_computed_blocks
+        # KVCacheManager.cache_computed_blocks_of
+        self._cache_computed_blocks = cache_computed_blocks
         self.step_stats = step_stats
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stop_ids: dict[str, set[int]] = {}
@@ -79,22 +80,31 @@ class OutputProcessor:
         self.step_stats.waited(sched.kind, launched.wait_s)
         outputs = []
         now = time.time()
+        requests, tokens = self.requests, result.token_ids
+        # the per-token extras (prompt logits, logprobs, generation logits) only when some request has them
+        context = bool(result.prompt_logprobs or result.context_logits)
+        extras = result if result.logprobs or result.generation_logits else None
+        live, sampled = [], []
         for s in sched.scheduled:
             req = s.request
-            if self.requests.get(req.request_id) is not req:
+            if requests.get(req.request_id) is not req:
                 continue  # finished or aborted while the step ran; its tokens are dropped
-            self._store_context_logits(req, result)
-            token = None
+            live.append(req)
+            if context:
+                self._store_context_logits(req, result)
             if s.samples:
-                token = result.token_ids[req.request_id]
+                token = tokens[req.request_id]
                 req.fill_pending(token)
-                self._append_token(req, token, result)
-                req.first_token_time = req.first_token_time or now
-            self._cache_computed_blocks(req)
-            if token is None:
-                continue
-            detok = self.detokenizers[req.request_id]
-            status = finish_status(req, token, detok, self.stop_ids[req.request_id])
+                self._append_token(req, token, extras)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                sampled.append((req, token))
+        # blocks whose last ids just arrived can be hashed now; before any request of the step finishes
+        self._cache_computed_blocks(live)
+        for req, token in sampled:
+            rid = req.request_id
+            detok = self.detokenizers[rid]
+            status = finish_status(req, token, detok, self.stop_ids[rid])
             if status is not None:
                 self._finish(req, status)
                 outputs.append(self.final_output(req))
@@ -137,15 +147,19 @@ class OutputProcessor:
             req.context_logits.append(chunk[skip:])
             req.num_context_logits += len(chunk) - skip
 
-    def _append_token(self, req: Request, token: int, result: RunnerOutput) -> None:
+    def _append_token(self, req: Request, token: int, result: RunnerOutput | None) -> None:
+        """The new token into the request's grammar, detokenizer and, from `result` (None: the step has no
+        log-probs or generation logits at all), its log-probs and generation logits."""
         if req.grammar is not None and not req.grammar.accept_token(token):
             logger.warning(
                 "%s: token %d is outside its guided-decoding grammar", req.request_id, token
             )
-        if req.request_id in result.generation_logits:
-            req.generation_logits.append(result.generation_logits[req.request_id])
         if decodes_per_token(req):
             self.detokenizers[req.request_id].push(token)
+        if result is None:
+            return
+        if req.request_id in result.generation_logits:
+            req.generation_logits.append(result.generation_logits[req.request_id])
         if req.params.logprobs is not None and req.request_id in result.logprobs:
             lp = result.logprobs[req.request_id]
             req.cumulative_logprob += lp

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 import torch
@@ -11,6 +12,7 @@ from mmserve.core.multimodal import MultiModalItem
 from mmserve.core.outputs import Logprob
 from mmserve.core.stop_matcher import TokenSequenceMatcher
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.sampling_batch import plain_greedy_from
 
 PLACEHOLDER = -1  # an output token whose step is still running on the GPU (async scheduling)
 
@@ -135,6 +137,11 @@ class Request:
             parts.append(gen.expand(len(self.prompt_positions), -1))
         return torch.cat(parts, dim=1)
 
+    @functools.cached_property
+    def plain_sampling_from(self) -> float:
+        """The output length from which its next token is the plain argmax of its logits (plain_greedy_from)."""
+        return plain_greedy_from(self.params, self.bad_words)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -197,7 +204,12 @@ class Request:
 
     def mm_items_in(self, start: int, end: int) -> list[MultiModalItem]:
         """Multimodal items whose placeholder span overlaps token positions [start, end)."""
-        return [m for m in self.mm_items if m.offset < end and m.end > start]
+        items = self.mm_items
+        if (
+            not items or items[-1].end <= start
+        ):  # sorted, disjoint spans: the last ends last (decodes)
+            return []
+        return [m for m in items if m.offset < end and m.end > start]
 
     @property
     def finished(self) -> bool:

@@ -52,28 +52,37 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        running, allocate = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_output_tokens >= req.max_output_tokens:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_out = len(req.output_token_ids)
+            if num_out >= req.max_output_tokens:
                 i += 1  # its last token is still in flight; it finishes when that arrives
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+            num_tokens = len(req.prompt_token_ids) + num_out
+            n = min(num_tokens - req.num_computed_tokens, budget)
+            while not allocate(req, n):
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(self._scheduled(req, n))
+                out.scheduled.append(self._scheduled(req, n, num_tokens))
                 budget -= n
                 i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
         # one-token chunks (decodes) first, in order: attention backends split a mixed batch there; prompt-end
         # loads (nothing to compute) last
-        out.scheduled.sort(key=lambda s: (s.num_tokens != 1, s.num_tokens == 0))
+        scheduled = out.scheduled
+        ones = [s for s in scheduled if s.num_tokens == 1]
+        if len(ones) != len(scheduled):
+            ones += [s for s in scheduled if s.num_tokens > 1]
+            ones += [s for s in scheduled if s.num_tokens == 0]
+            out.scheduled = ones
+        out.block_table = self.kv.rows.array
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -155,19 +164,25 @@ class Scheduler:
             return None
         return self.prompt_ends.lookup(self.kv.prompt_digest(req))
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, num_tokens: int | None = None) -> ScheduledRequest:
+        """req's chunk of n tokens from its computed ones (num_tokens: req.num_tokens, when the caller has it)."""
         start = req.num_computed_tokens
         end = start + n
+        if num_tokens is None:
+            num_tokens = req.num_tokens
         store = None
-        if end == req.num_tokens == req.num_prompt_tokens and self.prompt_ends is not None:
+        if end == num_tokens == len(req.prompt_token_ids) and self.prompt_ends is not None:
             store = self.prompt_ends.claim(self.kv.prompt_digest(req))
+        rid = req.request_id
         return ScheduledRequest(
             req,
             start,
             n,
-            self.kv.block_ids(req.request_id),
-            end == req.num_tokens,
-            store_prompt_end=store,
+            self.kv.block_ids(rid),
+            end == num_tokens,
+            None,
+            store,
+            self.kv.rows.row(rid),
         )
 
     def _preempt(self, req: Request) -> None:

@@ -3,6 +3,8 @@ mixed batch, rotary positions (plain or M-RoPE) concatenated over the batch, and
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -24,10 +26,20 @@ def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> lis
 
 def num_leading_decodes(query_start_loc: list[int]) -> int:
     """How many sequences at the front of the batch have exactly one query token."""
-    n = 0
-    while n + 1 < len(query_start_loc) and query_start_loc[n + 1] - query_start_loc[n] == 1:
-        n += 1
-    return n
+    longer = np.flatnonzero(np.diff(np.asarray(query_start_loc, dtype=np.int64)) != 1)
+    return int(longer[0]) if len(longer) else len(query_start_loc) - 1
+
+
+def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """Block tables -> [B, longest] int32 on the host, padded with block 0: one copy of the ids in C and a masked
+    store, not a padded Python list per sequence."""
+    lens = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    width = int(lens.max()) if len(lens) else 0
+    out = np.zeros((len(block_tables), width), np.int32)
+    out[np.arange(width) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(block_tables), np.int32, int(lens.sum())
+    )
+    return torch.from_numpy(out)
 
 
 def cat_positions(parts: list, mrope: bool) -> torch.Tensor:
@@ -52,20 +64,30 @@ def cat_positions(parts: list, mrope: bool) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def range_positions(starts: list[int], qsl: list[int], mrope: bool) -> torch.Tensor:
+    """Positions of sequences whose tokens sit at start, start + 1, ... (sequence i's rows start at qsl[i]) ->
+    [T] int64, or [3, T] for M-RoPE (the same on every axis), on the host: arange(T) shifted per sequence."""
+    lens = np.diff(np.asarray(qsl, dtype=np.int64))
+    shift = np.asarray(starts, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64)
+    flat = np.arange(qsl[-1], dtype=np.int64) + np.repeat(shift, lens)
+    return torch.from_numpy(np.broadcast_to(flat, (3, len(flat))).copy() if mrope else flat)
+
+
 def attention_metadata(
-    computed: list,
+    block_tables: list[list[int]],
     slots: list[int],
     qsl: list[int],
     seq_lens: list[int],
     block_size: int,
     device: torch.device,
     slot_mapping: torch.Tensor | None = None,
+    padded: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """The step's AttentionMetadata: query offsets, context lengths and block tables (padded with block 0) on the
     device (copied without a host sync), their host copies, and the leading decodes' count; `slot_mapping`, when
-    given, is a persistent buffer the caller fills (the piecewise graphs' own)."""
-    max_blocks = max(len(s.block_ids) for s in computed)
-    tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in computed]
+    given, is a persistent buffer the caller fills (the piecewise graphs' own); `padded`: block_tables already
+    padded ([B, longest] int32, FlatBatch.padded_tables)."""
+    tables = padded_tables(block_tables) if padded is None else torch.from_numpy(padded)
     return AttentionMetadata(
         query_start_loc=to_device(qsl, torch.int32, device),
         seq_lens=to_device(seq_lens, torch.int32, device),
@@ -75,7 +97,7 @@ def attention_metadata(
         else slot_mapping,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
-        max_query_len=max(s.num_tokens for s in computed),
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         max_seq_len=max(seq_lens),
         block_size=block_size,
         num_decodes=num_leading_decodes(qsl),

@@ -48,10 +48,12 @@ class LaunchedStep:
         if len(host) > 1:
             lp, top_lp, top_ids = host[1].tolist(), host[2].tolist(), host[3].tolist()
             ranks = host[4].tolist() if host[4] is not None else None
+        self.out.token_ids.update(zip([r.request_id for r in self.reqs], token_ids))
+        if lp is None:
+            return self.out
         for i, r in enumerate(self.reqs):
             rid = r.request_id
-            self.out.token_ids[rid] = token_ids[i]
-            if lp is not None and r.params.logprobs is not None:
+            if r.params.logprobs is not None:
                 k = r.params.logprobs
                 self.out.logprobs[rid] = lp[i]
                 self.out.ranks[rid] = ranks[i] if ranks else None

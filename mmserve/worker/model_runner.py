@@ -258,8 +258,10 @@ class ModelRunner:
             return self.sampling.sample(
                 [s.request for s in loads], self.model.compute_logits(loaded)
             )
-        batch = flatten(computed, prev, self.block_size, self.device, self.model.family.mrope)
         family = self.model.family
+        batch = flatten(
+            computed, prev, self.block_size, self.device, family.mrope, sched.block_table
+        )
         rule = family.media_rows
         media = media_rows(computed, batch.qsl, rule) if rule is not None else []
         if family.media_lora:
@@ -325,7 +327,9 @@ class ModelRunner:
             ids[batch.fill[0]] = batch.fill[1]
         embeds = self.model.embed_input_ids(ids)
         if not self.model.family.cross_attention:
-            self.encoder.merge(computed, qsl, embeds)
+            # only prompt chunks hold pictures (merge reads sequence i's first row, qsl[i])
+            chunks = batch.prompt_chunks
+            self.encoder.merge([computed[i] for i in chunks], [qsl[i] for i in chunks], embeds)
         n = len(batch.input_ids)
         if (
             graphs_ok
@@ -346,6 +350,7 @@ class ModelRunner:
             batch.block_tables,
             rows_by_adapter=rows_by_adapter,
             media_rows=media,
+            padded_tables=batch.padded_tables,
         )
         cross_meta, written = None, []
         if kind == "eager" and self.model.family.cross_attention:

@@ -5,6 +5,7 @@ sampler's per-row Philox seeds (`row_seed`). worker/sampler.py applies them, in 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,26 @@ _TEMP_EPS = (
     1e-5  # temperatures below this are treated as greedy: logits / 1e-30 would overflow fp32
 )
 _MASK64 = (1 << 64) - 1
+# the per-row tensors a batch of plain greedy rows leaves out
+_OPTIONAL_ROWS = (
+    "greedy",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "mask_rows",
+    "mask_ids",
+    "bias_rows",
+    "bias_ids",
+    "bias_values",
+    "guided_rows",
+    "guided_bitmask",
+    "prompt_ids",
+    "output_ids",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _mix64(x: int) -> int:
@@ -82,6 +103,18 @@ class SamplingBatch:
         return self.output_ids is not None
 
     @classmethod
+    def plain(cls, num_rows: int, vocab_size: int, device: torch.device) -> "SamplingBatch":
+        """num_rows rows that all take the argmax of their logits as they are (plain_greedy: the common batch)."""
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            device=torch.device(device),
+            all_greedy=True,
+            **dict.fromkeys(_OPTIONAL_ROWS),
+            max_top_k=0,
+        )
+
+    @classmethod
     def build(
         cls,
         params: list[SamplingParams],
@@ -103,34 +136,11 @@ class SamplingBatch:
         num_rows = len(params)
         guided = [(i, g) for i, g in enumerate(grammars or []) if g is not None]
         plain = all(
-            _plain_greedy(p, out, bad)
+            plain_greedy(p, out, bad)
             for p, out, bad in zip(params, output_token_ids, bad_words_ids)
         )
         if plain and not guided:
-            return cls(
-                num_rows=num_rows,
-                vocab_size=vocab_size,
-                device=device,
-                all_greedy=True,
-                greedy=None,
-                temperature=None,
-                top_k=None,
-                max_top_k=0,
-                top_p=None,
-                min_p=None,
-                mask_rows=None,
-                mask_ids=None,
-                bias_rows=None,
-                bias_ids=None,
-                bias_values=None,
-                guided_rows=None,
-                guided_bitmask=None,
-                prompt_ids=None,
-                output_ids=None,
-                repetition_penalty=None,
-                presence_penalty=None,
-                frequency_penalty=None,
-            )
+            return cls.plain(num_rows, vocab_size, device)
         greedy = [_is_greedy(p) for p in params]
         all_greedy = all(greedy)
 
@@ -258,20 +268,29 @@ def _is_greedy(p: SamplingParams) -> bool:
     return p.greedy or p.temperature < _TEMP_EPS
 
 
-def _plain_greedy(
+def plain_greedy_from(
+    p: SamplingParams, bad_words: TokenSequenceMatcher | list[list[int]] | None
+) -> float:
+    """The output length from which a row of these params and bad words takes the argmax of its logits as they
+    are (plain_greedy): its min_tokens, or inf when it never does (it samples, has penalties, a logit bias, bad words
+    or logprobs). Fixed for a request, which keeps it (Request.plain_sampling_from)."""
+    plain = (
+        _is_greedy(p)
+        and not bad_words
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.logprobs is None
+    )
+    return p.min_tokens if plain else math.inf
+
+
+def plain_greedy(
     p: SamplingParams,
     output_token_ids: list[int],
     bad_words: TokenSequenceMatcher | list[list[int]] | None,
 ) -> bool:
     """A row that takes the argmax of its logits as they are: greedy, no penalty, no id to mask, no logprobs (the
     common batch, which SamplingBatch.build then makes without its per-row lists)."""
-    return (
-        _is_greedy(p)
-        and not bad_words
-        and not p.logit_bias
-        and len(output_token_ids) >= p.min_tokens
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.logprobs is None
-    )
+    return len(output_token_ids) >= plain_greedy_from(p, bad_words)

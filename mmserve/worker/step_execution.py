@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from mmserve.core.transfer import to_device
@@ -50,14 +51,9 @@ class StepInputs:
     # (CrossStepHost.for_workers), whose keys/values every rank projects for its own heads
     cross: Any = None
     tensors: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
-
-
-@dataclass
-class _SeqLayout:
-    """What attention_metadata reads of a scheduled sequence."""
-
-    block_ids: list[int]
-    num_tokens: int
+    padded_tables: np.ndarray | None = (
+        None  # block_tables padded (FlatBatch.padded_tables), if at hand
+    )
 
 
 def execute_step(
@@ -88,16 +84,20 @@ def execute_step(
             inputs.block_tables,
         )
         return None, hidden
-    seqs = [
-        _SeqLayout(t, inputs.qsl[i + 1] - inputs.qsl[i]) for i, t in enumerate(inputs.block_tables)
-    ]
-    meta_args = (seqs, inputs.slots, inputs.qsl, inputs.seq_lens, runner.block_size, runner.device)
+    meta_args = (
+        inputs.block_tables,
+        inputs.slots,
+        inputs.qsl,
+        inputs.seq_lens,
+        runner.block_size,
+        runner.device,
+    )
     if inputs.kind == "piecewise":
         # the graphs write the cache through their own slot buffer (filled by run): no copy of the slots here
         slot_buffer = runner.piecewise_graphs.inputs.slot_mapping[: len(inputs.slots)]
-        meta = attention_metadata(*meta_args, slot_buffer)
+        meta = attention_metadata(*meta_args, slot_buffer, inputs.padded_tables)
         return None, runner.piecewise_graphs.run(embeds, inputs.positions, inputs.slots, meta)
-    meta = attention_metadata(*meta_args)
+    meta = attention_metadata(*meta_args, padded=inputs.padded_tables)
     if cross_meta is not None:
         meta.cross = cross_meta
     elif inputs.cross is not None:

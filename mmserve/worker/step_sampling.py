@@ -36,7 +36,7 @@ class StepSampling:
     ) -> LaunchedStep:
         """Sample the step from its logits (a row per token; None: from the hidden state of each sampling
         sequence's last token); prompt-end loads sample last, from `loaded`."""
-        self._store_prompt_ends(batch.seqs, hidden, batch.qsl)
+        self._store_prompt_ends(batch, hidden)
         reqs = [batch.seqs[i].request for i in batch.sampling] + [s.request for s in loads]
         chunks = []
         if batch.sampling and logits is None:
@@ -56,37 +56,48 @@ class StepSampling:
         step = self.sample(
             reqs, torch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else None
         )
-        self._context_logits(batch.seqs, batch.qsl, step.out, hidden=hidden, logits=logits)
+        self._context_logits(batch, step.out, hidden=hidden, logits=logits)
         return step
 
     def sample(self, reqs: list, logits: torch.Tensor | None) -> LaunchedStep:
         """logits [B, V] of the requests that sample this step -> their new tokens (queued)."""
         if not reqs:
             return LaunchedStep([], None, RunnerOutput())
-        batch = SamplingBatch.build(
+        if all(
+            r.grammar is None and len(r.output_token_ids) >= r.plain_sampling_from for r in reqs
+        ):  # plain_greedy, the common batch: none of the per-row lists below
+            batch = SamplingBatch.plain(len(reqs), logits.shape[-1], self.device)
+        else:
+            batch = self._batch(reqs, logits.shape[-1])
+        out = RunnerOutput()
+        if any(r.params.return_generation_logits for r in reqs):
+            for i, r in enumerate(reqs):
+                if r.params.return_generation_logits:
+                    out.generation_logits[r.request_id] = logits[i].float().cpu()
+        return LaunchedStep(reqs, self.sampler(logits, batch), out)
+
+    def _batch(self, reqs: list, vocab_size: int) -> SamplingBatch:
+        """SamplingBatch.build from each request's state."""
+        return SamplingBatch.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
             [r.generator for r in reqs],
             [r.eos_token_ids for r in reqs],
             [r.bad_words for r in reqs],
-            logits.shape[-1],
+            vocab_size,
             self.device,
             grammars=[r.grammar for r in reqs],
         )
-        out = RunnerOutput()
-        for i, r in enumerate(reqs):
-            if r.params.return_generation_logits:
-                out.generation_logits[r.request_id] = logits[i].float().cpu()
-        return LaunchedStep(reqs, self.sampler(logits, batch), out)
 
-    def _store_prompt_ends(self, computed: list, hidden: torch.Tensor, qsl: list[int]) -> None:
+    def _store_prompt_ends(self, batch: FlatBatch, hidden: torch.Tensor) -> None:
         """Keep the final hidden state of each prompt this step completes in its prompt-end slot (request i's
-        rows of `hidden` end at qsl[i + 1])."""
+        rows of `hidden` end at qsl[i + 1]); only prompt chunks complete a prompt."""
+        computed, qsl = batch.seqs, batch.qsl
         stores = [
-            (i, s.store_prompt_end)
-            for i, s in enumerate(computed)
-            if s.store_prompt_end is not None
+            (i, computed[i].store_prompt_end)
+            for i in batch.prompt_chunks
+            if computed[i].store_prompt_end is not None
         ]
         if not stores:
             return
@@ -98,8 +109,7 @@ class StepSampling:
 
     def _context_logits(
         self,
-        computed: list,
-        qsl: list[int],
+        batch: FlatBatch,
         out: RunnerOutput,
         hidden: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
@@ -107,7 +117,9 @@ class StepSampling:
         """Logits of this step's prompt positions for requests with return_context_logits, and the prompt tokens'
         logprobs for those with prompt_logprobs (from the hidden states, or from the step's logits when every row
         already has them)."""
-        for i, s in enumerate(computed):
+        qsl = batch.qsl
+        for i in batch.prompt_chunks:
+            s = batch.seqs[i]
             req = s.request
             end = min(s.end, req.num_prompt_tokens)
             if not req.params.needs_prompt_logits or s.start >= end:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.core.multimodal import MultiModalItem
-from mmserve.engine.kv_cache import KVCacheManager, chain_block_hashes, hash_block
+from mmserve.engine.kv_cache import BlockTableRows, KVCacheManager, chain_block_hashes, hash_block
 from mmserve.engine.request import Request
 from mmserve.sampling_params import SamplingParams
 
@@ -166,3 +166,46 @@ def test_block_ids_follow_the_block_table_through_hits_growth_failures_and_free(
     assert (
         kv.block_ids("a") == [] and len(ids) == 4
     )  # a step that kept the list still reads what it had
+
+
+def test_caching_a_steps_requests_registers_only_blocks_that_became_full():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a, b = _req("a", list(range(10))), _req("b", list(range(50, 56)))
+    assert kv.allocate_slots(a, 10) and kv.allocate_slots(b, 6)
+    a.num_computed_tokens, b.num_computed_tokens = 8, 3  # a: two full blocks; b: none yet
+    kv.cache_computed_blocks_of([a, b])
+    assert [blk.block_hash is not None for blk in kv._tables["a"]] == [True, True, False]  # noqa: SLF001
+    assert all(blk.block_hash is None for blk in kv._tables["b"])  # noqa: SLF001
+    b.num_computed_tokens = 6  # b's first block is full now; a has nothing new
+    kv.cache_computed_blocks_of([a, b])
+    assert [blk.block_hash is not None for blk in kv._tables["b"]] == [True, False]  # noqa: SLF001
+    # a later request with b's prompt hits the block registered above
+    hits, n = kv.get_computed_blocks(_req("c", list(range(50, 56))))
+    assert n == 4 and hits == kv._tables["b"][:1]  # noqa: SLF001
+    off = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    d = _req("d", list(range(8)))
+    assert off.allocate_slots(d, 8)
+    d.num_computed_tokens = 8
+    off.cache_computed_blocks_of([d])
+    assert all(blk.block_hash is None for blk in off._tables["d"])  # noqa: SLF001
+
+
+def test_block_table_rows_hold_each_requests_ids_zero_padded_through_growth_and_reuse():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    kv.rows = BlockTableRows(rows=1, width=2)  # small, so that both its rows and its columns grow
+    a, b = _req("a", list(range(6))), _req("b", list(range(100, 103)))
+    assert kv.allocate_slots(a, 6) and kv.allocate_slots(b, 3)
+    a.num_computed_tokens = 6
+    assert kv.allocate_slots(a, 7)  # 13 tokens: 4 blocks, wider than the array was
+
+    def row(r):
+        return kv.rows.array[kv.rows.row(r.request_id)].tolist()
+
+    width = kv.rows.array.shape[1]
+    assert row(a) == kv.block_ids("a") + [0] * (width - 4)
+    assert row(b) == kv.block_ids("b") + [0] * (width - 1)
+    kv.free(a)
+    assert kv.rows.row("a") == -1
+    c = _req("c", list(range(200, 205)))
+    assert kv.allocate_slots(c, 5)  # takes a's row again: nothing of a's ids is left in it
+    assert row(c) == kv.block_ids("c") + [0] * (width - 2)

@@ -12,6 +12,7 @@ from mmserve.core.multimodal import MultiModalItem
 from mmserve.core.step import ScheduledRequest
 from mmserve.engine.request import Request
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.batch_inputs import attention_metadata, num_leading_decodes, padded_tables
 from mmserve.worker.step_batch import flatten
 
 BS = 4
@@ -67,3 +68,61 @@ def test_a_one_token_chunk_of_a_picture_is_not_a_decode():
     req = Request("a", None, [9, 0, 0, 0, 8], SamplingParams(max_tokens=4), mm_items=[item])
     batch = flatten([ScheduledRequest(req, 2, 1, [0])], None, BS, torch.device("cpu"), mrope=False)
     assert len(batch.input_ids) == 1 and not batch.one_token_each
+
+
+def test_positions_of_a_request_with_its_own_follow_range_positions_of_the_ones_before():
+    plain = _request("a", [1, 2, 3], outputs=[4])  # a decode at position 3
+    own = _request("b", [5, 6, 7, 8])  # M-RoPE: its prompt positions, [3, P]
+    own.prompt_positions = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 2], [0, 1, 1, 1]])
+    chunk = _request("c", [9, 9, 9, 9, 9])  # a prompt chunk [1, 4) after it
+    seqs = [
+        ScheduledRequest(plain, 3, 1, [0], samples=True),
+        ScheduledRequest(own, 0, 4, [1], samples=True),
+        ScheduledRequest(chunk, 1, 3, [2, 3]),
+    ]
+    batch = flatten(seqs, None, BS, torch.device("cpu"), mrope=True)
+    assert batch.positions.tolist() == [
+        [3, 0, 1, 1, 2, 1, 2, 3],
+        [3, 0, 1, 2, 2, 1, 2, 3],
+        [3, 0, 1, 1, 1, 1, 2, 3],
+    ]
+    assert batch.prompt_chunks == [1, 2]  # the decode has no prompt token
+    assert batch.slots == [3, 4, 5, 6, 7, 9, 10, 11]
+
+
+def test_range_positions_match_each_sequences_own_range():
+    reqs = [_request("a", [1] * 9, outputs=[2, 3]), _request("b", [1] * 20)]
+    seqs = [ScheduledRequest(reqs[0], 10, 1, [0, 1, 2]), ScheduledRequest(reqs[1], 4, 7, [3, 4, 5])]
+    for mrope in (False, True):
+        batch = flatten(seqs, None, BS, torch.device("cpu"), mrope=mrope)
+        want = [10, 4, 5, 6, 7, 8, 9, 10]
+        assert batch.positions.tolist() == ([want] * 3 if mrope else want)
+        assert batch.input_ids == [3, *[1] * 7] and batch.prompt_chunks == [1]
+
+
+def test_padded_block_tables_and_leading_decodes():
+    tables = padded_tables([[4, 5], [7], [1, 2, 3]])
+    assert tables.dtype == torch.int32 and tables.tolist() == [[4, 5, 0], [7, 0, 0], [1, 2, 3]]
+    assert num_leading_decodes([0, 1, 2, 5, 6]) == 2
+    assert num_leading_decodes([0, 1, 2, 3]) == 3
+    assert num_leading_decodes([0, 4, 5]) == 0
+    meta = attention_metadata([[4, 5], [7]], [1, 2, 3], [0, 1, 3], [5, 2], BS, torch.device("cpu"))
+    assert meta.block_tables.tolist() == [[4, 5], [7, 0]]
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_decodes) == (2, 5, 1)
+
+
+def test_padded_tables_come_from_the_schedulers_rows_as_padding_them_would_give():
+    from mmserve.config import SchedulerConfig
+    from mmserve.engine.kv_cache import KVCacheManager
+    from mmserve.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    for rid, n in (("a", 9), ("b", 2), ("c", 17)):
+        sched.add(_request(rid, list(range(1, n + 1))))
+    out = sched.schedule()
+    batch = flatten(out.scheduled, None, BS, torch.device("cpu"), False, out.block_table)
+    want = padded_tables([s.block_ids for s in out.scheduled]).numpy()
+    assert batch.padded_tables.tolist() == want.tolist() and want.shape == (3, 5)
+    # sequences without rows (built by hand) leave the padding to attention_metadata
+    assert flatten(out.scheduled[:1], None, BS, torch.device("cpu"), False).padded_tables is None
