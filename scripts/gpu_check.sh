@@ -2,10 +2,11 @@
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
 #   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [weight-only] [serve]
-#                             [serve-profile] [tp]
-#   (default: all but throughput-same, weight-only, serve-profile and tp; weight-only: decode latency of fp16, int8 and
+#                             [serve-profile] [tp] [kernels]
+#   (default: all but throughput-same, weight-only, serve-profile, tp and kernels; weight-only: decode latency of fp16, int8 and
 #   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
-#   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test)
+#   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test;
+#   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests and per-shape timings)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -74,6 +75,12 @@ for step in $steps; do
             || grep -v "it/s\]" "$OUT/latency_$tag.log" | tail -15; done
         timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_tensor_parallel.py \
           tests/unit/test_tensor_parallel_families.py 2>&1 | tail -5 ;;
+    kernels) # the quantized / FP8 / vision-tower kernels: their gpu tests, then each kernel timed per shape
+        timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_w8a8_gpu.py \
+          tests/gpu/test_group_int4_gpu.py tests/gpu/test_fp8_swap_ab_gpu.py tests/gpu/test_vision_varlen_gpu.py \
+          tests/unit/test_w8a8_fusion.py tests/parity/test_int_checkpoints.py tests/parity/test_fp8_weights.py 2>&1 | tail -8
+        for s in quant_kernel_bench fp8_decode_bench vision_tower_profile; do
+          timeout 240 python3 scripts/$s.py > "$OUT/$s.txt" 2>&1; echo "== $s (rc $?)"; tail -40 "$OUT/$s.txt"; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -26,9 +26,10 @@ def cache_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tu
 
 
 class QuantizedRows(NamedTuple):
-    """Activations already quantized as `quantize_rows` does it (a norm or activation kernel fused the
-    quantization into its output), for an FP8 linear layer to take as they are."""
+    """Activations already quantized per row (a norm or activation kernel fused the quantization into its output),
+    for a W8A8 linear layer to take as they are: e4m3 as `quantize_rows` makes them (FP8 layers) or int8 as
+    `quantize_rows_int8` does (int8 W8A8 layers)."""
 
-    q: torch.Tensor  # [M, K] e4m3
+    q: torch.Tensor  # [M, K] e4m3 or int8
     scale: torch.Tensor  # [M] fp32
     dtype: torch.dtype  # of the activations before quantization: the layer's output dtype

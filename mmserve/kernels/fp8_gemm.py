@@ -21,12 +21,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms, run_fastest
 from mmserve.kernels.fp8_format import AMAX_FLOOR, FP8, FP8_MAX
+from mmserve.kernels.fp8_gemv import SWAP_MAX_M, fp8_gemm_swap_ab, m_tile, split_k_for
 from mmserve.kernels.gemv import gemv
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
@@ -170,12 +173,8 @@ _SMALL_M_CONFIGS = [
 ]
 
 
-def _m_tile(m: int) -> int:
-    return min(max(16, triton.next_power_of_2(m)), 64)
-
-
 def _prune_m_tiles(configs, named_args, **kwargs):
-    bm = _m_tile(named_args["M"])
+    bm = m_tile(named_args["M"])
     return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
 
 
@@ -261,7 +260,7 @@ def fp8_gemm_small_m(
         xq.stride(0),
         weight.stride(0),
         y.stride(0),
-        _m_tile(m),
+        m_tile(m),
     )
     if xq.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
@@ -320,16 +319,41 @@ def fp8_matmul_quantized(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """fp8_matmul of rows already quantized (xq [M, K] e4m3, xs [M] fp32); y in out_dtype."""
-    if len(xq) == 1:  # the GEMV wins narrow or long rows (o_proj, down_proj), the GEMM the rest
+    if len(xq) <= SMALL_M:
         return run_fastest(
-            ("fp8_one_row", weight.shape, bias is not None, out_dtype, weight.device),
-            [
-                lambda: fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, out_dtype),
-                lambda: fp8_gemv(xq, xs, weight, weight_scale, bias, out_dtype),
-            ],
+            (
+                "fp8_few_rows",
+                m_tile(len(xq)),
+                weight.shape,
+                bias is not None,
+                out_dtype,
+                weight.device,
+            ),
+            few_row_candidates(xq, xs, weight, weight_scale, bias, out_dtype),
         )
-    if (
-        len(xq) <= SMALL_M or weight.shape[0] % 16 or weight.shape[1] % 16
-    ):  # cuBLASLt FP8 needs N, K % 16 == 0
+    if weight.shape[0] % 16 or weight.shape[1] % 16:  # cuBLASLt FP8 needs N, K % 16 == 0
         return fp8_gemm_small_m(xq, xs, weight, weight_scale, bias, out_dtype)
     return scaled_mm(xq, xs, weight, weight_scale, bias, out_dtype)
+
+
+def few_row_candidates(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> list[Callable[[], torch.Tensor]]:
+    """The interchangeable kernels for up to SMALL_M rows, the one taken before any timing first: the small-M
+    GEMM; for one row the GEMV (it wins narrow or long rows: o_proj, down_proj); the swapped-operand tensor-core
+    GEMM (kernels/fp8_gemv.py), and its split-K form where N gives it too few programs."""
+    args = (xq, xs, weight, weight_scale, bias, out_dtype)
+    found = [lambda: fp8_gemm_small_m(*args)]
+    if len(xq) == 1:
+        found.append(lambda: fp8_gemv(*args))
+    if len(xq) <= SWAP_MAX_M:
+        found.append(lambda: fp8_gemm_swap_ab(*args))
+        split = split_k_for(*weight.shape)
+        if split > 1:
+            found.append(lambda: fp8_gemm_swap_ab(*args, split_k=split))
+    return found

@@ -3,8 +3,9 @@
 RMSNorm and SiLU-and-mul round where their torch layers round (layers/norm.py, activation.py), so results
 match them. Rotary works in fp32 and rounds once; the torch layer (layers/rotary.py) rounds cos / sin and
 each product to the input dtype, so the two can differ by an ulp in fp16 / bf16 (the kernel is the closer one).
-RMSNorm and SiLU-and-mul can also hand their output to an FP8 linear already quantized (`quantize=True`):
-one kernel instead of the op plus kernels/fp8_gemm.quant_rows, with the same bits.
+RMSNorm and SiLU-and-mul can also hand their output to a W8A8 linear already quantized (`quantize=True`): e4m3
+rows for an FP8 linear (one kernel instead of the op plus kernels/fp8_gemm.quant_rows) or, `rows_dtype=torch.int8`,
+int8 rows for an int8 one (instead of kernels/int8_gemm.quant_rows_int8), with the same bits as those.
 """
 
 from __future__ import annotations
@@ -15,7 +16,27 @@ import triton.language as tl
 
 from mmserve.kernels.fp8_format import AMAX_FLOOR, FP8, FP8_MAX, QuantizedRows
 from mmserve.kernels.fp8_gemm import store_quantized_row
+from mmserve.kernels.int8_gemm import store_int8_row
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
+
+_FP8_MAX, _FP8_FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)
+
+
+@triton.jit
+def _store_rows(q_row, s_ptr, row, y, cols, mask, static_ptr, STATIC, INT8: tl.constexpr):
+    """Row y (fp32, whole row, masked lanes 0) quantized on the way out: int8 as quant_rows_int8, else e4m3."""
+    if INT8:
+        store_int8_row(q_row, s_ptr, row, y, cols, mask, tl.max(tl.abs(y), axis=0))
+    else:
+        store_quantized_row(
+            q_row, s_ptr, row, y, cols, mask, static_ptr, STATIC, _FP8_MAX, _FP8_FLOOR
+        )
+
+
+def _int8_rows(rows_dtype: torch.dtype, input_scale: torch.Tensor | None) -> bool:
+    """Whether quantized rows are int8 (else e4m3); int8 rows are dynamic only (W8A8's per-token scales)."""
+    assert rows_dtype in (FP8, torch.int8) and (rows_dtype == FP8 or input_scale is None)
+    return rows_dtype == torch.int8
 
 
 @triton.jit
@@ -35,8 +56,7 @@ def _rms_norm_kernel(
     QUANT: tl.constexpr,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
-    QMAX: tl.constexpr,
-    FLOOR: tl.constexpr,
+    INT8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -44,30 +64,16 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = x + tl.load(
-            res_ptr + row * stride_r + cols, mask=mask, other=0.0
-        )  # sum rounded in x's dtype
+    if HAS_RESIDUAL:  # the sum rounded in x's dtype
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
     normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = normed.to(x.dtype).to(tl.float32) * w
-    if (
-        QUANT
-    ):  # the norm's output rounded to x's dtype (as unfused), then quantized for an FP8 linear
-        store_quantized_row(
-            out_ptr + row * n,
-            s_ptr,
-            row,
-            y.to(x.dtype).to(tl.float32),
-            cols,
-            mask,
-            static_ptr,
-            STATIC,
-            QMAX,
-            FLOOR,
-        )
+    if QUANT:  # the norm's output rounded to x's dtype (as unfused), then quantized for the linear
+        y = y.to(x.dtype).to(tl.float32)
+        _store_rows(out_ptr + row * n, s_ptr, row, y, cols, mask, static_ptr, STATIC, INT8)
     else:
         tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -86,22 +92,22 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     quantize: bool = False,
     input_scale: torch.Tensor | None = None,
+    rows_dtype: torch.dtype = FP8,
 ):
     """Like RMSNorm.forward: norm(x), or with residual (norm(x + residual), x + residual). x [T, hidden].
 
-    quantize: return norm(x) as QuantizedRows for an FP8 linear (per-row dynamic scales, or the static
-    input_scale), exactly as quantize_rows would quantize the unfused output; needs weight.dtype == x.dtype."""
+    quantize: return norm(x) as QuantizedRows for a W8A8 linear, exactly as the unfused output would be quantized:
+    e4m3 as quantize_rows (per-row dynamic scales, or the static input_scale) or, rows_dtype int8, as
+    quantize_rows_int8 (per-row dynamic); needs weight.dtype == x.dtype."""
     n = x.shape[-1]
     x2 = _unit_stride_rows(x)
+    int8 = _int8_rows(rows_dtype, input_scale)
     if quantize:
         assert weight.dtype == x.dtype and x.dim() == 2, (
             "quantized RMSNorm takes [T, hidden] in the weight's dtype"
         )
-        out = torch.empty(x.shape, dtype=FP8, device=x.device)
-    else:
-        out = torch.empty(
-            x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
-        )
+    out_dtype = rows_dtype if quantize else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     scales = torch.empty(len(x2), dtype=torch.float32, device=x.device) if quantize else out
     res2 = _unit_stride_rows(residual) if residual is not None else x2
     res_out = (
@@ -125,8 +131,7 @@ def rms_norm(
             QUANT=quantize,
             STATIC=input_scale is not None,
             BLOCK=block,
-            QMAX=FP8_MAX,
-            FLOOR=AMAX_FLOOR,
+            INT8=int8,
             num_warps=4 if n <= 4096 else 8,
             **pdl_options(x.device),
         )
@@ -344,8 +349,7 @@ def _silu_and_mul_quant_kernel(
     d,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
-    QMAX: tl.constexpr,
-    FLOOR: tl.constexpr,
+    INT8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -353,18 +357,23 @@ def _silu_and_mul_quant_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     y = _silu_mul(x_ptr + row * stride_x, cols, mask, d).to(tl.float32)
-    store_quantized_row(q_ptr + row * d, s_ptr, row, y, cols, mask, static_ptr, STATIC, QMAX, FLOOR)
+    _store_rows(q_ptr + row * d, s_ptr, row, y, cols, mask, static_ptr, STATIC, INT8)
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False, input_scale: torch.Tensor | None = None):
+def silu_and_mul(
+    x: torch.Tensor,
+    quantize: bool = False,
+    input_scale: torch.Tensor | None = None,
+    rows_dtype: torch.dtype = FP8,
+):
     """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d].
 
-    quantize: return it as QuantizedRows for an FP8 linear (x [T, 2d]; per-row dynamic scales, or the static
-    input_scale), exactly as quantize_rows would quantize the unfused output."""
+    quantize: return it as QuantizedRows for a W8A8 linear (x [T, 2d]), quantized as rms_norm's are."""
     d = x.shape[-1] // 2
     x2 = _unit_stride_rows(x)
+    int8 = _int8_rows(rows_dtype, input_scale)
     if quantize:
-        q = torch.empty(len(x2), d, dtype=FP8, device=x.device)
+        q = torch.empty(len(x2), d, dtype=rows_dtype, device=x.device)
         scales = torch.empty(len(x2), dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(d)
         if len(x2):
@@ -377,8 +386,7 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False, input_scale: torch.Ten
                 d,
                 STATIC=input_scale is not None,
                 BLOCK=block,
-                QMAX=FP8_MAX,
-                FLOOR=AMAX_FLOOR,
+                INT8=int8,
                 num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
                 **pdl_options(x.device),
             )

@@ -16,10 +16,7 @@ class SiluAndMul(QuantizesForFP8, nn.Module):
         if x.is_cuda:
             from mmserve.kernels.fused_ops import silu_and_mul
 
-            consumer = self.fp8_consumer(x)
-            if consumer is not None:
-                return silu_and_mul(x, quantize=True, input_scale=consumer.input_scale)
-            return silu_and_mul(x)
+            return silu_and_mul(x, **self.quantize_args(x))
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -74,21 +74,30 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 class QuantizesForFP8:
-    """Mixin of a module whose output feeds one linear layer: when that layer holds FP8 weights and the GPU
-    has FP8 tensor cores, the module's kernel returns its output quantized for it (QuantizedRows), so the
-    layer does not quantize it in a kernel of its own. Elsewhere the output stays a plain tensor."""
+    """Mixin of a module whose output feeds one W8A8 linear layer (paired by models/quantization.
+    fuse_activation_quantization): the module's kernel returns its output already quantized for that layer
+    (QuantizedRows: e4m3 for an FP8 layer on GPUs with FP8 tensor cores, int8 for an int8 W8A8 layer on any CUDA
+    GPU), so the layer does not quantize it in a kernel of its own. Elsewhere the output stays a plain tensor."""
 
     _fp8_consumer: tuple = ()
 
     def quantize_for(self, linear) -> None:
         self._fp8_consumer = (linear,)  # a tuple: not registered as a submodule
 
-    def fp8_consumer(self, x: torch.Tensor):
-        """The FP8 linear to quantize x's output for, or None."""
-        if not self._fp8_consumer or x.dim() != 2 or not fp8_supported(x.device):
+    def rows_consumer(self, x: torch.Tensor):
+        """The linear to quantize x's output for (its weight's dtype, e4m3 or int8, is the rows'), or None."""
+        if not self._fp8_consumer or x.dim() != 2 or not x.is_cuda:
             return None
         linear = self._fp8_consumer[0]
-        return linear if linear.weight_scale is not None else None
+        return linear if not linear.is_fp8 or fp8_supported(x.device) else None
+
+    def quantize_args(self, x: torch.Tensor) -> dict:
+        """The keywords that make kernels/fused_ops.rms_norm / silu_and_mul quantize x's output for the consumer
+        (`quantize`, `input_scale`, `rows_dtype`); none where the output stays a plain tensor."""
+        linear = self.rows_consumer(x)
+        if linear is None:
+            return {}
+        return dict(quantize=True, input_scale=linear.input_scale, rows_dtype=linear.weight.dtype)
 
 
 def fp8_linear(

@@ -12,7 +12,9 @@ qzeros, scales) or GPTQ ("gptq": the same and g_idx) write them (layers/group_in
 loader narrows the packed tensor to this rank's output rows (`_out_rows`: the part of a fused QKV / gate+up layer)
 and, row-parallel, to its input columns, then unpacks into the layout above. A row-parallel rank whose columns start
 and end on group boundaries keeps its groups' scales; otherwise (act-order, or K / tp not a multiple of group_size)
-it keeps every group's scales and its slice of g_idx, and the kernels look each column's group up (slower).
+it keeps every group's scales and its slice of g_idx, and the kernels look each column's group up (slower). Where
+a rank's columns hold whole groups in a scattered order (act-order at one rank), `after_loading` sorts them by
+group once the weights are in (`column_order`: x's columns are gathered in that order), and the fast kernels run.
 `to_group_int4` quantizes a loaded weight the same way (round to nearest, `--quantization int4_g128`).
 
 W8A8 (`W8A8`): int8 weight [N, K] with one fp32 scale per output row (`weight`, `weight_scale`: the names and
@@ -28,12 +30,14 @@ import torch
 from torch import nn
 
 from mmserve.distributed import get_tp_rank
+from mmserve.kernels.fp8_format import QuantizedRows
 from mmserve.layers.group_int4 import (
     AWQ_ORDER,
     PACK_BLOCK,
     group_index,
     pack_nibbles_k,
     quantize_groups,
+    unpack_nibbles_k,
     unpack_words,
 )
 from mmserve.layers.w8a8_linear import w8a8_linear
@@ -104,6 +108,7 @@ class GroupInt4:
             torch.full((n, groups), 8, dtype=torch.uint8, device=device),
             self._loader("qzeros", layer),
         )
+        layer.register_buffer("column_order", None)  # act-order sorted by group: `after_loading`
         g_idx = (group_index(k_full, gs)[self.k0 : self.k0 + k]).to(torch.int32).to(device)
         if (
             spec.fmt == "gptq"
@@ -115,10 +120,38 @@ class GroupInt4:
     def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from mmserve.layers.group_int4_linear import group_int4_linear
 
+        if (
+            layer.column_order is not None
+        ):  # act-order sorted at load: x's columns in the weight's order
+            x = x.index_select(-1, layer.column_order)
         g_idx = layer.g_idx if self.uses_g_idx else None
         return group_int4_linear(
             x, layer.qweight, layer.scales, layer.qzeros, self.group_size, g_idx, bias
         )
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Where this rank's columns hold whole groups in a scattered order (GPTQ act-order), sort them by group:
+        the packed weight's columns are permuted once (within this rank's slice of K) and x's columns gathered in
+        that order at run time, so the kernels read groups of consecutive columns instead of looking each
+        column's group up. Other layouts keep g_idx (a row-parallel shard holding parts of groups)."""
+        k, gs = layer.in_features, self.group_size
+        if not self.uses_g_idx or gs % PACK_BLOCK or k % gs:
+            return
+        g_idx = layer.g_idx.data.long()
+        order = torch.argsort(g_idx, stable=True)
+        first = int(g_idx[order[0]])
+        arange = torch.arange(k, device=g_idx.device)
+        if not torch.equal(g_idx[order], first + arange // gs):
+            return
+        if not torch.equal(order, arange):
+            q = unpack_nibbles_k(layer.qweight.data, k)[:, order]
+            layer.qweight.data.copy_(pack_nibbles_k(q))
+            layer.column_order = order
+        # this rank's groups only, as without g_idx
+        layer.scales.data = layer.scales.data.narrow(1, first, k // gs).contiguous()
+        layer.qzeros.data = layer.qzeros.data.narrow(1, first, k // gs).contiguous()
+        layer.g_idx.data = g_idx[order].to(torch.int32)
+        self.uses_g_idx, self.g0 = False, first
 
     def _loader(self, leaf: str, layer: nn.Module):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -221,10 +254,21 @@ def to_group_int4(layer: nn.Module, group_size: int = 128) -> None:
 
 
 class W8A8:
-    """int8 weight [N, K] and fp32 per-row scale; activations quantized per token at run time."""
+    """int8 weight [N, K] and fp32 per-row scale; activations quantized per token at run time, or by the kernel
+    that produces them (QuantizedRows) where the layer takes whole rows."""
 
-    def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        whole = layer.in_features == layer.full_in_features()
+    def takes_quantized_rows(self, layer: nn.Module) -> bool:
+        """Whether a producer may quantize this layer's input: a row-parallel shard's rows are scaled by the whole
+        rows' maximum, a max over the ranks that a fused norm or activation does not take."""
+        return layer.in_features == layer.full_in_features()
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Nothing to prepare: the checkpoint's layout is the one the kernels read."""
+
+    def matmul(
+        self, layer: nn.Module, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        whole = self.takes_quantized_rows(layer)
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias, whole_rows=whole)
 
 

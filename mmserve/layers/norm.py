@@ -30,17 +30,8 @@ class RMSNorm(QuantizesForFP8, nn.Module):
         if x.is_cuda:
             from mmserve.kernels.fused_ops import rms_norm
 
-            consumer = self.fp8_consumer(x) if x.dtype == self.weight.dtype else None
-            if consumer is not None:
-                return rms_norm(
-                    x,
-                    self.weight,
-                    self.eps,
-                    residual,
-                    quantize=True,
-                    input_scale=consumer.input_scale,
-                )
-            return rms_norm(x, self.weight, self.eps, residual)
+            quantize = self.quantize_args(x) if x.dtype == self.weight.dtype else {}
+            return rms_norm(x, self.weight, self.eps, residual, **quantize)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from mmserve.models.quantization import (
+    after_loading,
     checkpoint_scheme,
     decoder_linears,
     fuse_activation_quantization,
@@ -111,10 +112,11 @@ def build_model(
         logger.info(
             "quantization %s: %d decoder linear layers converted at load", quantization, converted
         )
+    after_loading(model)
     linears = decoder_linears(model)
     fp8 = sum(m.is_fp8 for _, m in linears)
+    fused = fuse_activation_quantization(model)
     if in_checkpoint == "fp8" or fp8:
-        fused = fuse_activation_quantization(model)
         logger.info(
             "FP8 weights in %d of %d decoder linear layers%s; %d norms / activations quantize for them",
             fp8,
@@ -122,4 +124,6 @@ def build_model(
             f" (checkpoint quantization_config: {in_checkpoint})" if in_checkpoint else "",
             fused,
         )
+    elif fused:
+        logger.info("%d norms / activations quantize for int8 W8A8 layers", fused)
     return model.eval()

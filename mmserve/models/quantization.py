@@ -21,6 +21,7 @@ from torch import nn
 
 from mmserve.config import QUANTIZATION_METHODS
 from mmserve.layers.group_quant_linear import (
+    W8A8,
     GroupInt4Spec,
     make_group_int4,
     make_w8a8,
@@ -235,14 +236,33 @@ def _matches(name: str, scheme: CheckpointQuant) -> bool:
     return False
 
 
+def after_loading(model: nn.Module) -> int:
+    """Once every weight is in (and `--quantization` applied): let each decoder linear's quant state prepare what
+    it computes from its loaded tensors (group_quant_linear: GPTQ act-order's columns sorted by group). Returns
+    how many layers hold such a state."""
+    layers = [m for _, m in decoder_linears(model) if m.quant is not None]
+    for layer in layers:
+        layer.quant.after_loading(layer)
+    return len(layers)
+
+
+def _takes_quantized_rows(linear: LinearBase) -> bool:
+    """FP8 layers (their rows are quantized per rank's slice either way) and int8 W8A8 layers of whole rows."""
+    if linear.is_fp8:
+        return True
+    return isinstance(linear.quant, W8A8) and linear.quant.takes_quantized_rows(linear)
+
+
 def fuse_activation_quantization(model: nn.Module) -> int:
-    """Let norms and activations that feed an FP8 linear hand it their output already quantized (one kernel
-    instead of two on GPUs with FP8 tensor cores; see layers/fp8_linear.QuantizesForFP8). Decoder layers
-    list those pairs in `fp8_activation_pairs()`. Returns how many producers quantize for an FP8 layer."""
+    """Let norms and activations that feed a W8A8 linear hand it their output already quantized (one kernel instead
+    of two: e4m3 rows on GPUs with FP8 tensor cores, int8 rows on CUDA; see layers/fp8_linear.QuantizesForFP8).
+    Decoder layers list those pairs in `fp8_activation_pairs()`; under tensor parallelism an int8 layer whose
+    input is a row-parallel shard keeps quantizing its own (W8A8.takes_quantized_rows). Returns how many
+    producers quantize for their layer."""
     fused = 0
     for module in model.modules():
         for producer, linear in getattr(module, "fp8_activation_pairs", lambda: [])():
-            if linear.is_fp8:
+            if _takes_quantized_rows(linear):
                 producer.quantize_for(linear)
                 fused += 1
     return fused
