@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.layers.fp8_linear import QuantizesForFP8
+from mmserve.layers.fp8_linear import QuantizesRows
 
 
-class SiluAndMul(QuantizesForFP8, nn.Module):
+class SiluAndMul(QuantizesRows, nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

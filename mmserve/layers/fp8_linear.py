@@ -73,22 +73,22 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class QuantizesForFP8:
+class QuantizesRows:
     """Mixin of a module whose output feeds one W8A8 linear layer (paired by models/quantization.
     fuse_activation_quantization): the module's kernel returns its output already quantized for that layer
     (QuantizedRows: e4m3 for an FP8 layer on GPUs with FP8 tensor cores, int8 for an int8 W8A8 layer on any CUDA
     GPU), so the layer does not quantize it in a kernel of its own. Elsewhere the output stays a plain tensor."""
 
-    _fp8_consumer: tuple = ()
+    _consumer: tuple = ()
 
     def quantize_for(self, linear) -> None:
-        self._fp8_consumer = (linear,)  # a tuple: not registered as a submodule
+        self._consumer = (linear,)  # a tuple: not registered as a submodule
 
     def rows_consumer(self, x: torch.Tensor):
         """The linear to quantize x's output for (its weight's dtype, e4m3 or int8, is the rows'), or None."""
-        if not self._fp8_consumer or x.dim() != 2 or not x.is_cuda:
+        if not self._consumer or x.dim() != 2 or not x.is_cuda:
             return None
-        linear = self._fp8_consumer[0]
+        linear = self._consumer[0]
         return linear if not linear.is_fp8 or fp8_supported(x.device) else None
 
     def quantize_args(self, x: torch.Tensor) -> dict:

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from mmserve.layers.fp8_linear import QuantizesForFP8
+from mmserve.layers.fp8_linear import QuantizesRows
 
 
-class RMSNorm(QuantizesForFP8, nn.Module):
+class RMSNorm(QuantizesRows, nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

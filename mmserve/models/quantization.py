@@ -255,7 +255,7 @@ def _takes_quantized_rows(linear: LinearBase) -> bool:
 
 def fuse_activation_quantization(model: nn.Module) -> int:
     """Let norms and activations that feed a W8A8 linear hand it their output already quantized (one kernel instead
-    of two: e4m3 rows on GPUs with FP8 tensor cores, int8 rows on CUDA; see layers/fp8_linear.QuantizesForFP8).
+    of two: e4m3 rows on GPUs with FP8 tensor cores, int8 rows on CUDA; see layers/fp8_linear.QuantizesRows).
     Decoder layers list those pairs in `fp8_activation_pairs()`; under tensor parallelism an int8 layer whose
     input is a row-parallel shard keeps quantizing its own (W8A8.takes_quantized_rows). Returns how many
     producers quantize for their layer."""

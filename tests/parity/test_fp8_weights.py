@@ -184,12 +184,12 @@ def test_fp8_checkpoint_loads_without_a_flag_and_matches_transformers(
         assert qkv.input_scale is None and qkv.weight_scale.unique().numel() > 3
     # norms and SiLU-and-mul quantize for the FP8 linear they feed (fused kernels on GPUs), not for fp16 ones
     decoder = llm.engine.model.language_model.model.layers
-    assert decoder[1].input_layernorm._fp8_consumer == (decoder[1].self_attn.qkv_proj,)
-    assert decoder[1].post_attention_layernorm._fp8_consumer == (decoder[1].mlp.gate_up_proj,)
-    assert decoder[1].mlp.act._fp8_consumer == (decoder[1].mlp.down_proj,)
+    assert decoder[1].input_layernorm._consumer == (decoder[1].self_attn.qkv_proj,)
+    assert decoder[1].post_attention_layernorm._consumer == (decoder[1].mlp.gate_up_proj,)
+    assert decoder[1].mlp.act._consumer == (decoder[1].mlp.down_proj,)
     unquantized_mlp = style == "modelopt"
-    assert bool(decoder[0].post_attention_layernorm._fp8_consumer) != unquantized_mlp
-    assert bool(decoder[0].mlp.act._fp8_consumer) != unquantized_mlp
+    assert bool(decoder[0].post_attention_layernorm._consumer) != unquantized_mlp
+    assert bool(decoder[0].mlp.act._consumer) != unquantized_mlp
     out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
     _check(
         out,

@@ -114,9 +114,9 @@ def w8a8_llm(tiny_llava_dir) -> LLM:
 def test_norms_and_activation_quantize_for_their_int8_layers(w8a8_llm):
     layers = w8a8_llm.engine.model.language_model.model.layers
     for layer in layers:
-        assert layer.input_layernorm._fp8_consumer == (layer.self_attn.qkv_proj,)
-        assert layer.post_attention_layernorm._fp8_consumer == (layer.mlp.gate_up_proj,)
-        assert layer.mlp.act._fp8_consumer == (layer.mlp.down_proj,)  # one rank: whole rows
+        assert layer.input_layernorm._consumer == (layer.self_attn.qkv_proj,)
+        assert layer.post_attention_layernorm._consumer == (layer.mlp.gate_up_proj,)
+        assert layer.mlp.act._consumer == (layer.mlp.down_proj,)  # one rank: whole rows
         assert layer.mlp.down_proj.weight.dtype == torch.int8
         assert layer.input_layernorm.quantize_args(torch.zeros(2, 4)) == {}  # rows on CUDA only
 
@@ -131,7 +131,7 @@ def test_logits_equal_when_producers_hand_int8_rows(w8a8_llm):
         (x,) = args
         return (QuantizedRows(*quantize_rows_int8(x.reshape(-1, x.shape[-1])), x.dtype),)
 
-    consumers = [m._fp8_consumer[0] for m in model.modules() if getattr(m, "_fp8_consumer", ())]
+    consumers = [m._consumer[0] for m in model.modules() if getattr(m, "_consumer", ())]
     assert len(consumers) == 3 * len(model.language_model.model.layers)
     hooks = [c.register_forward_pre_hook(as_rows) for c in consumers]
     try:
@@ -152,6 +152,6 @@ def test_row_parallel_int8_layer_quantizes_its_own_rows(tiny_llava_dir):
     ) as llm:
         for layer in llm.engine.model.language_model.model.layers:
             assert layer.mlp.down_proj.in_features * 2 == layer.mlp.down_proj.full_in_features()
-            assert layer.mlp.act._fp8_consumer == ()
-            assert layer.input_layernorm._fp8_consumer == (layer.self_attn.qkv_proj,)
-            assert layer.post_attention_layernorm._fp8_consumer == (layer.mlp.gate_up_proj,)
+            assert layer.mlp.act._consumer == ()
+            assert layer.input_layernorm._consumer == (layer.self_attn.qkv_proj,)
+            assert layer.post_attention_layernorm._consumer == (layer.mlp.gate_up_proj,)
