@@ -133,7 +133,9 @@ async def serve(args: argparse.Namespace) -> None:
             raise SystemExit(run_worker_node(engine_config))
         except ValueError as exc:
             usage_error(explain(exc, args))
-    if args.data_parallel_size > 1 or args.ray_address:  # replicas on Ray Serve (serving_ray/)
+    if (
+        args.data_parallel_size > 1 or args.ray_address or args.ray_autoscaling_config
+    ):  # Ray Serve replicas
         from mmserve.serving_ray.launch import serve_on_ray
 
         try:

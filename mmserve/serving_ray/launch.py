@@ -101,9 +101,19 @@ async def serve_on_ray(args: argparse.Namespace, server_config: ServerConfig) ->
         from ray import serve
     except ImportError:
         raise ValueError(
-            "data_parallel_size > 1 / --ray-address serve through Ray Serve: pip install mmserve[ray]"
+            "data_parallel_size > 1 / --ray-address / --ray-autoscaling-config serve through Ray Serve: "
+            "pip install mmserve[ray]"
         ) from None
-    parse_autoscaling(args.ray_autoscaling_config)  # a bad value stops before Ray starts
+    autoscaling = parse_autoscaling(
+        args.ray_autoscaling_config
+    )  # a bad value stops before Ray starts
+    if autoscaling and args.data_parallel_size > 1:
+        logger.warning(
+            "--ray-autoscaling-config sets the replica count (%s to %s); --data-parallel-size %d is not used",
+            autoscaling.get("min_replicas", 1),
+            autoscaling.get("max_replicas", 1),
+            args.data_parallel_size,
+        )
     if server_config.grpc_port >= 0:
         logger.warning(
             "replicas on Ray Serve serve HTTP only (Triton/KServe REST, OpenAI, /metrics); no KServe gRPC "
@@ -124,7 +134,11 @@ async def serve_on_ray(args: argparse.Namespace, server_config: ServerConfig) ->
 
         logger.info(
             "Ray Serve: %s engine replica(s) behind HTTP %s:%d",
-            "autoscaled" if args.ray_autoscaling_config else args.data_parallel_size,
+            (
+                f"{autoscaling.get('min_replicas', 1)} to {autoscaling.get('max_replicas', 1)} autoscaled"
+                if autoscaling
+                else args.data_parallel_size
+            ),
             server_config.host,
             server_config.http_port,
         )

@@ -7,128 +7,38 @@ error while Ray starts a replacement."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.server.conftest import free_port, start_server
-
 pytest.importorskip("ray.serve", reason="replicas on Ray Serve need pip install mmserve[ray]")
 
 from mmserve.testing.images import image_to_data_uri  # noqa: E402
-
-RAY = str(Path(sys.executable).with_name("ray"))
-REPLICA = "x-mmserve-replica"
-PID = "x-mmserve-replica-pid"
-HIT = re.compile(r'^mmserve_prefix_cache_hit_tokens_total\{.*replica="([^"]+)".*\} (\S+)$', re.M)
-
-
-def _ray_node(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`ray start --block ...` in its own session: killing the group ends the node and its workers."""
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [RAY, "start", "--block", "--num-cpus", "1", "--disable-usage-stats", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    with contextlib.suppress(ProcessLookupError):  # workers the node left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited {proc.returncode}:\n{log.read_text()}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"Ray's head did not listen on {port}:\n{log.read_text()}")
+from tests.server.ray_cluster import (  # noqa: E402
+    PID,
+    REPLICA,
+    local_ray_cluster,
+    replica_values,
+    serve_on_cluster,
+)
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A head and a worker node on 127.0.0.1 with a private temp dir (short: Ray's socket paths must fit)."""
-    temp = Path(tempfile.mkdtemp(prefix="mmray", dir="/tmp"))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    nodes = []
-    try:
-        common = ("--node-ip-address", "127.0.0.1")
-        head = [
-            "--head",
-            "--port",
-            str(port),
-            "--include-dashboard=false",
-            "--temp-dir",
-            str(temp),
-            "--ray-client-server-port",
-            str(free_port()),
-        ]
-        nodes.append(_ray_node(*common, *head, env=env, log=temp / "head.log"))
-        _wait_port(port, nodes[0], temp / "head.log")
-        worker = ["--address", f"127.0.0.1:{port}"]
-        agent = ("--dashboard-agent-listen-port", str(free_port()))
-        nodes.append(_ray_node(*common, *worker, *agent, env=env, log=temp / "worker.log"))
-        yield f"127.0.0.1:{port}", temp
-    finally:
-        for node in reversed(nodes):
-            _stop(node)
-        shutil.rmtree(temp, ignore_errors=True)
+    with local_ray_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
 def ray_server(ray_cluster, tiny_llava_dir):
     address, temp = ray_cluster
-    with (
-        start_server(
-            tiny_llava_dir,
-            temp,
-            "--data-parallel-size",
-            "2",
-            "--ray-address",
-            address,
-            "--grpc-port",
-            "-1",
-            "--num-kv-blocks",  # two engines on a small shared machine: CPU's default fills a share of RAM
-            "512",
-            "--log-level",
-            "info",
-            timeout=300,
-        ) as handle
-    ):
-        # Ray's proxy answers once one replica is up; `serve` logs this when the application has both
-        deadline = time.monotonic() + 300
-        while "engine replica(s) behind" not in handle.log():
-            assert time.monotonic() < deadline and handle.proc.poll() is None, handle.log()
-            time.sleep(0.5)
+    with serve_on_cluster(tiny_llava_dir, address, temp, "--data-parallel-size", "2") as handle:
         yield handle
 
 
@@ -147,8 +57,7 @@ def _generate(url: str, text: str, image: str | None = None, max_tokens: int = 8
 
 
 def _hits(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics/replicas", timeout=30).text
-    return {replica: float(value) for replica, value in HIT.findall(text)}
+    return replica_values(url, "mmserve_prefix_cache_hit_tokens_total")
 
 
 def test_requests_succeed_and_both_replicas_serve(ray_server):

@@ -108,3 +108,13 @@ def test_a_taken_port_stops_serve_before_the_model_loads(flag, tiny_llava_dir):
         f"mmserve serve: {flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"
         in (run.stderr)
     )
+
+
+def test_an_autoscaling_config_alone_serves_on_ray_and_a_bad_one_stops_serve(tiny_llava_dir):
+    """--ray-autoscaling-config without --ray-address is the Ray path (a local Ray), so its value is checked by Ray
+    Serve's AutoscalingConfig before any Ray or model starts, not dropped."""
+    pytest.importorskip("ray.serve")
+    config = '{"min_replicas": 2, "max_replicas": 1}'
+    run = _serve(tiny_llava_dir, dict(os.environ), "--ray-autoscaling-config", config)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "ray_autoscaling_config" in run.stderr, run.stderr
