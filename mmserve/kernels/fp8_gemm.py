@@ -29,8 +29,9 @@ import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms, run_fastest
 from mmserve.kernels.fp8_format import AMAX_FLOOR, FP8, FP8_MAX
-from mmserve.kernels.fp8_gemv import SWAP_MAX_M, fp8_gemm_swap_ab, m_tile, split_k_for
+from mmserve.kernels.fp8_gemv import SWAP_MAX_M, fp8_gemm_swap_ab, split_k_for
 from mmserve.kernels.gemv import gemv
+from mmserve.kernels.m_tiles import SMALL_M, m_tile, prune_m_tiles
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
 
@@ -156,7 +157,6 @@ def fp8_gemv(
     return gemv(xq, weight, bias, xs, weight_scale, out_dtype)
 
 
-SMALL_M = 64
 _SMALL_M_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bm in (16, 32, 64)
@@ -173,15 +173,10 @@ _SMALL_M_CONFIGS = [
 ]
 
 
-def _prune_m_tiles(configs, named_args, **kwargs):
-    bm = m_tile(named_args["M"])
-    return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
-
-
 @triton.autotune(
     configs=_SMALL_M_CONFIGS,
     key=["M_TILE", "N", "K"],
-    prune_configs_by={"early_config_prune": _prune_m_tiles},
+    prune_configs_by={"early_config_prune": prune_m_tiles},
     do_bench=bench_ms,
 )
 @triton.jit

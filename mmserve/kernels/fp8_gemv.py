@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
+from mmserve.kernels.m_tiles import SMALL_M, m_tile
 from mmserve.kernels.pdl import pdl_options, wait_for_previous
 
-SWAP_MAX_M = 64
+SWAP_MAX_M = SMALL_M  # the activation rows of one program (m_tile: the MMA's narrow side)
 # (weight rows, K per tile, warps, stages): 16 / 32 weight rows give N = 4096 at least 128 programs; 64 / 128 rows
 # fill a warpgroup's 64-row MMA
 _TILES = [
@@ -42,11 +43,6 @@ SWAP_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bn, bk, w, st in _TILES
 ]
-
-
-def m_tile(m: int) -> int:
-    """The activation rows of one program: the MMA's narrow side, 16 at least."""
-    return min(max(16, triton.next_power_of_2(m)), SWAP_MAX_M)
 
 
 @triton.jit

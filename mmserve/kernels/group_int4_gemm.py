@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
+from mmserve.kernels.m_tiles import m_tile, prune_m_tiles
 from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
-SMALL_M = 64
 # a block's low nibbles are its first 8 columns, the high nibbles the next 8
 HALF_BLOCK = tl.constexpr(8)
 
@@ -52,17 +52,9 @@ _GEMM_CONFIGS = [
 ]
 
 
-def _m_tile(m: int) -> int:
-    return min(max(16, triton.next_power_of_2(m)), 64) if m <= SMALL_M else 128
-
-
-def _prune_m_tiles(configs, named_args, **kwargs):
-    return [c for c in configs if c.kwargs["BLOCK_M"] == _m_tile(named_args["M"])]
-
-
 def gemm_configs(m: int) -> list[triton.Config]:
     """The GEMM's autotuning candidates for M rows."""
-    return _prune_m_tiles(_GEMM_CONFIGS, {"M": m})
+    return prune_m_tiles(_GEMM_CONFIGS, {"M": m})
 
 
 def _per_group(group_size: int, has_g_idx: bool) -> bool:
@@ -128,7 +120,7 @@ def dequant_pair(
 @triton.autotune(
     configs=_GEMM_CONFIGS,
     key=["M_TILE", "N", "K", "GROUP", "HAS_G_IDX"],
-    prune_configs_by={"early_config_prune": _prune_m_tiles},
+    prune_configs_by={"early_config_prune": prune_m_tiles},
     do_bench=bench_ms,
 )
 @triton.jit
@@ -254,7 +246,7 @@ def group_int4_gemm(
     if m == 0:
         return y
     strides = (x.stride(0), weight.stride(0), y.stride(0))
-    args = (x, weight, scales, zeros, g, b, y, m, n, k, scales.shape[1], *strides, _m_tile(m))
+    args = (x, weight, scales, zeros, g, b, y, m, n, k, scales.shape[1], *strides, m_tile(m))
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
     pdl = pdl_options(x.device, release_after_loop=True)
     if config is not None:

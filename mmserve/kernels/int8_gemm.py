@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
+from mmserve.kernels.m_tiles import m_tile, prune_m_tiles
 from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
 INT8_MAX = 127.0  # as layers/w8a8_linear.py's reference
 AMAX_FLOOR = 1e-12  # a zero row gets scale 1e-12 / 127 and values 0
-SMALL_M = 64
 _QMAX = tl.constexpr(INT8_MAX)
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 # 1.5 * 2^23: (y + it) - it rounds an fp32 |y| < 2^22 to an integer, half to even
@@ -57,19 +57,9 @@ _LARGE_M_CONFIGS = [
 ]
 
 
-def _m_tile(m: int) -> int:
-    """The autotuning bucket of M rows: 16, 32 or 64 (the small-M BLOCK_M), else 128."""
-    return min(max(16, triton.next_power_of_2(m)), 64) if m <= SMALL_M else 128
-
-
-def _prune_m_tiles(configs, named_args, **kwargs):
-    bm = _m_tile(named_args["M"])
-    return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
-
-
 def gemm_configs(m: int) -> list[triton.Config]:
     """`int8_gemm`'s autotuning candidates for M rows."""
-    return _prune_m_tiles(_SMALL_M_CONFIGS + _LARGE_M_CONFIGS, {"M": m})
+    return prune_m_tiles(_SMALL_M_CONFIGS + _LARGE_M_CONFIGS, {"M": m})
 
 
 @triton.jit
@@ -174,7 +164,7 @@ def _scaled_epilogue(acc, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, HAS_BIA
 @triton.autotune(
     configs=_SMALL_M_CONFIGS + _LARGE_M_CONFIGS,
     key=["M_TILE", "N", "K"],
-    prune_configs_by={"early_config_prune": _prune_m_tiles},
+    prune_configs_by={"early_config_prune": prune_m_tiles},
     do_bench=bench_ms,
 )
 @triton.jit
@@ -255,7 +245,7 @@ def int8_gemm(
         xq.stride(0),
         weight.stride(0),
         y.stride(0),
-        _m_tile(m),
+        m_tile(m),
     )
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
     pdl = pdl_options(xq.device, release_after_loop=True)

@@ -20,9 +20,9 @@ import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
 from mmserve.kernels.gemv import int4_as_float, int8_as_float
+from mmserve.kernels.m_tiles import m_tile, prune_m_tiles
 from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
-SMALL_M = 64
 # BLOCK_N is the tensor cores' M side here (operands swapped, module docstring): Hopper's wgmma wants 64 or more;
 # 16 / 32 fall back to the older mma but spread N = 4096 over more SMs, which the weight-read-bound small-M steps
 # may prefer. Past SMALL_M rows the GEMM is compute-bound: square-ish tiles.
@@ -55,20 +55,10 @@ _LARGE_M_CONFIGS = [
 ]
 
 
-def _m_tile(m: int) -> int:
-    """The autotuning bucket of M rows: 16, 32 or 64 (the BLOCK_M of the small-M tiles), else 128."""
-    return min(max(16, triton.next_power_of_2(m)), 64) if m <= SMALL_M else 128
-
-
-def _prune_m_tiles(configs, named_args, **kwargs):
-    bm = _m_tile(named_args["M"])
-    return [c for c in configs if c.kwargs["BLOCK_M"] == bm]
-
-
 @triton.autotune(
     configs=_SMALL_M_CONFIGS + _LARGE_M_CONFIGS,
     key=["M_TILE", "N", "K", "INT4", "FLOAT_W"],
-    prune_configs_by={"early_config_prune": _prune_m_tiles},
+    prune_configs_by={"early_config_prune": prune_m_tiles},
     do_bench=bench_ms,
 )
 @triton.jit
@@ -172,7 +162,7 @@ def _gemm(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        _m_tile(m),
+        m_tile(m),
     )
     flags = dict(INT4=int4, FLOAT_W=float_w, HAS_BIAS=bias is not None)
     if x.is_cuda:

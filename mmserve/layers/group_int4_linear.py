@@ -46,8 +46,9 @@ def group_int4_linear(
     rows = x.numel() // x.shape[-1]
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from mmserve.kernels.fastest import run_fastest
-        from mmserve.kernels.group_int4_gemm import SMALL_M, group_int4_gemm
+        from mmserve.kernels.group_int4_gemm import group_int4_gemm
         from mmserve.kernels.group_int4_gemv import group_int4_gemv
+        from mmserve.kernels.m_tiles import SMALL_M
         from mmserve.layers.weight_only import rows_bucket
 
         x2 = x.reshape(rows, -1).contiguous()

@@ -43,7 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             from mmserve.kernels.gemv import linear_one_row
 
             return linear_one_row(x, weight, bias)
-        from mmserve.kernels.weight_only_gemm import SMALL_M, small_m_gemm
+        from mmserve.kernels.m_tiles import SMALL_M
+        from mmserve.kernels.weight_only_gemm import small_m_gemm
 
         if rows <= SMALL_M:
             from mmserve.kernels.fastest import run_fastest

@@ -58,7 +58,8 @@ def _cuda_matmul(
     """The Triton / cuBLAS path of `w8a8_linear` for quantized rows xq [M, K], xs [M] on a GPU."""
     from mmserve.kernels.fastest import run_fastest
     from mmserve.kernels.gemv import gemv
-    from mmserve.kernels.int8_gemm import SMALL_M, int8_gemm, int_mm_scaled
+    from mmserve.kernels.int8_gemm import int8_gemm, int_mm_scaled
+    from mmserve.kernels.m_tiles import SMALL_M
     from mmserve.layers.weight_only import rows_bucket
 
     args = (xq, xs, weight, weight_scale.float(), bias, dtype)

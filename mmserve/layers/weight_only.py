@@ -82,7 +82,8 @@ def weight_only_linear(
         return y.reshape(*x.shape[:-1], weight.shape[0])
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from mmserve.kernels.fastest import run_fastest
-        from mmserve.kernels.weight_only_gemm import SMALL_M, weight_only_gemm
+        from mmserve.kernels.m_tiles import SMALL_M
+        from mmserve.kernels.weight_only_gemm import weight_only_gemm
 
         x2 = x.reshape(rows, -1).contiguous()
         if rows <= SMALL_M:

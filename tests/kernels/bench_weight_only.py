@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.kernels.fastest import bench_ms
-from mmserve.kernels.weight_only_gemm import SMALL_M, small_m_gemm, weight_only_gemm
+from mmserve.kernels.m_tiles import SMALL_M
+from mmserve.kernels.weight_only_gemm import small_m_gemm, weight_only_gemm
 from mmserve.layers.weight_only import (
     dequantize,
     quantize_weight_int4,
