@@ -45,8 +45,9 @@ SWAP_CONFIGS = [
 ]
 
 
+@triton.autotune(configs=SWAP_CONFIGS, key=["M_TILE", "N", "K", "SPLIT_K"], do_bench=bench_ms)
 @triton.jit
-def _swap_ab_body(
+def _swap_ab_kernel(
     xq_ptr,
     xs_ptr,
     w_ptr,
@@ -59,6 +60,7 @@ def _swap_ab_body(
     stride_x,
     stride_w,
     stride_y,
+    M_TILE,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -115,63 +117,6 @@ def _store_scaled(
         y.to(y_ptr.dtype.element_ty),
         mask=n_mask[:, None] & m_mask[None, :],
     )
-
-
-@triton.autotune(configs=SWAP_CONFIGS, key=["M_TILE", "N", "K", "SPLIT_K"], do_bench=bench_ms)
-@triton.jit
-def _swap_ab_kernel(
-    xq_ptr,
-    xs_ptr,
-    w_ptr,
-    ws_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    stride_w,
-    stride_y,
-    M_TILE,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _swap_ab_body(
-        xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PDL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _swap_ab_fixed_kernel(
-    xq_ptr,
-    xs_ptr,
-    w_ptr,
-    ws_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    stride_w,
-    stride_y,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One given tile (the interpreter's, or one config of a sweep)."""
-    _swap_ab_body(
-        xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PDL,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -250,19 +195,12 @@ def fp8_gemm_swap_ab(
     flags = dict(HAS_BIAS=bias is not None, BLOCK_M=m_tile(m), SPLIT_K=split_k)
     pdl = pdl_options(xq.device)
     if not xq.is_cuda:  # Triton's interpreter (CPU tests): one small tile
-        _swap_ab_fixed_kernel[(triton.cdiv(n, 16), split_k)](
-            *args, **flags, BLOCK_N=16, BLOCK_K=32, PDL=False
+        _swap_ab_kernel.fn[(triton.cdiv(n, 16), split_k)](
+            *args, m_tile(m), **flags, BLOCK_N=16, BLOCK_K=32, PDL=False
         )
     elif config is not None:
         grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]), split_k)
-        _swap_ab_fixed_kernel[grid](
-            *args,
-            **flags,
-            **config.kwargs,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl,
-        )
+        _swap_ab_kernel.fn[grid](*args, m_tile(m), **flags, **config.all_kwargs(), **pdl)
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split_k)  # noqa: E731
         _swap_ab_kernel[grid](*args, m_tile(m), **flags, **pdl)
