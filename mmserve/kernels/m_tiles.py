@@ -15,6 +15,7 @@ def m_tile(m: int) -> int:
 
 
 def prune_m_tiles(configs, named_args, **kwargs):
-    """Triton's early config prune: the configs whose BLOCK_M is the call's bucket of M."""
-    bm = m_tile(named_args["M"])
+    """Triton's early config prune: the configs whose BLOCK_M is the call's bucket of M, or the widest BLOCK_M a
+    kernel has when it has none of that bucket (a small-M kernel taking more rows, which it tiles)."""
+    bm = min(m_tile(named_args["M"]), max(c.kwargs["BLOCK_M"] for c in configs))
     return [c for c in configs if c.kwargs["BLOCK_M"] == bm]

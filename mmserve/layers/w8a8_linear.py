@@ -31,7 +31,10 @@ def quantize_rows_int8(
     """(int8 [M, K], fp32 scale [M]): each row scaled so its largest magnitude (`amax` [M] when given: a row-parallel
     rank's slice of longer rows) maps to 127 (a zero row: scale 1e-12 / 127, values 0)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) if amax is None else amax).clamp(min=1e-12) / INT8_MAX
+    amax = (xf.abs().amax(dim=-1) if amax is None else amax).clamp(min=1e-12)
+    # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (not IEEE), and the
+    # Triton kernel (kernels/int8_gemm.py) divides exactly, on every device
+    scale = amax / torch.full_like(amax, INT8_MAX)
     return torch.round(xf / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
