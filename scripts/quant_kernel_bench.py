@@ -26,12 +26,14 @@ import torch.nn.functional as F
 
 from mmserve.kernels.fastest import bench_ms
 from mmserve.kernels.gemv import gemv
+from mmserve.kernels.group_int4_dequant import group_int4_dequant
 from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
 from mmserve.kernels.group_int4_gemv import GEMV_CONFIGS, group_int4_gemv
 from mmserve.kernels.int8_gemm import gemm_configs as int8_configs
 from mmserve.kernels.int8_gemm import int8_gemm, int_mm_scaled, quant_rows_int8
+from mmserve.kernels.m_tiles import SMALL_M
 from mmserve.layers.group_int4 import pack_nibbles_k, quantize_groups
-from mmserve.layers.group_int4_linear import dequantize_packed, group_int4_linear
+from mmserve.layers.group_int4_linear import group_int4_linear
 from mmserve.layers.w8a8_linear import w8a8_linear
 from mmserve.layers.weight_only import quantize_weight_int8
 
@@ -122,6 +124,14 @@ def bench_shape(
                         )
                     )
         timed.append(("int4 GEMM (autotuned)", lambda: group_int4_gemm(x, *args)))
+        if 1 < m <= SMALL_M:
+            for split in (2, 4):
+                timed.append(
+                    (
+                        f"int4 GEMM split-K {split} (autotuned)",
+                        lambda split=split: group_int4_gemm(x, *args, split_k=split),
+                    )
+                )
         if configs:
             for c in gemm_configs(m):
                 timed.append(
@@ -133,8 +143,8 @@ def bench_shape(
         if m >= 128:
             timed.append(
                 (
-                    "int4 dequantize + cuBLAS",
-                    lambda: F.linear(x, dequantize_packed(*args, None, x.dtype)),
+                    "int4 dequantize (Triton) + cuBLAS",
+                    lambda: F.linear(x, group_int4_dequant(*args, None, k, x.dtype)),
                 )
             )
         for label, fn in timed:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fastest import bench_ms
-from mmserve.kernels.m_tiles import m_tile, prune_m_tiles
+from mmserve.kernels.m_tiles import SMALL_M, m_tile, prune_m_tiles
 from mmserve.kernels.pdl import pdl_options, release_dependents, wait_for_previous
 
 # a block's low nibbles are its first 8 columns, the high nibbles the next 8
@@ -52,9 +52,19 @@ _GEMM_CONFIGS = [
 ]
 
 
+def _prune(configs, named_args, **kwargs):
+    """The configs of the call's bucket of M (kernels/m_tiles.py) and, for 17 to SMALL_M rows, the 16-row tiles too:
+    their programs for one weight tile run side by side (M is the grid's first axis) and read it from L2 once read,
+    where a 32- or 64-wide dot of the dequantized tile may compile to a slower path than two 16-wide ones."""
+    bucket = prune_m_tiles(configs, named_args)
+    if 16 < named_args["M"] <= SMALL_M:
+        bucket += [c for c in configs if c.kwargs["BLOCK_M"] == 16]
+    return bucket
+
+
 def gemm_configs(m: int) -> list[triton.Config]:
     """The GEMM's autotuning candidates for M rows."""
-    return prune_m_tiles(_GEMM_CONFIGS, {"M": m})
+    return _prune(_GEMM_CONFIGS, {"M": m})
 
 
 def _per_group(group_size: int, has_g_idx: bool) -> bool:
@@ -63,7 +73,7 @@ def _per_group(group_size: int, has_g_idx: bool) -> bool:
 
 
 @triton.jit
-def _low_columns(t):
+def low_columns(t):
     """The column (from the tile's start) of the low nibble of byte t of a tile; the high nibble's is 8 more."""
     return (t // HALF_BLOCK) * (2 * HALF_BLOCK) + t % HALF_BLOCK
 
@@ -119,8 +129,8 @@ def dequant_pair(
 
 @triton.autotune(
     configs=_GEMM_CONFIGS,
-    key=["M_TILE", "N", "K", "GROUP", "HAS_G_IDX"],
-    prune_configs_by={"early_config_prune": prune_m_tiles},
+    key=["M_TILE", "N", "K", "GROUP", "HAS_G_IDX", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": _prune},
     do_bench=bench_ms,
 )
 @triton.jit
@@ -139,27 +149,39 @@ def _gemm_kernel(
     stride_x,
     stride_w,
     stride_y,
+    stride_split,
     M_TILE,
     GROUP: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     PER_GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    M_MAJOR: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # decode's few rows: a weight tile's row tiles side by side (it is read once); prompts: a row tile's weight
+    # tiles side by side (its activations are read once)
+    if M_MAJOR:
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
     rb = tl.arange(0, BLOCK_K // 2)  # bytes of a K tile
-    low = _low_columns(rb)
+    low = low_columns(rb)
     x_cols = x_ptr + rm[None, :].to(tl.int64) * stride_x + low[:, None]  # x^T, low-nibble columns
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rb[None, :]
     rows = rn[:, None].to(tl.int64) * G
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
-    for k in range(0, K, BLOCK_K):
+    # split K: this program's share of the K tiles, its partial sums to its own slice of an fp32 workspace
+    k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = tl.program_id(2) * k_share
+    for k in range(k_start, tl.minimum(K, k_start + k_share), BLOCK_K):
         c_lo, c_hi = (k + low) < K, (k + low + HALF_BLOCK) < K  # K is a multiple of 8
         x_lo = tl.load(x_cols + k, mask=c_lo[:, None] & m_mask[None, :], other=0.0)
         x_hi = tl.load(x_cols + k + HALF_BLOCK, mask=c_hi[:, None] & m_mask[None, :], other=0.0)
@@ -192,8 +214,9 @@ def _gemm_kernel(
     release_dependents(PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y_tile = y_ptr + tl.program_id(2).to(tl.int64) * stride_split
     tl.store(
-        y_ptr + rm[None, :].to(tl.int64) * stride_y + rn[:, None],
+        y_tile + rm[None, :].to(tl.int64) * stride_y + rn[:, None],
         acc.to(y_ptr.dtype.element_ty),
         mask=n_mask[:, None] & m_mask[None, :],
     )
@@ -236,25 +259,39 @@ def group_int4_gemm(
     g_idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """y [M, N] (x's dtype) for x [M, K] (unit stride along K); the weights as for `group_int4_gemv`. `config`: one
-    of gemm_configs(M) instead of the autotuner's choice."""
+    of gemm_configs(M) instead of the autotuner's choice. `split_k` > 1: K in that many shares, each program's
+    partial sums in fp32, added in order after (deterministic): more programs where N alone gives too few for the
+    SMs (decode batches against a projection of few outputs and many inputs, as a down projection)."""
     m = x.shape[0]
     assert x.stride(1) == 1, x.stride()
     n, k, g, b, flags = check_layout(weight, scales, zeros, g_idx, bias, group_size, x.shape[1])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    strides = (x.stride(0), weight.stride(0), y.stride(0))
-    args = (x, weight, scales, zeros, g, b, y, m, n, k, scales.shape[1], *strides, m_tile(m))
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    flags.update(M_MAJOR=m <= SMALL_M, SPLIT_K=split_k, HAS_BIAS=flags["HAS_BIAS"] and split_k == 1)
+    strides = (x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0)
+    args = (x, weight, scales, zeros, g, b, out, m, n, k, scales.shape[1], *strides, m_tile(m))
+
+    def grid(meta):
+        tiles = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+        return (*(tiles if flags["M_MAJOR"] else tiles[::-1]), split_k)
+
     pdl = pdl_options(x.device, release_after_loop=True)
     if config is not None:
         _gemm_kernel.fn[grid(config.kwargs)](*args, **flags, **config.all_kwargs(), **pdl)
     elif x.is_cuda:
         _gemm_kernel[grid](*args, **flags, **pdl)
     else:
-        _gemm_kernel.fn[(triton.cdiv(n, 16), triton.cdiv(m, 16))](
+        _gemm_kernel.fn[grid(dict(BLOCK_M=16, BLOCK_N=16))](
             *args, **flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, PDL=0
         )
-    return y
+    if split_k == 1:
+        return y
+    total = out.sum(0)
+    if bias is not None:
+        total += bias
+    return y.copy_(total)

@@ -116,3 +116,40 @@ def test_load_time_quantization_serves_with_cuda_graphs(tmp_path, quantization):
     a = graphs.generate(prompts, params, use_tqdm=False)
     b = eager.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+@pytest.mark.parametrize(
+    "k,group,act_order", [(4096, 128, False), (4096, 32, False), (4104, 8, True), (1032, 24, True)]
+)
+def test_dequantization_kernel_equals_the_reference(k, group, act_order):
+    """kernels/group_int4_dequant.py (prompts' cuBLAS candidate) gives the reference's weight bit for bit."""
+    from mmserve.kernels.group_int4_dequant import group_int4_dequant
+
+    g = torch.Generator(device=CUDA).manual_seed(k)
+    q, s, z = quantize_groups(torch.randn(384, k, device=CUDA, generator=g) * 0.02, group)
+    g_idx = (
+        (torch.randperm(k, device=CUDA, generator=g) % (k // group)).int() if act_order else None
+    )
+    w, s = pack_nibbles_k(q), s.half()
+    for dtype in (torch.float16, torch.bfloat16):
+        want = dequantize_packed(w, s, z, group, g_idx, dtype)
+        assert torch.equal(group_int4_dequant(w, s, z, group, g_idx, k, dtype), want)
+
+
+@pytest.mark.parametrize("m", [24, 32, 64])
+def test_every_gemm_config_of_a_decode_batch_matches_the_formula(m):
+    """The 17-64-row buckets' own tiles and the 16-row tiles they may take (row tiles side by side), and K split."""
+    from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
+
+    g = torch.Generator(device=CUDA).manual_seed(m)
+    q, s, z = quantize_groups(torch.randn(4096, 4096, device=CUDA, generator=g) * 0.02, 128)
+    w, s = pack_nibbles_k(q), s.half()
+    x = torch.randn(m, 4096, device=CUDA, dtype=torch.float16)
+    want = x.float() @ dequantize_packed(w, s, z, 128, None, torch.float32).t()
+    configs = gemm_configs(m)
+    assert any(c.kwargs["BLOCK_M"] == 16 for c in configs)
+    for config in configs:
+        _close(group_int4_gemm(x, w, s, z, 128, config=config), want)
+    bias = torch.randn(4096, device=CUDA, dtype=torch.float16)
+    for split in (2, 4):  # K in shares, summed after, the bias once
+        _close(group_int4_gemm(x, w, s, z, 128, bias=bias, split_k=split), want + bias.float())

@@ -1,5 +1,7 @@
-"""kernels/group_int4_gemv.py and group_int4_gemm.py (the Triton GEMV and GEMM over group-wise int4 weights) against the dequantized fp32
-formula, in Triton's CPU interpreter: every row count through the GEMM, one row also through both GEMV variants.
+"""kernels/group_int4_gemv.py, group_int4_gemm.py and group_int4_dequant.py (the Triton GEMV, GEMM and dequantization
+of group-wise int4 weights) against the dequantized fp32 formula, in Triton's CPU interpreter: every row count through
+the GEMM with K whole and in 2 or 3 shares, one row also through both GEMV variants, every layout dequantized bit for
+bit.
 TRITON_INTERPRET must be set before triton is imported and would leak into other tests, so the checks run in one
 child process that prints each case's error."""
 
@@ -30,12 +32,13 @@ CASES = [  # (rows, N, K, group_size, act-order g_idx, bias)
 ]
 _SCRIPT = """
 import json, sys, torch
+from mmserve.kernels.group_int4_dequant import group_int4_dequant
 from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
 from mmserve.kernels.group_int4_gemv import group_int4_gemv
 from mmserve.layers.group_int4 import pack_nibbles_k, quantize_groups
 from mmserve.layers.group_int4_linear import dequantize_packed
 import mmserve.kernels.group_int4_gemv as kernels
-out = []
+out, dequant_mismatches = [], 0
 for m, n, k, gs, act, has_bias in json.loads(sys.argv[1]):
     torch.manual_seed(m * 1000 + n + k)
     q, s, z = quantize_groups(torch.randn(n, k), gs)
@@ -46,12 +49,15 @@ for m, n, k, gs, act, has_bias in json.loads(sys.argv[1]):
     x = torch.randn(m, k)
     bias = torch.randn(n) if has_bias else None
     want = x @ dequantize_packed(w, s, z, gs, g_idx, torch.float32).t() + (bias if has_bias else 0)
-    got = [group_int4_gemm(x, w, s, z, gs, g_idx, bias)]
+    got = [group_int4_gemm(x, w, s, z, gs, g_idx, bias, split_k=split) for split in (1, 2, 3)]
     if m == 1:  # the GEMV both ways: activations shared by a thread's rows, or read per row
         for shared in (False, True):
             kernels._CPU_GEMV["SHARED_X"] = shared
             got.append(group_int4_gemv(x[0], w, s, z, gs, g_idx, bias)[None])
     out.append(max(float((y - want).abs().max() / want.abs().max()) for y in got))
+    for dtype in (torch.float32, torch.float16):  # the interpreter truncates to bf16 (the GPU test has it)
+        ref = dequantize_packed(w, s, z, gs, g_idx, dtype)
+        dequant_mismatches += int((group_int4_dequant(w, s, z, gs, g_idx, k, dtype) != ref).sum())
 # every autotuning candidate (as the GPU runs them) at one shape: K = 384 is 3 groups, less than most tiles
 torch.manual_seed(0)
 q, s, z = quantize_groups(torch.randn(24, 384), 128)
@@ -65,6 +71,7 @@ got = [(y, want[:1]) for y in got] + [
     for c in gemm_configs(m)
 ]
 out.append(max(float((y - ref).abs().max() / ref.abs().max()) for y, ref in got))
+out.append(dequant_mismatches)
 print("RESULTS " + json.dumps(out))
 """
 
@@ -95,3 +102,8 @@ def test_every_kernel_config_matches_dequantized_formula(errors: list[float]) ->
 def test_group_int4_kernel_matches_dequantized_formula(case: int, errors: list[float]) -> None:
     """fp32 activations: the kernels' dequantization ((q - z) * s in fp32) is exact, only summation order differs."""
     assert errors[case] < 1e-5, (CASES[case], errors[case])
+
+
+def test_dequantization_kernel_equals_the_reference(errors: list[float]) -> None:
+    """Every case's weight in fp32 and fp16: (q - z) * s rounded once, equal element for element."""
+    assert errors[len(CASES) + 1] == 0, errors[len(CASES) + 1]

@@ -13,7 +13,9 @@ def _configs(*block_ms):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}) for bm in block_ms]
 
 
-@pytest.mark.parametrize("m,want", [(1, 16), (16, 16), (17, 32), (33, 64), (SMALL_M, 64), (SMALL_M + 1, 128)])
+@pytest.mark.parametrize(
+    "m,want", [(1, 16), (16, 16), (17, 32), (33, 64), (SMALL_M, 64), (SMALL_M + 1, 128)]
+)
 def test_m_tile_buckets(m, want):
     assert m_tile(m) == want
 
