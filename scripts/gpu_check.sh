@@ -2,11 +2,12 @@
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
 #   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [weight-only] [serve]
-#                             [serve-profile] [tp] [kernels]
+#                             [serve-profile] [tp] [kernels] [quant] [multinode]
 #   (default: all but throughput-same, weight-only, serve-profile, tp and kernels; weight-only: decode latency of fp16, int8 and
 #   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
 #   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test;
-#   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests and per-shape timings)
+#   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests and per-shape timings; quant: decode latency of
+#   fp16 and the five quantized configurations in one call; multinode: two-node tensor parallelism over NCCL on two GPUs)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -81,6 +82,16 @@ for step in $steps; do
           tests/unit/test_w8a8_fusion.py tests/parity/test_int_checkpoints.py tests/parity/test_fp8_weights.py 2>&1 | tail -8
         for s in quant_kernel_bench fp8_decode_bench vision_tower_profile; do
           timeout 240 python3 scripts/$s.py > "$OUT/$s.txt" 2>&1; echo "== $s (rc $?)"; tail -40 "$OUT/$s.txt"; done ;;
+    quant) # issue 33: fp16, FP8, FP8 + FP8 KV, int8, W8A8, int4_g128 in one call (~9 min: alone in a call)
+        for v in none fp8 fp8kv int8 w8a8 int4_g128; do
+          case $v in none) flag="--baseline none";; fp8kv) flag="--baseline none --quantization fp8 --kv-cache-dtype fp8";;
+            *) flag="--baseline none --quantization $v";; esac
+          timeout 170 $bench latency --preset llava-1.5-7b --batch-sizes 1,32 --input-len 24 --output-len 64 $flag \
+            --out "$OUT/latency_$v.json" --markdown "$OUT/latency_$v.md" > "$OUT/latency_$v.log" 2>&1
+          echo "== $v (rc $?)"; grep -E "^\| *(1|32) \||GiB" "$OUT/latency_$v.md"; done ;;
+    multinode) # two "nodes" of one GPU each over NCCL (needs two GPUs); its process trees take minutes to start
+        timeout 540 python3 -m pytest -v -p no:cacheprovider -rf -m gpu tests/server/test_multinode_tensor_parallel.py \
+          > "$OUT/multinode.log" 2>&1; echo "multinode rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/multinode.log" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
