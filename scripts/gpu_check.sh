@@ -6,7 +6,8 @@
 #   (default: all but throughput-same, weight-only, serve-profile, tp and kernels; weight-only: decode latency of fp16, int8 and
 #   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
 #   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test;
-#   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests and per-shape timings; quant: decode latency of
+#   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests, per-shape timings and the GEMM / attention
+#   overlap probe; quant: decode latency of
 #   fp16 and the five quantized configurations in one call; multinode: two-node tensor parallelism over NCCL on two GPUs)
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
@@ -80,7 +81,7 @@ for step in $steps; do
         timeout 400 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu/test_w8a8_gpu.py \
           tests/gpu/test_group_int4_gpu.py tests/gpu/test_fp8_swap_ab_gpu.py tests/gpu/test_vision_varlen_gpu.py \
           tests/unit/test_w8a8_fusion.py tests/parity/test_int_checkpoints.py tests/parity/test_fp8_weights.py 2>&1 | tail -8
-        for s in quant_kernel_bench fp8_decode_bench vision_tower_profile; do
+        for s in quant_kernel_bench fp8_decode_bench vision_tower_profile overlap_probe; do
           timeout 240 python3 scripts/$s.py > "$OUT/$s.txt" 2>&1; echo "== $s (rc $?)"; tail -40 "$OUT/$s.txt"; done ;;
     quant) # issue 33: fp16, FP8, FP8 + FP8 KV, int8, W8A8, int4_g128 in one call (~9 min: alone in a call)
         for v in none fp8 fp8kv int8 w8a8 int4_g128; do
