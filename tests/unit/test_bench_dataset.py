@@ -1,8 +1,10 @@
-"""`--dataset FILE.jsonl` (both line formats, pictures from disk), `--goodput` objectives and `--label` / the
-server's own name, against a real `mmserve serve` on 127.0.0.1 and offline."""
+"""`--dataset FILE.jsonl` (the three line layouts, pictures from disk or embedded), `--goodput` objectives and
+`--label` / the server's own name, against a real `mmserve serve` on 127.0.0.1 and offline."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from mmserve.bench.cli import main
 from mmserve.bench.dataset import DatasetError, load_dataset
 from mmserve.bench.goodput import parse_goodput
 from mmserve.bench.serve_metrics import Record, summarize
+from mmserve.bench.serve_workload import dataset_requests
 from tests.conftest import strict_json
 
 
@@ -54,12 +57,88 @@ def test_dataset_lines_give_prompts_pictures_and_output_lengths(tmp_path):
     assert [r.line for r in five] == [1, 2, 3, 1, 2] and five[1].output_len == 7
 
 
+def _encoded(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_visionarena_lines_read_pictures_by_path_and_embedded_as_base64_bytes(tmp_path):
+    """lmarena-ai/VisionArena-Chat rows as a JSONL export: `conversation` holds the turns, each a one-message
+    list (flat turns too), `images` holds paths, `datasets` Image values `{"path"}`, or `{"bytes": base64}`."""
+    (tmp_path / "pics").mkdir()
+    Image.effect_noise((40, 30), 60).convert("RGB").save(tmp_path / "pics" / "a.png")
+    Image.effect_noise((32, 24), 30).convert("RGB").save(tmp_path / "pics" / "b.jpg", quality=90)
+    png = _encoded(Image.effect_noise((24, 20), 80).convert("RGB"), "PNG")
+    jpeg = _encoded(Image.effect_noise((50, 18), 40).convert("RGB"), "JPEG")
+    row = {"conversation_id": "c1", "model": "gpt-4o", "num_turns": 1, "language": "English"}
+    lines = [
+        {
+            **row,
+            "images": ["pics/a.png"],
+            "conversation": [
+                [{"role": "user", "content": "What is this?"}],
+                [{"role": "assistant", "content": "a noisy picture"}],
+            ],
+        },
+        {  # a hub row's Image values: the bytes win over the hub's file name, which is not here
+            **row,
+            "num_turns": 2,
+            "images": [
+                {"path": "pics/b.jpg", "bytes": None},
+                {"bytes": base64.b64encode(png).decode(), "path": "hub-name.png"},
+            ],
+            "conversation": [
+                [{"role": "user", "content": "<image>\nCompare them."}],
+                [{"role": "assistant", "content": "two pictures"}],
+                [{"role": "user", "content": "And now?"}],
+                [{"role": "assistant", "content": "still two of them"}],
+            ],
+        },
+        {  # flat turns, no answer, base64 wrapped at 76 columns
+            "images": [{"bytes": base64.encodebytes(jpeg).decode()}],
+            "conversation": [{"role": "user", "content": "Read the sign."}],
+        },
+        {"prompt": "plain", "images": [{"bytes": base64.b64encode(png).decode()}]},
+    ]
+    path = tmp_path / "arena.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    reqs = load_dataset(str(path), 4)
+    assert [r.prompt for r in reqs] == ["What is this?", "Compare them.", "Read the sign.", "plain"]
+    assert [len(r.images) for r in reqs] == [1, 2, 1, 1]
+    assert [r.image_sizes for r in reqs] == [
+        ((40, 30),),
+        ((32, 24), (24, 20)),
+        ((50, 18),),
+        ((24, 20),),
+    ]
+    assert [[im.size for im in r.read_images()] for r in reqs] == [
+        list(r.image_sizes) for r in reqs
+    ]
+    assert [r.output_len for r in reqs] == [3, 2, None, None]  # the first answer's words
+    assert reqs[0].images == (tmp_path / "pics" / "a.png",)
+    assert reqs[1].images[0] == tmp_path / "pics" / "b.jpg"
+    # embedded pictures keep their own bytes, and one picture on two lines is one file
+    assert reqs[1].images[1].read_bytes() == png and reqs[2].images[0].read_bytes() == jpeg
+    assert reqs[3].images[0] == reqs[1].images[1] and tmp_path not in reqs[1].images[1].parents
+    sent = dataset_requests(reqs, None, 128)
+    assert sent[2].image_uris[0] == "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    assert [r.output_len for r in sent] == [3, 2, 128, 128]
+    assert load_dataset(str(path), 1, count_tokens=lambda text: 9)[0].output_len == 9
+
+
+_ARENA_Q = '{"conversation": [[{"role": "user", "content": "q"}]]'
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
         ("{not json", "line 2: not JSON"),
         ('["a"]', "line 2: expected a JSON object"),
-        ('{"text": "x"}', "line 2: needs a 'prompt' field or a 'conversations' field"),
+        (
+            '{"text": "x"}',
+            "line 2: fits no layout: needs a 'prompt' field (plain), a 'conversations'",
+        ),
         ('{"prompt": 3}', "line 2: field 'prompt' must be a string"),
         ('{"prompt": "x", "images": "a.png"}', "line 2: field 'images' must be a list"),
         ('{"prompt": "x", "images": ["gone.png"]}', "line 2: field 'images'[0]: no picture file"),
@@ -67,6 +146,24 @@ def test_dataset_lines_give_prompts_pictures_and_output_lengths(tmp_path):
         ('{"prompt": "x", "output_len": 0}', "line 2: field 'output_len' must be an integer >= 1"),
         ('{"image": "a.png", "conversations": []}', "line 2: field 'conversations' has no human"),
         ('{"image": "nope.jpg", "conversations": [{"from": "human", "value": "q"}]}', "'image'[0]"),
+        ('{"conversation": "q"}', "line 2: field 'conversation' must be a list of turns"),
+        ('{"conversation": [["q"]]}', "line 2: field 'conversation' must be a list of turns"),
+        (
+            '{"conversation": [[{"role": "assistant", "content": "a"}]], "images": ["a.png"]}',
+            "line 2: field 'conversation' has no user turn with a string 'content'",
+        ),
+        (_ARENA_Q + ', "images": "a.png"}', "line 2: field 'images' must be a list of pictures"),
+        (_ARENA_Q + ', "images": [{"bytes": "not base64!"}]}', "'images'[0]['bytes']: not base64"),
+        (
+            _ARENA_Q + ', "images": [{"bytes": "aGVsbG8="}]}',  # "hello"
+            "line 2: field 'images'[0]['bytes']: the decoded bytes are not a readable picture",
+        ),
+        (_ARENA_Q + ', "images": [{"bytes": 7}]}', "'images'[0]['bytes']: expected base64 text"),
+        (_ARENA_Q + ', "images": [{"path": "gone.png"}]}', "'images'[0]['path']: no picture file"),
+        (
+            _ARENA_Q + ', "images": ["a.png", {"url": "http://x/a.png"}]}',
+            "line 2: field 'images'[1]: expected a file path, {'path': ...} or {'bytes': base64}",
+        ),
     ],
 )
 def test_malformed_dataset_lines_are_refused_naming_line_and_field(tmp_path, line, message):
