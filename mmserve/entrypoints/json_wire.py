@@ -7,8 +7,9 @@ JSON cannot carry.
 - `json_float`: JSON has no infinity or NaN, so every response writes +/-inf as +/-FLOAT32_MAX (the largest
   finite magnitude of the float32 logits and log-probs they come from; exp() of it is still 0) and NaN as
   null. `dumps` and `WireJSONResponse` apply it to any document, `JSONFloat` to pydantic fields (the OpenAI
-  models), so streamed chunks and whole responses agree. Binary tensor encodings (Triton's binary data
-  extension, gRPC) carry the IEEE values unchanged.
+  models), `float_text` to one value written outside a document (a template's slot), so streamed chunks and
+  whole responses agree. Binary tensor encodings (Triton's binary data extension, gRPC) carry the IEEE values
+  unchanged.
 """
 
 from __future__ import annotations
@@ -62,21 +63,31 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
-    """Compact UTF-8 JSON of `obj` with every non-finite float written by json_float's rule."""
+def float_text(value: float) -> str:
+    """The JSON text `dumps` writes for the float `value`."""
+    value = json_float(value)
+    return "null" if value is None else float.__repr__(value)
+
+
+def dumps_text(obj: Any, *, sort_keys: bool = False) -> str:
+    """`dumps` before its UTF-8 encoding."""
     try:
-        text = json.dumps(
+        return json.dumps(
             obj, allow_nan=False, separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False
         )
     except ValueError:  # a non-finite float somewhere: rewrite them (only then pay for the walk)
-        text = json.dumps(
+        return json.dumps(
             _finite(obj),
             allow_nan=False,
             separators=(",", ":"),
             sort_keys=sort_keys,
             ensure_ascii=False,
         )
-    return text.encode("utf-8")
+
+
+def dumps(obj: Any, *, sort_keys: bool = False) -> bytes:
+    """Compact UTF-8 JSON of `obj` with every non-finite float written by json_float's rule."""
+    return dumps_text(obj, sort_keys=sort_keys).encode("utf-8")
 
 
 class WireJSONResponse(JSONResponse):

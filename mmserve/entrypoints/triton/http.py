@@ -5,7 +5,7 @@ Routes reach the shared ServerState through `request.app.state.mm`; their bodies
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -44,6 +44,11 @@ from mmserve.entrypoints.triton.openapi import (
     triton_route,
 )
 from mmserve.entrypoints.triton.outputs import select_outputs
+from mmserve.entrypoints.triton.stream_events import (
+    SEQUENCE_PARAMETERS,
+    StreamEncoder,
+    generate_json,
+)
 from mmserve.entrypoints.triton.tensors import datatype_of, to_json, to_raw
 
 logger = logging.getLogger(__name__)
@@ -56,7 +61,6 @@ EXTENSIONS = [
     "statistics",
     "generate",
 ]
-SEQUENCE_PARAMETERS = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
 
 
 def _state(request: Request) -> ServerState:
@@ -242,18 +246,17 @@ async def model_infer(request: Request, model: str, version: str = "") -> Respon
 # ---- generate extension -------------------------------------------------------------------------------
 
 
-def _generate_json(model: str, request_id: str, tensors: dict[str, np.ndarray]) -> bytes:
-    """One response as the generate extension writes it: outputs flattened (a bare scalar when one element),
-    parameters as keys, all keys sorted."""
-    doc: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION}
-    if request_id:
-        doc["id"] = request_id
-    if has_sequence_parameters(model):
-        doc.update(SEQUENCE_PARAMETERS)
-    for name, arr in tensors.items():
-        values = to_json(arr)
-        doc[name] = values[0] if len(values) == 1 else values
-    return dumps(doc, sort_keys=True)
+def _generate_json(
+    model: str,
+    request_id: str,
+    tensors: Mapping[str, np.ndarray],
+    stream: StreamEncoder | None = None,
+) -> bytes:
+    """One response as the generate extension writes it (stream_events.generate_json); in a generate_stream,
+    `stream` writes the same bytes for a response's standard outputs (`tensors`: all of the response's)."""
+    if stream is not None:
+        return stream.encode(tensors)
+    return generate_json(model, request_id, tensors)
 
 
 @_model_route(
@@ -264,13 +267,12 @@ async def generate(request: Request, model: str, version: str = "") -> Response:
     try:
         _text_model(model)
         request_id, reqs = await generate_request(state, request, model, version)
-        tensors = await until_disconnect(request, tr.infer(state, reqs))
+        tensors = select_outputs(
+            await until_disconnect(request, tr.infer(state, reqs)), None, model
+        )  # built on this read: a failure to build them answers as one of the request's
     except Exception as exc:
         return _error(exc)
-    return Response(
-        _generate_json(model, request_id, select_outputs(tensors, None, model)),
-        media_type="application/json",
-    )
+    return Response(_generate_json(model, request_id, tensors), media_type="application/json")
 
 
 def _text_model(model: str) -> None:
@@ -292,7 +294,7 @@ def _sse(data: bytes) -> bytes:
 async def generate_stream(request: Request, model: str, version: str = "") -> Response:
     """SSE: one `data: {...}` event per response; errors before the first response are plain JSON errors,
     later ones `data: {"error": ...}` events (PROTOCOL §2.3). A client that goes away aborts the request."""
-    state = _state(request)
+    state, responses = _state(request), None
     try:
         _text_model(model)
         request_id, reqs = await generate_request(state, request, model, version)
@@ -304,19 +306,22 @@ async def generate_stream(request: Request, model: str, version: str = "") -> Re
             state, reqs[0], accumulate=model == BLS and state.config.accumulate_tokens
         )
         first, last = await anext(responses)
+        # built here, so that a failure to build the first response's tensors answers before the stream
+        first = select_outputs(first, None, model)
+        stream = StreamEncoder(model, request_id)
     except Exception as exc:
+        if responses is not None:
+            await responses.aclose()
         return _error(exc)
 
     async def events():
         async with aclosing(responses):
             try:
-                yield _sse(_generate_json(model, request_id, select_outputs(first, None, model)))
+                yield _sse(_generate_json(model, request_id, first, stream))
                 if last:
                     return
                 async for tensors, _ in responses:
-                    yield _sse(
-                        _generate_json(model, request_id, select_outputs(tensors, None, model))
-                    )
+                    yield _sse(_generate_json(model, request_id, tensors, stream))
             except Exception as exc:  # the status (200) is already sent
                 if tp.http_status(exc) == 500:
                     logger.error("generate_stream failed mid-stream", exc_info=exc)

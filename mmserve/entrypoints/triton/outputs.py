@@ -4,6 +4,7 @@ model's timing and KV-cache metrics, and the client's choice of outputs (PROTOCO
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,16 @@ import numpy as np
 
 from mmserve.core.outputs import RequestOutput
 from mmserve.core.transfer import cdiv
-from mmserve.entrypoints.triton.models import BLS, OUTPUTS, TRTLLM, TRTLLM_OUTPUTS, outputs_of
+from mmserve.entrypoints.triton.models import (
+    BLS,
+    BLS_EXTRA_OUTPUTS,
+    OUTPUTS,
+    TRTLLM,
+    TRTLLM_OUTPUTS,
+    outputs_of,
+)
+
+BLS_METRICS = frozenset(s.name for s in BLS_EXTRA_OUTPUTS)
 
 
 @dataclass
@@ -76,13 +86,45 @@ def _bls_metrics(chunks: list[Chunk], block_size: int) -> dict[str, np.ndarray]:
     }
 
 
-def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[str, np.ndarray]:
+class Outputs(Mapping[str, np.ndarray]):
+    """The output tensors of one response, built on first read: a stream's SSE encoder writes most events
+    straight from `chunks` (stream_events.py) and never needs them, and the BLS model's metrics are built only
+    once one of them is read. Iteration builds them all, in make_outputs' order."""
+
+    def __init__(self, chunks: list[Chunk], model: str, block_size: int) -> None:
+        self.chunks, self.model, self.block_size = chunks, model, block_size
+        self._tensors: dict[str, np.ndarray] | None = None
+        self._with_metrics = model != BLS
+
+    def _built(self, metrics: bool) -> dict[str, np.ndarray]:
+        if self._tensors is None:
+            self._tensors = _tensors(self.chunks, self.model)
+        if metrics and not self._with_metrics:
+            self._tensors.update(_bls_metrics(self.chunks, self.block_size))
+            self._with_metrics = True
+        return self._tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._built(name in BLS_METRICS)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built(True))
+
+    def __len__(self) -> int:
+        return len(self._built(True))
+
+
+def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> Outputs:
     """Output tensors of one response. Shapes follow the seeds: text_output [batch * beams] (one string per item
     and beam), cum_log_probs [batch, beams], output_log_probs [batch, beams, tokens]; context_logits [batch,
     prompt, vocab] and generation_logits [batch, 1, tokens, vocab] (fp32, zero-padded across the batch) on the
     response that finishes a request that asked for them, else zero placeholders [batch, 1, 1] / [batch, 1, 1, 1].
     The tensorrt_llm model answers output_ids [batch, beams, tokens] and sequence_length [batch, beams] instead of
-    text_output."""
+    text_output; the BLS model adds its metrics (BLS_EXTRA_OUTPUTS)."""
+    return Outputs(chunks, model, block_size)
+
+
+def _tensors(chunks: list[Chunk], model: str) -> dict[str, np.ndarray]:
     n = len(chunks)
     beams = max(len(c.beams or [c.text]) for c in chunks)
     per_token: list[list[list[float]]] = []
@@ -102,7 +144,7 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
     for i, rows in enumerate(per_token):
         for k, r in enumerate(rows):
             out_lp[i, k, : len(r)] = r
-    tensors = {
+    return {
         **(_token_ids(chunks, beams) if model == TRTLLM else {"text_output": _texts(chunks)}),
         "cum_log_probs": cum,
         "output_log_probs": out_lp,
@@ -115,9 +157,6 @@ def make_outputs(chunks: list[Chunk], model: str, block_size: int = 16) -> dict[
             n, 1
         ),
     }
-    if model == BLS:
-        tensors.update(_bls_metrics(chunks, block_size))
-    return tensors
 
 
 def _texts(chunks: list[Chunk]) -> np.ndarray:
@@ -162,7 +201,7 @@ def _stack_logits(items: list, empty: tuple[int, int]) -> np.ndarray:
 
 
 def select_outputs(
-    tensors: dict[str, np.ndarray], requested: list[str] | None, model: str
+    tensors: Mapping[str, np.ndarray], requested: list[str] | None, model: str
 ) -> dict[str, np.ndarray]:
     """The outputs a request asked for, in its order; all of the model's standard ones when it named none."""
     if not requested:
