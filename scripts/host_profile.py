@@ -6,8 +6,9 @@ placeholders and ~128 text tokens each, 128 output tokens, greedy, ignore_eos; t
 exclusive of the timed functions it calls; by default the engine thread's CPU time, which other processes on a
 shared machine do not inflate, `--clock wall` for perf_counter). The device work (the language model's forward, the vision tower,
 the logits and the sampler's tensor ops, which on the CPU run inline) is timed the same way and reported apart,
-so the host columns hold only the engine's own Python work. `--cprofile` also prints cProfile's functions of the
-whole run (mixed steps are most of its host work).
+so the host columns hold only the engine's own Python work. `--coarse` leaves the functions called once per
+request untimed (PER_REQUEST: at hundreds of calls a step, their clock reads would cost more than some of them do).
+`--cprofile` also prints cProfile's functions of the whole run (mixed steps are most of its host work).
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ TIMED = (
     ("mmserve.worker.encoder_runner", "EncoderRunner", "encode_uncached", "device: vision tower"),
     ("mmserve.worker.sampler", "Sampler", "__call__", "device: sampler"),
     ("mmserve.worker.model_runner", None, "execute_step", "device: forward"),
+)
+# functions called once per request of a step (up to hundreds of calls): `--coarse` leaves them untimed, their time
+# going to their callers', since timing a call costs more than some of them (two thread-time clock reads, ~0.6 us
+# each on the CPU machine)
+PER_REQUEST = frozenset(
+    {
+        ("KVCacheManager", "cache_computed_blocks"),
+        ("IncrementalDetokenizer", "push"),
+        ("IncrementalDetokenizer", "flush"),
+        ("OutputProcessor", "final_output"),
+        (None, "request_output"),
+        (None, "finish_status"),
+        ("Scheduler", "finish"),
+    }
 )
 MODEL_METHODS = (  # the model instance's own tensor work, wherever the runner calls it from
     ("embed_input_ids", "device: forward"),
@@ -108,10 +123,13 @@ class StepTimers:
         return timed
 
     @contextlib.contextmanager
-    def installed(self, model) -> Iterator[None]:
-        """Patch every TIMED function (those the engine has) and the model's MODEL_METHODS; undone on exit."""
+    def installed(self, model, per_request: bool = True) -> Iterator[None]:
+        """Patch every TIMED function (those the engine has; per_request=False: not those of PER_REQUEST) and the
+        model's MODEL_METHODS; undone on exit."""
         undo: list[tuple[Any, str, Any]] = []
         for module_name, owner_name, attr, component in TIMED:
+            if not per_request and (owner_name, attr) in PER_REQUEST:
+                continue
             module = importlib.import_module(module_name)
             owner = getattr(module, owner_name) if owner_name else module
             raw = vars(owner).get(attr)
@@ -200,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.scheduler
     )  # the class's method, timed once installed: its outputs give the step shapes
     sch.schedule = lambda: scheduled.append(type(sch).schedule(sch)) or scheduled[-1]
-    with timers.installed(engine.model):
+    with timers.installed(engine.model, per_request=not args.coarse):
         while engine.has_unfinished():
             if profiler is not None:
                 profiler.enable()
@@ -311,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (device work)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--coarse",
+        action="store_true",
+        help="leave the functions called per request (PER_REQUEST) untimed: a truer host total",
+    )
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args(argv)

@@ -76,7 +76,7 @@ def _media_in(mm_items: Sequence, start: int, end: int) -> list[tuple[str, int]]
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
@@ -208,7 +208,6 @@ class KVCacheManager:
         # the same tables as block ids, kept alongside: a step reads every running request's ids (block_ids)
         self._ids: dict[str, list[int]] = {}
         self.rows = BlockTableRows()  # and as rows of one array (a step's padded tables)
-        self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -224,6 +223,14 @@ class KVCacheManager:
         """The request's block ids in order. The list itself, not a copy: it grows as the request does, and a
         launched step has read what it needs from it (ModelRunner.launch) before the next allocation."""
         return self._ids.get(request_id, [])
+
+    def held_block_ids(self, req: Request, num_new_tokens: int) -> list[int] | None:
+        """allocate_slots' short way: req's block ids (block_ids) when the blocks it holds already fit its computed
+        tokens and num_new_tokens more (most decode steps), else None (allocate_slots decides)."""
+        ids = self._ids.get(req.request_id)
+        if ids and req.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
+            return ids
+        return None
 
     def _extend_hashes(self, req: Request) -> None:
         """Append hashes for every full block of req's known tokens not hashed yet."""
@@ -310,12 +317,14 @@ class KVCacheManager:
         ids.extend(b.block_id for b in new)
         if new:
             self.rows.extend(req.request_id, len(ids) - len(new), ids[len(ids) - len(new) :])
-        self._num_registered.setdefault(req.request_id, len(computed_blocks))
+        # its first blocks since it was freed: the prefix hits among them count as registered
+        if req.num_registered_blocks is None:
+            req.num_registered_blocks = len(computed_blocks)
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register req's full blocks whose KV is now computed, so later requests can hit them."""
-        done = self._num_registered.get(req.request_id, 0)
+        done = req.num_registered_blocks or 0
         if not self.enable_prefix_caching or req.num_computed_tokens // self.block_size <= done:
             return  # no block became full since the last call (the common decode step)
         self._extend_hashes(req)
@@ -325,23 +334,23 @@ class KVCacheManager:
         )
         for i in range(done, num_full):
             self.pool.register(table[i], req.block_hashes[i])
-        self._num_registered[req.request_id] = max(done, num_full)
+        req.num_registered_blocks = max(done, num_full)
 
     def cache_computed_blocks_of(self, reqs: Iterable[Request]) -> None:
         """cache_computed_blocks of each of `reqs`, in order, skipping those with no newly full block (most of a
         step's) without a call each."""
         if not self.enable_prefix_caching:
             return
-        registered, bs = self._num_registered, self.block_size
+        bs = self.block_size
         for req in reqs:
-            if req.num_computed_tokens // bs > registered.get(req.request_id, 0):
+            if req.num_computed_tokens // bs > (req.num_registered_blocks or 0):
                 self.cache_computed_blocks(req)
 
     def free(self, req: Request) -> None:
         """Release all of req's blocks; the tail goes first into the LRU so prefixes outlive suffixes."""
         table = self._tables.pop(req.request_id, [])
         self.rows.release(req.request_id, len(self._ids.pop(req.request_id, ())))
-        self._num_registered.pop(req.request_id, None)
+        req.num_registered_blocks = None
         self.pool.release(list(reversed(table)))
 
     def num_requests(self) -> int:

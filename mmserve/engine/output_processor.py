@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from mmserve.core.outputs import Logprob, RequestOutput
 from mmserve.core.step import RunnerOutput, SchedulerOutput
@@ -43,6 +44,18 @@ def needs_history(req: Request) -> bool:
     )
 
 
+@dataclass(slots=True)
+class Tracked:
+    """A live request's output state: its detokenizer and stop ids, and what its new tokens need."""
+
+    detok: IncrementalDetokenizer
+    stop_ids: set[int]
+    # grammar, bad words / stop sequences to feed, or text needed per token (decodes_per_token)
+    per_token: bool
+    # a new token ends it only by a stop id or its length (no stop strings or token sequences)
+    stops_by_id: bool
+
+
 class OutputProcessor:
     """Applies launched steps to `requests` (the engine's table of live requests, shared) and finishes them."""
 
@@ -60,71 +73,93 @@ class OutputProcessor:
         # KVCacheManager.cache_computed_blocks_of
         self._cache_computed_blocks = cache_computed_blocks
         self.step_stats = step_stats
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.stop_ids: dict[str, set[int]] = {}
+        self.tracked: dict[str, Tracked] = {}
         self.needs_history: set[str] = set()  # requests whose sampling reads their previous tokens
 
     def track(self, req: Request) -> None:
         """Start keeping `req`'s output state (it has just been admitted)."""
         rid = req.request_id
-        self.stop_ids[rid] = set(req.params.stop_token_ids) | set(req.eos_token_ids)
         if needs_history(req):
             self.needs_history.add(rid)
-        self.detokenizers[rid] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.params
+        self.tracked[rid] = Tracked(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params),
+            set(req.params.stop_token_ids) | set(req.eos_token_ids),
+            req.grammar is not None or decodes_per_token(req),
+            not req.params.stop and req.stop_sequences is None,
         )
 
     def resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens back and apply them: detokenize, finish, cache full blocks."""
         result = launched.result()
         self.step_stats.waited(sched.kind, launched.wait_s)
-        outputs = []
+        live, sampled = self._apply(sched, result)
+        # blocks whose last ids just arrived can be hashed now; before any request of the step finishes
+        self._cache_computed_blocks(live)
+        return self._outputs(sampled)
+
+    def _apply(
+        self, sched: SchedulerOutput, result: RunnerOutput
+    ) -> tuple[list[Request], list[tuple[Request, int, Tracked]]]:
+        """Each live request's new token (and context logits) into its state: (the live requests, (request,
+        token, its state) of those that sampled)."""
         now = time.time()
-        requests, tokens = self.requests, result.token_ids
+        requests, tokens, tracked = self.requests, result.token_ids, self.tracked
         # the per-token extras (prompt logits, logprobs, generation logits) only when some request has them
         context = bool(result.prompt_logprobs or result.context_logits)
         extras = result if result.logprobs or result.generation_logits else None
         live, sampled = [], []
         for s in sched.scheduled:
             req = s.request
-            if requests.get(req.request_id) is not req:
+            rid = req.request_id
+            if requests.get(rid) is not req:
                 continue  # finished or aborted while the step ran; its tokens are dropped
             live.append(req)
             if context:
                 self._store_context_logits(req, result)
             if s.samples:
-                token = tokens[req.request_id]
+                token, state = tokens[rid], tracked[rid]
                 req.fill_pending(token)
-                self._append_token(req, token, extras)
+                if state.per_token:
+                    self._feed(req, token, state.detok)
+                if extras is not None:
+                    self._append_extras(req, token, extras)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                sampled.append((req, token))
-        # blocks whose last ids just arrived can be hashed now; before any request of the step finishes
-        self._cache_computed_blocks(live)
-        for req, token in sampled:
-            rid = req.request_id
-            detok = self.detokenizers[rid]
-            status = finish_status(req, token, detok, self.stop_ids[rid])
+                sampled.append((req, token, state))
+        return live, sampled
+
+    def _outputs(self, sampled: list[tuple[Request, int, Tracked]]) -> list[RequestOutput]:
+        """Finish the requests whose new token ends them; the streamed others' outputs."""
+        outputs = []
+        for req, token, state in sampled:
+            if (
+                state.stops_by_id
+                and token not in state.stop_ids
+                and len(req.output_token_ids) - req.num_pending < req.max_output_tokens
+            ):  # finish_status would say None: no stop id, below the length limit
+                status = None
+            else:
+                status = finish_status(req, token, state.detok, state.stop_ids)
             if status is not None:
                 self._finish(req, status)
                 outputs.append(self.final_output(req))
             elif req.stream:
-                outputs.append(request_output(req, detok))
+                outputs.append(request_output(req, state.detok))
         return outputs
 
     def final_output(self, req: Request) -> RequestOutput:
         """The final output (held-back text released), then forget the request."""
-        detok = self.detokenizers[req.request_id]
+        detok = self.tracked[req.request_id].detok
         if not detok.finished:
-            if not decodes_per_token(req):  # its tokens were not pushed one by one (_append_token)
+            if not decodes_per_token(req):  # its tokens were not pushed one by one (_feed)
                 detok.extend(
                     req.output_token_ids[len(detok.token_ids) : req.num_known_output_tokens]
                 )
             detok.flush()
         req.drop_pending()
         out = request_output(req, detok)
-        for table in (self.detokenizers, self.stop_ids, self.requests):
-            table.pop(req.request_id, None)
+        self.tracked.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
         self.needs_history.discard(req.request_id)
         return out
 
@@ -147,17 +182,17 @@ class OutputProcessor:
             req.context_logits.append(chunk[skip:])
             req.num_context_logits += len(chunk) - skip
 
-    def _append_token(self, req: Request, token: int, result: RunnerOutput | None) -> None:
-        """The new token into the request's grammar, detokenizer and, from `result` (None: the step has no
-        log-probs or generation logits at all), its log-probs and generation logits."""
+    def _feed(self, req: Request, token: int, detok: IncrementalDetokenizer) -> None:
+        """The new token into the request's grammar and, when it decodes per token, its detokenizer."""
         if req.grammar is not None and not req.grammar.accept_token(token):
             logger.warning(
                 "%s: token %d is outside its guided-decoding grammar", req.request_id, token
             )
         if decodes_per_token(req):
-            self.detokenizers[req.request_id].push(token)
-        if result is None:
-            return
+            detok.push(token)
+
+    def _append_extras(self, req: Request, token: int, result: RunnerOutput) -> None:
+        """The new token's log-probs and generation logits from `result`, if the request has them."""
         if req.request_id in result.generation_logits:
             req.generation_logits.append(result.generation_logits[req.request_id])
         if req.params.logprobs is not None and req.request_id in result.logprobs:

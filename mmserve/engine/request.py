@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import time
 
 import torch
@@ -13,8 +12,7 @@ from mmserve.core.outputs import Logprob
 from mmserve.core.stop_matcher import TokenSequenceMatcher
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.sampling_batch import plain_greedy_from
-
-PLACEHOLDER = -1  # an output token whose step is still running on the GPU (async scheduling)
+from mmserve.worker.step_batch import PLACEHOLDER  # an output id still being sampled (async)
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +35,61 @@ _FINISHED_STATES = frozenset(
 
 class Request:
     """Token state of one request. The scheduling rule: num_computed_tokens chases num_tokens."""
+
+    # those a step reads of every request first, so they share the object's first cache lines (on the host of a
+    # step hundreds of requests are read several times, after the forward has evicted them); then the rest, and
+    # a __dict__ for anything else
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "num_computed_tokens",
+        "max_output_tokens",
+        "num_pending",
+        "last_sample_row",
+        "num_registered_blocks",
+        "params",
+        "status",
+        "stream",
+        "grammar",
+        "bad_words",
+        "stop_sequences",
+        "plain_sampling_from",
+        "first_token_time",
+        "prompt_positions",
+        "position_delta",
+        "mm_items",
+        "lora",
+        "prompt",
+        "cross_blocks_needed",
+        "cross_block_ids",
+        "cross_kv_written",
+        "cross_kv_tokens",
+        "cross_kv_order",
+        "cross_decode_len",
+        "hash_salt",
+        "eos_token_ids",
+        "arrival_time",
+        "first_scheduled_time",
+        "preprocess_times",
+        "encode_times",
+        "num_images",
+        "num_videos",
+        "output_logprobs",
+        "cumulative_logprob",
+        "num_cached_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "block_hashes",
+        "prompt_digest",
+        "generator",
+        "context_logits",
+        "num_context_logits",
+        "prompt_logprobs",
+        "generation_logits",
+        "__dict__",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -82,6 +135,8 @@ class Request:
             if params.stop_token_sequences
             else None
         )
+        # the output length from which its next token is the plain argmax of its logits (plain_greedy_from)
+        self.plain_sampling_from = plain_greedy_from(params, self.bad_words)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -104,6 +159,8 @@ class Request:
         self.block_hashes: list[
             bytes
         ] = []  # chained sha256 digests of this request's full blocks (kv_cache.hash_block)
+        # of its full blocks, those registered for prefix hits (KVCacheManager; None: it holds no blocks)
+        self.num_registered_blocks: int | None = None
         self.prompt_digest: bytes | None = (
             None  # of the whole prompt (KVCacheManager.prompt_digest), once made
         )
@@ -136,11 +193,6 @@ class Request:
             gen = torch.arange(max(start, p), end) + self.position_delta
             parts.append(gen.expand(len(self.prompt_positions), -1))
         return torch.cat(parts, dim=1)
-
-    @functools.cached_property
-    def plain_sampling_from(self) -> float:
-        """The output length from which its next token is the plain argmax of its logits (plain_greedy_from)."""
-        return plain_greedy_from(self.params, self.bad_words)
 
     @property
     def num_prompt_tokens(self) -> int:

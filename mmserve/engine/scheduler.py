@@ -51,27 +51,7 @@ class Scheduler:
             come first.
         """
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        running, allocate = self.running, self.kv.allocate_slots
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            num_out = len(req.output_token_ids)
-            if num_out >= req.max_output_tokens:
-                i += 1  # its last token is still in flight; it finishes when that arrives
-                continue
-            num_tokens = len(req.prompt_token_ids) + num_out
-            n = min(num_tokens - req.num_computed_tokens, budget)
-            while not allocate(req, n):
-                victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(req, n, num_tokens))
-                budget -= n
-                i += 1
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
         # one-token chunks (decodes) first, in order: attention backends split a mixed batch there; prompt-end
@@ -84,6 +64,45 @@ class Scheduler:
             out.scheduled = ones
         out.block_table = self.kv.rows.array
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in order, each as far as the budget goes (preempting the latest-arrived
+        while blocks run out); returns the budget left."""
+        running, allocate = self.running, self.kv.allocate_slots
+        held, row = self.kv.held_block_ids, self.kv.rows.row
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_out = len(req.output_token_ids)
+            if num_out >= req.max_output_tokens:
+                i += 1  # its last token is still in flight; it finishes when that arrives
+                continue
+            num_tokens = len(req.prompt_token_ids) + num_out
+            start = req.num_computed_tokens
+            n = min(num_tokens - start, budget)
+            # most decodes: in the blocks it holds, past its prompt (no prompt end to store): no allocation
+            ids = held(req, n) if num_out else None
+            if ids is not None:
+                end = start + n
+                out.scheduled.append(
+                    ScheduledRequest(
+                        req, start, n, ids, end == num_tokens, None, None, row(req.request_id)
+                    )
+                )
+                budget -= n
+                i += 1
+                continue
+            while not allocate(req, n):
+                victim = running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, n, num_tokens))
+                budget -= n
+                i += 1
+        return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while budget and sequence slots last. A new request whose prompt a
