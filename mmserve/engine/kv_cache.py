@@ -224,13 +224,11 @@ class KVCacheManager:
         launched step has read what it needs from it (ModelRunner.launch) before the next allocation."""
         return self._ids.get(request_id, [])
 
-    def held_block_ids(self, req: Request, num_new_tokens: int) -> list[int] | None:
-        """allocate_slots' short way: req's block ids (block_ids) when the blocks it holds already fit its computed
-        tokens and num_new_tokens more (most decode steps), else None (allocate_slots decides)."""
+    def has_room(self, req: Request, num_new_tokens: int) -> bool:
+        """allocate_slots' short way: whether the blocks req holds already fit its computed tokens and
+        num_new_tokens more (most decode steps); False leaves it to allocate_slots."""
         ids = self._ids.get(req.request_id)
-        if ids and req.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
-            return ids
-        return None
+        return bool(ids) and req.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size
 
     def _extend_hashes(self, req: Request) -> None:
         """Append hashes for every full block of req's known tokens not hashed yet."""

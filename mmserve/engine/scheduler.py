@@ -68,8 +68,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first, in order, each as far as the budget goes (preempting the latest-arrived
         while blocks run out); returns the budget left."""
-        running, allocate = self.running, self.kv.allocate_slots
-        held, row = self.kv.held_block_ids, self.kv.rows.row
+        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -78,31 +77,26 @@ class Scheduler:
                 i += 1  # its last token is still in flight; it finishes when that arrives
                 continue
             num_tokens = len(req.prompt_token_ids) + num_out
-            start = req.num_computed_tokens
-            n = min(num_tokens - start, budget)
-            # most decodes: in the blocks it holds, past its prompt (no prompt end to store): no allocation
-            ids = held(req, n) if num_out else None
-            if ids is not None:
-                end = start + n
-                out.scheduled.append(
-                    ScheduledRequest(
-                        req, start, n, ids, end == num_tokens, None, None, row(req.request_id)
-                    )
-                )
-                budget -= n
-                i += 1
-                continue
-            while not allocate(req, n):
-                victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
+            n = min(num_tokens - req.num_computed_tokens, budget)
+            if self._make_room(req, n, num_out > 0, out):
                 out.scheduled.append(self._scheduled(req, n, num_tokens))
                 budget -= n
                 i += 1
         return budget
+
+    def _make_room(self, req: Request, n: int, decoding: bool, out: SchedulerOutput) -> bool:
+        """Blocks for req's next n tokens, preempting the latest-arrived running requests while they run out;
+        False when req itself had to go. A request past its prompt whose blocks have room (most decodes) needs no
+        allocation."""
+        if decoding and self.kv.has_room(req, n):
+            return True
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while budget and sequence slots last. A new request whose prompt a

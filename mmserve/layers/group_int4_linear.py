@@ -63,9 +63,8 @@ def group_int4_linear(
                 (*key, bias is not None, x.dtype, x.device),
                 [lambda: group_int4_gemv(x2, *args)[None], lambda: group_int4_gemm(x2, *args)],
             )
-        elif (
-            rows <= SMALL_M
-        ):  # K in 1, 2 or 4 shares (kernels/group_int4_gemm.py), whichever timed faster
+        elif rows <= SMALL_M:
+            # K in 1, 2 or 4 shares (kernels/group_int4_gemm.py), whichever timed faster
             key = ("group_int4_rows", tuple(weight.shape), group_size, g_idx is not None)
             y = run_fastest(
                 (*key, bias is not None, x.dtype, m_tile(rows), x.device),

@@ -1,4 +1,4 @@
-"""Scheduler's short way for a running request whose blocks already hold its next tokens (KVCacheManager.held_block_ids:
+"""Scheduler's short way for a running request whose blocks already hold its next tokens (KVCacheManager.has_room:
 no allocation, no prompt end) against always going through allocate_slots: the same steps, chunks, block tables,
 preemptions and registered prefix blocks, step after step, with prompt ends kept and a pool small enough to
 preempt."""
@@ -22,7 +22,7 @@ BS = 4
 def _scheduler(short_way: bool, num_blocks: int) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
     if not short_way:
-        kv.held_block_ids = lambda req, n: None
+        kv.has_room = lambda req, n: False
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
     return Scheduler(config, kv, PromptEndCache(8))
 
