@@ -132,12 +132,8 @@ def _tensors(chunks: list[Chunk], model: str) -> dict[str, np.ndarray]:
     for i, c in enumerate(chunks):
         rows = []
         for k, comp in enumerate(c.out.outputs[: len(c.beams or [c.text])]):
-            ids = comp.token_ids[c.first_token :]
-            lps = (comp.logprobs or [])[c.first_token :] if c.logprobs else []
-            rows.append(
-                [entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids)
-            )
-            cum[i, k] = (comp.cumulative_logprob or 0.0) if c.logprobs else 0.0
+            cum[i, k], row = log_prob_row(c, comp)
+            rows.append(row)
         per_token.append(rows)
     width = max(len(r) for rows in per_token for r in rows)
     out_lp = np.zeros((n, beams, width), dtype=np.float32)
@@ -159,6 +155,22 @@ def _tensors(chunks: list[Chunk], model: str) -> dict[str, np.ndarray]:
     }
 
 
+def log_prob_row(c: Chunk, comp) -> tuple[float, list[float]]:
+    """(cum_log_probs, output_log_probs) of one completion `comp` of a chunk: its new tokens' log-probs, zeros when
+    the request asked for none."""
+    ids = comp.token_ids[c.first_token :]
+    lps = (comp.logprobs or [])[c.first_token :] if c.logprobs else []
+    row = [entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids)
+    return ((comp.cumulative_logprob or 0.0) if c.logprobs else 0.0), row
+
+
+def output_id_row(c: Chunk, comp) -> list[int]:
+    """output_ids of one completion `comp` of a chunk: the prompt's ids first when with_prompt, then its new ids."""
+    return (list(c.out.prompt_token_ids) if c.with_prompt else []) + list(
+        comp.token_ids[c.first_token :]
+    )
+
+
 def _texts(chunks: list[Chunk]) -> np.ndarray:
     texts = [t for c in chunks for t in (c.beams or [c.text])]
     text = np.empty(len(texts), dtype=np.object_)
@@ -170,11 +182,7 @@ def _token_ids(chunks: list[Chunk], beams: int) -> dict[str, np.ndarray]:
     """output_ids [batch, beams, tokens] (the prompt's ids first when with_prompt; a stream's piece: its new ids)
     and sequence_length [batch, beams], as the tensorrt_llm model returns them."""
     rows = [
-        [
-            (list(c.out.prompt_token_ids) if c.with_prompt else [])
-            + list(comp.token_ids[c.first_token :])
-            for comp in c.out.outputs[: len(c.beams or [c.text])]
-        ]
+        [output_id_row(c, comp) for comp in c.out.outputs[: len(c.beams or [c.text])]]
         for c in chunks
     ]
     width = max(len(r) for item in rows for r in item)

@@ -25,7 +25,13 @@ from mmserve.entrypoints.triton.models import (
     TRTLLM_OUTPUTS,
     has_sequence_parameters,
 )
-from mmserve.entrypoints.triton.outputs import Chunk, Outputs, select_outputs
+from mmserve.entrypoints.triton.outputs import (
+    Chunk,
+    Outputs,
+    log_prob_row,
+    output_id_row,
+    select_outputs,
+)
 from mmserve.entrypoints.triton.tensors import to_json
 
 SEQUENCE_PARAMETERS = {"sequence_id": 0, "sequence_start": False, "sequence_end": False}
@@ -95,20 +101,18 @@ def _int32s(values: list[int]) -> list[str]:
     return [int.__repr__(v) for v in values]
 
 
-def _log_probs(c: Chunk, ids: list[int]) -> tuple[str, str]:
-    """cum_log_probs and output_log_probs of a one-beam chunk, as make_outputs computes them."""
-    if not c.logprobs:
-        return "0.0", _flat(["0.0"] * len(ids))
+def _log_probs(c: Chunk) -> tuple[str, str]:
+    """cum_log_probs and output_log_probs of a one-beam chunk, as make_outputs computes them (fp32)."""
     comp = c.out.outputs[0]
-    lps = (comp.logprobs or [])[c.first_token :]
-    row = [entry[t].logprob for entry, t in zip(lps, ids)] if lps else [0.0] * len(ids)
-    cum, *values = np.array([comp.cumulative_logprob or 0.0, *row], dtype=np.float32).tolist()
+    if not c.logprobs:  # zeros, without the fp32 round trip
+        return "0.0", _flat(["0.0"] * (len(comp.token_ids) - c.first_token))
+    cum, row = log_prob_row(c, comp)
+    cum, *values = np.array([cum, *row], dtype=np.float32).tolist()
     return float_text(cum), _flat([float_text(v) for v in values])
 
 
 def _slot_values(c: Chunk, model: str) -> dict[str, str]:
-    ids = c.out.outputs[0].token_ids[c.first_token :]
-    cum, per_token = _log_probs(c, ids)
+    cum, per_token = _log_probs(c)
     values = {
         "cum_log_probs": cum,
         "output_log_probs": per_token,
@@ -117,7 +121,7 @@ def _slot_values(c: Chunk, model: str) -> dict[str, str]:
     if model == TRTLLM:
         # make_outputs fills output_ids with the pad id first, raising where it does not fit
         _int32(c.pad_id)
-        row = (list(c.out.prompt_token_ids) if c.with_prompt else []) + list(ids)
+        row = output_id_row(c, c.out.outputs[0])
         values["output_ids"] = _flat(_int32s(row))
         values["sequence_length"] = int.__repr__(len(row))
     else:
