@@ -52,8 +52,6 @@ class Tracked:
     stop_ids: set[int]
     # grammar, bad words / stop sequences to feed, or text needed per token (decodes_per_token)
     per_token: bool
-    # a new token ends it only by a stop id or its length (no stop strings or token sequences)
-    stops_by_id: bool
 
 
 class OutputProcessor:
@@ -85,7 +83,6 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params),
             set(req.params.stop_token_ids) | set(req.eos_token_ids),
             req.grammar is not None or decodes_per_token(req),
-            not req.params.stop and req.stop_sequences is None,
         )
 
     def resolve(self, sched: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
@@ -132,14 +129,7 @@ class OutputProcessor:
         """Finish the requests whose new token ends them; the streamed others' outputs."""
         outputs = []
         for req, token, state in sampled:
-            if (
-                state.stops_by_id
-                and token not in state.stop_ids
-                and len(req.output_token_ids) - req.num_pending < req.max_output_tokens
-            ):  # finish_status would say None: no stop id, below the length limit
-                status = None
-            else:
-                status = finish_status(req, token, state.detok, state.stop_ids)
+            status = finish_status(req, token, state.detok, state.stop_ids)
             if status is not None:
                 self._finish(req, status)
                 outputs.append(self.final_output(req))

@@ -1,6 +1,5 @@
-"""OutputProcessor.resolve's short ways (a request without a grammar, matchers or per-token text only fills its
-placeholder; one that stops by ids alone skips finish_status while its token is no stop id and it is below its
-length) against applying every token the long way: the same finishes, at the same token, with the same reason,
+"""OutputProcessor.resolve's short way (a request without a grammar, matchers or per-token text only fills its
+placeholder) against applying every token the long way: the same finishes, at the same token, with the same reason,
 text, ids and streamed outputs."""
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ def test_resolve_finishes_and_streams_as_token_by_token_rules_do(seed):
     assert _resolved(_requests(seed), tokens) == _long_way(_requests(seed), tokens)
 
 
-def test_tracked_state_says_which_short_ways_a_request_takes():
+def test_tracked_state_says_which_short_way_a_request_takes():
     proc = OutputProcessor(_Tokenizer(), {}, lambda r, s: None, lambda reqs: None, StepStats())
     plain = Request("a", None, [1], SamplingParams(stop_token_ids=[5]), eos_token_ids=(2,))
     plain.stream = False
@@ -141,12 +140,12 @@ def test_tracked_state_says_which_short_ways_a_request_takes():
     streamed = Request("d", None, [1], SamplingParams())
     for r in (plain, words, sequences, streamed):
         proc.track(r)
-    state = {rid: (t.stop_ids, t.per_token, t.stops_by_id) for rid, t in proc.tracked.items()}
+    state = {rid: (t.stop_ids, t.per_token) for rid, t in proc.tracked.items()}
     assert state == {
-        "a": ({5, 2}, False, True),
-        "b": (set(), True, False),  # stop strings need the text of each token
-        "c": (set(), False, False),
-        "d": (set(), True, True),  # streamed: its text grows per token
+        "a": ({5, 2}, False),
+        "b": (set(), True),  # stop strings need the text of each token
+        "c": (set(), False),
+        "d": (set(), True),  # streamed: its text grows per token
     }
     assert isinstance(proc.tracked["a"], Tracked) and proc.tracked["a"].detok.text == ""
     assert RequestStatus.FINISHED_STOPPED.value == "stop"
