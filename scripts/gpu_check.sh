@@ -2,13 +2,16 @@
 # One call on a GPU machine: the gpu-marked tests, the decode-step profile and the three benches on the
 # llava-1.5-7b-shaped random checkpoint, with results under ${OUT:-./gpu-out}.
 #   bash scripts/gpu_check.sh [tests] [profile] [latency] [throughput] [throughput-same] [weight-only] [serve]
-#                             [serve-profile] [tp] [kernels] [quant] [multinode]
+#                             [serve-profile] [tp] [kernels] [quant] [multinode] [ba-throughput] [ba-ttft] [ba-serve] [ba-qwen]
 #   (default: all but throughput-same, weight-only, serve-profile, tp and kernels; weight-only: decode latency of fp16, int8 and
 #   int4 weights; serve-profile samples the server with py-spy, if installed, during a concurrency-32 run without
 #   baseline; tp: tensor parallelism on two GPUs, one GPU / two eager / two with graphs, and its GPU test;
 #   kernels: the int4 / W8A8 / FP8 / vision-tower kernels' gpu tests, per-shape timings and the GEMM / attention
 #   overlap probe; quant: decode latency of
-#   fp16 and the five quantized configurations in one call; multinode: two-node tensor parallelism over NCCL on two GPUs)
+#   fp16 and the five quantized configurations in one call; multinode: two-node tensor parallelism over NCCL on two GPUs;
+#   ba-*: issue 35's table, this code then the code in $BEFORE (a `git archive REV mmserve` extracted there), each
+#   step one pair: 512-request throughput fp16 and FP8 + FP8 KV (~6 min), batch-1 TTFT offline (~1.5 min), Triton
+#   HTTP streaming at concurrency 1 with the server's phases (~4 min), Qwen2.5-VL-7B with one 1440² picture (~5 min))
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -93,6 +96,28 @@ for step in $steps; do
     multinode) # two "nodes" of one GPU each over NCCL (needs two GPUs); its process trees take minutes to start
         timeout 540 python3 -m pytest -v -p no:cacheprovider -rf -m gpu tests/server/test_multinode_tensor_parallel.py \
           > "$OUT/multinode.log" 2>&1; echo "multinode rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/multinode.log" ;;
+    ba-*) for code in . ${BEFORE:-}; do
+        tag=${step#ba-}_$([ "$code" = . ] && echo this || echo before); run="env PYTHONPATH=${PYTHONPATH%.}$code $bench"
+        date -u +"%H:%M:%SZ $tag"
+        case $step in
+          ba-throughput) for q in "" "--quantization fp8 --kv-cache-dtype fp8"; do
+              timeout 170 $run throughput --preset llava-1.5-7b --num-requests 512 --input-len 128 --output-len 128 \
+                --max-num-seqs 128 --baseline none $q --out "$OUT/$tag${q:+_fp8}.json" --markdown "$OUT/$tag${q:+_fp8}.md" \
+                > "$OUT/$tag${q:+_fp8}.log" 2>&1; grep "^|" "$OUT/$tag${q:+_fp8}.md"; done ;;
+          ba-ttft) timeout 100 $run latency --preset llava-1.5-7b --batch-sizes 1 --input-len 24 --output-len 16 \
+              --baseline none --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1; grep "^| 1 " "$OUT/$tag.md" ;;
+          ba-qwen) timeout 170 $run latency --preset qwen2.5-vl-7b --image-size 1440 --batch-sizes 1 --input-len 24 \
+              --output-len 8 --baseline none --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1
+            grep "^| 1 " "$OUT/$tag.md" ;;
+          ba-serve) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
+            env PYTHONPATH=${PYTHONPATH%.}$code python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 \
+              --http-port 8000 --grpc-port 8001 --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/${tag}_server.log" 2>&1 & S=$!
+            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+            timeout 120 $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline none \
+              --request-rates '' --concurrency 1 --num-requests 32 --input-len 24 --output-len 128 --request-timeout 60 \
+              --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1
+            kill $S; wait $S; grep "^|" "$OUT/$tag.md" ;;
+        esac; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

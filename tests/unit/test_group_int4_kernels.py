@@ -72,6 +72,10 @@ got = [(y, want[:1]) for y in got] + [
 ]
 out.append(max(float((y - ref).abs().max() / ref.abs().max()) for y, ref in got))
 out.append(dequant_mismatches)
+# fp16 activations: the GEMM's weights dequantized in fp16 (_fp16_pair) are the reference's rounded once
+x16 = x[:20].half()
+want16 = x16.float() @ dequantize_packed(w, s, z, 128, None, torch.float16).float().t()
+out.append(float((group_int4_gemm(x16, w, s, z, 128).float() - want16).abs().max() / want16.abs().max()))
 print("RESULTS " + json.dumps(out))
 """
 
@@ -107,3 +111,9 @@ def test_group_int4_kernel_matches_dequantized_formula(case: int, errors: list[f
 def test_dequantization_kernel_equals_the_reference(errors: list[float]) -> None:
     """Every case's weight in fp32 and fp16: (q - z) * s rounded once, equal element for element."""
     assert errors[len(CASES) + 1] == 0, errors[len(CASES) + 1]
+
+
+def test_fp16_gemm_matches_the_weights_rounded_to_fp16(errors: list[float]) -> None:
+    """fp16 activations: the products of exactly the reference's fp16 weights, summed in fp32 and rounded once to
+    fp16 (a relative error of at most 2^-11 of the largest output, plus the summation order's)."""
+    assert errors[len(CASES) + 2] < 1e-3, errors[len(CASES) + 2]
