@@ -15,7 +15,7 @@ import urllib.parse
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from mmserve.multimodal.fetch import adownload, download
 from mmserve.multimodal.media_limits import (
@@ -28,6 +28,8 @@ from mmserve.multimodal.media_limits import (
 # Pillow decoders accepted for user bytes; the rest stay off (EPS, for one, runs Ghostscript).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# the EXIF orientations ImageOps.exif_transpose turns or flips a picture for (1 and others leave it as it is)
+_TURNED = frozenset(range(2, 9))
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -156,10 +158,18 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _finish(img: Image.Image, field: str) -> Image.Image:
-    """Upright RGB copy; a lazily opened image gets its pixels decoded here."""
+def _finish(img: Image.Image, field: str, owned: bool) -> Image.Image:
+    """Upright RGB image (ImageOps.exif_transpose's orientation rule); a lazily opened image gets its pixels
+    decoded here. `owned`: `img` was opened here and may be turned in place; a caller's picture is never changed
+    (it is copied when it must be turned, and returned as it is when it is upright RGB)."""
     try:
-        return _to_rgb(ImageOps.exif_transpose(img))  # exif_transpose returns a new image
+        if owned:
+            ImageOps.exif_transpose(img, in_place=True)
+        else:
+            img.load()
+            if img.getexif().get(ExifTags.Base.Orientation, 1) in _TURNED:
+                img = ImageOps.exif_transpose(img)
+        return _to_rgb(img)
     except Exception as exc:  # decoders raise many exception types on corrupt input
         raise media_error(field, "data cannot be decoded as an image") from exc
 
@@ -179,7 +189,7 @@ def _decode_image_bytes(data: bytes, config: MediaConfig, field: str) -> Image.I
     check_picture_size(
         img.width, img.height, config, field
     )  # open() read only the header: no pixels yet
-    return _finish(img, field)
+    return _finish(img, field, owned=True)
 
 
 def _array_to_image(array: Any, config: MediaConfig, field: str) -> Image.Image:
@@ -213,7 +223,7 @@ def _to_image(
         return _decode_image_bytes(item, config, field)
     if isinstance(item, Image.Image):
         check_picture_size(item.width, item.height, config, field)
-        return _finish(item, field)
+        return _finish(item, field, owned=False)
     return _array_to_image(item, config, field)
 
 
