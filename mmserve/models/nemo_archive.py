@@ -13,12 +13,14 @@ way), or the directory it was extracted to. Members (with or without a leading `
 
 Refused with a one-line ValueError: pipeline-parallel shards (``tp_rank_XX_pp_rank_YYY`` with several YYY) and
 Megatron distributed checkpoints (a ``model_weights/`` directory with ``metadata.json``). Members are read one at
-a time (a gzip member goes through one temporary file); nothing else is extracted. ``torch.load`` runs with
+a time (a gzip member goes through one temporary file); nothing else is extracted. A tar's member list and its
+yaml are kept per process by the file's path, size and mtime (a gzip tar is decompressed whole to be listed). ``torch.load`` runs with
 ``weights_only=True`` (``io.BytesIO`` allowed: Transformer Engine's ``_extra_state``, which is skipped).
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import re
@@ -49,6 +51,13 @@ DIST_CKPT_HINT = (
 )
 
 
+# By a tar's identity (path, size, mtime): its members, and its model_config.yaml parsed. Listing a gzip tar's
+# members decompresses the whole file, and loading a NeVA reads the archive six times (config, tokenizer, weights,
+# vision tower, processor): with these, a gzip .nemo is decompressed once to list it, not once per read.
+_MEMBERS: dict[tuple[str, int, int], dict[str, tarfile.TarInfo]] = {}
+_CONFIGS: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
 def _norm(name: str) -> str:
     while name.startswith("./"):
         name = name[2:]
@@ -61,6 +70,7 @@ class _Archive:
     def __init__(self, path: str | Path) -> None:
         self.path = _resolve(path)
         self.tar: tarfile.TarFile | None = None
+        self.key = None
         if self.path.is_dir():
             self.members: dict[str, Any] = {
                 _norm(p.relative_to(self.path).as_posix()): p
@@ -74,7 +84,11 @@ class _Archive:
             self.tar = tarfile.open(self.path, "r:*")
         except tarfile.ReadError as e:
             raise ValueError(f"{self.path} is not a .nemo archive (tar, plain or gzip): {e}") from e
-        self.members = {_norm(m.name): m for m in self.tar.getmembers() if m.isfile()}
+        stat = self.path.stat()
+        self.key: tuple[str, int, int] | None = (str(self.path), stat.st_size, stat.st_mtime_ns)
+        if self.key not in _MEMBERS:
+            _MEMBERS[self.key] = {_norm(m.name): m for m in self.tar.getmembers() if m.isfile()}
+        self.members = _MEMBERS[self.key]
         self.compressed = not isinstance(self.tar.fileobj, io.BufferedReader)  # gzip, bz2, xz
 
     def __enter__(self) -> _Archive:
@@ -134,12 +148,17 @@ def nemo_file(model_dir: str | Path) -> Path:
 
 
 def _yaml(archive: _Archive) -> dict[str, Any]:
+    """model_config.yaml parsed (a copy: callers may change it)."""
+    if archive.key in _CONFIGS:
+        return copy.deepcopy(_CONFIGS[archive.key])
     if CONFIG_NAME not in archive.members:
         raise ValueError(f"{archive.path}: no {CONFIG_NAME} in the .nemo archive")
     with archive.open(CONFIG_NAME) as f:
         cfg = yaml.safe_load(f)
     if not isinstance(cfg, dict):
         raise ValueError(f"{archive.path}: {CONFIG_NAME} is not a mapping")
+    if archive.key is not None:
+        _CONFIGS[archive.key] = copy.deepcopy(cfg)
     return cfg
 
 
