@@ -14,8 +14,9 @@ way), or the directory it was extracted to. Members (with or without a leading `
 Refused with a one-line ValueError: pipeline-parallel shards (``tp_rank_XX_pp_rank_YYY`` with several YYY) and
 Megatron distributed checkpoints (a ``model_weights/`` directory with ``metadata.json``). Members are read one at
 a time (a gzip member goes through one temporary file); nothing else is extracted. A tar's member list and its
-yaml are kept per process by the file's path, size and mtime (a gzip tar is decompressed whole to be listed). ``torch.load`` runs with
-``weights_only=True`` (``io.BytesIO`` allowed: Transformer Engine's ``_extra_state``, which is skipped).
+yaml are kept per process by the file's path, size and mtime (a gzip tar is decompressed whole to be listed).
+``torch.load`` runs with ``weights_only=True`` (``io.BytesIO`` allowed: Transformer Engine's ``_extra_state``,
+which is skipped).
 """
 
 from __future__ import annotations
