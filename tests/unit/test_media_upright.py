@@ -13,25 +13,14 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image, ImageOps
 
-from mmserve.multimodal.inputs import aload_images, load_image, load_images
+from mmserve.multimodal.inputs import _to_rgb, aload_images, load_image, load_images
 
 ORIENTATION = ExifTags.Base.Orientation
 
 
 def _reference(img: Image.Image) -> Image.Image:
-    """What loading made of a picture: exif_transpose's copy, then RGB (transparency on white, 16-bit grey's
-    top 8 bits)."""
-    img = ImageOps.exif_transpose(img)
-    if img.mode == "RGB":
-        return img
-    if img.mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-    if img.mode.startswith("I;16"):
-        return Image.fromarray((np.asarray(img) >> 8).astype(np.uint8)).convert("RGB")
-    if img.mode in ("RGBA", "RGBa", "LA", "La", "PA"):
-        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
-    return img.convert("RGB")
+    """What loading made of a picture: exif_transpose's copy, then the module's RGB rules."""
+    return _to_rgb(ImageOps.exif_transpose(img))
 
 
 def _picture(mode: str, size: tuple[int, int] = (7, 4)) -> Image.Image:
