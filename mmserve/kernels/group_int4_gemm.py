@@ -129,22 +129,19 @@ def dequant_pair(
         z_hi = tl.load(z_ptr + rows + g_hi, mask=hi_mask, other=0).to(tl.float32)
     else:  # GROUP is a multiple of 16 (layers/group_quant_linear.py): a block lies in one group
         g_hi, z_hi = g_lo, z_lo
-    if SCALED and DTYPE == tl.float16:  # the scales' own dtype: no conversion per weight
+    if SCALED:
         s_lo = tl.load(s_ptr + rows + g_lo, mask=mask, other=0.0)
         if HAS_G_IDX:
             s_hi = tl.load(s_ptr + rows + g_hi, mask=hi_mask, other=0.0)
         else:
             s_hi = s_lo
-        return _fp16_pair(packed, z_lo, z_hi, s_lo, s_hi)
+        if DTYPE == tl.float16:  # the scales' own dtype: no conversion per weight
+            return _fp16_pair(packed, z_lo, z_hi, s_lo, s_hi)
     b = packed.to(tl.uint32) | 0x4B000000  # then one AND (one immediate) a nibble
     lo = (b & 0x4B00000F).to(tl.float32, bitcast=True) - (z_lo + 8388608.0)
     hi = (b & 0x4B0000F0).to(tl.float32, bitcast=True) - (z_hi * 16.0 + 8388608.0)
     if SCALED:
-        s_lo = tl.load(s_ptr + rows + g_lo, mask=mask, other=0.0).to(tl.float32)
-        if HAS_G_IDX:
-            s_hi = tl.load(s_ptr + rows + g_hi, mask=hi_mask, other=0.0).to(tl.float32)
-        else:
-            s_hi = s_lo
+        s_lo, s_hi = s_lo.to(tl.float32), s_hi.to(tl.float32)
         return (lo * s_lo).to(DTYPE), (hi * (s_hi * 0.0625)).to(DTYPE)
     else:
         return lo, hi
