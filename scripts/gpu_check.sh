@@ -25,6 +25,15 @@ fi
 export PYTHONUNBUFFERED=1
 steps=${*:-tests profile latency throughput serve}
 bench="python3 -m mmserve.entrypoints.cli bench"
+# `mmserve serve` of the llava-1.5-7b preset on :8000 / :8001 with the code on $2 (a PYTHONPATH; default: this
+# one), its log in $1; sets S to its pid and returns once it is ready (at most 4 minutes)
+start_llava_server() {
+  local model
+  model=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
+  env PYTHONPATH="${2:-$PYTHONPATH}" python3 -m mmserve.entrypoints.cli serve "$model" --device cuda --dtype float16 \
+    --http-port 8000 --grpc-port 8001 --kv-cache-memory-fraction 0.4 --log-level warning > "$1" 2>&1 & S=$!
+  for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+}
 for step in $steps; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/gpu tests/parity tests/unit 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
@@ -48,19 +57,13 @@ for step in $steps; do
                --hf-batch-size 32 --max-num-seqs 128 --same-image --out "$OUT/throughput_same.json" \
                --markdown "$OUT/throughput_same.md" 2> "$OUT/throughput_same.err"
              cat "$OUT/throughput_same.md" ;;
-    serve) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
-           python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 --http-port 8000 --grpc-port 8001 \
-             --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/server.log" 2>&1 & S=$!
-           for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+    serve) start_llava_server "$OUT/server.log"
            $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline hf \
              --request-rates 4,inf --concurrency 1,8,32 --num-requests 32 --input-len 24 --output-len 128 \
              --max-duration 60 --request-timeout 120 --out "$OUT/serve.json" --markdown "$OUT/serve.md" \
              --plot-dir "$OUT/plots" 2> "$OUT/serve.err"
            kill $S; cat "$OUT/serve.md" ;;
-    serve-profile) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
-           python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 --http-port 8000 --grpc-port 8001 \
-             --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/server_profiled.log" 2>&1 & S=$!
-           for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+    serve-profile) start_llava_server "$OUT/server_profiled.log"
            $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline none \
              --concurrency 32 --num-requests 64 --input-len 24 --output-len 128 --request-timeout 120 \
              --out "$OUT/serve_warm.json" > /dev/null 2>&1
@@ -116,10 +119,7 @@ for step in $steps; do
           ba-qwen) timeout 170 $run latency --preset qwen2.5-vl-7b --image-size 1440 --batch-sizes 1 --input-len 24 \
               --output-len 8 --baseline none --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1
             grep "^| 1 " "$OUT/$tag.md" ;;
-          ba-serve) M=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
-            env PYTHONPATH=${PYTHONPATH%.}$code python3 -m mmserve.entrypoints.cli serve "$M" --device cuda --dtype float16 \
-              --http-port 8000 --grpc-port 8001 --kv-cache-memory-fraction 0.4 --log-level warning > "$OUT/${tag}_server.log" 2>&1 & S=$!
-            for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
+          ba-serve) start_llava_server "$OUT/${tag}_server.log" "${PYTHONPATH%.}$code"
             timeout 120 $bench serve --url http://127.0.0.1:8000 --protocol triton-http --preset llava-1.5-7b --baseline none \
               --request-rates '' --concurrency 1 --num-requests 32 --input-len 24 --output-len 128 --request-timeout 60 \
               --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1
