@@ -71,7 +71,7 @@ class _Archive:
     def __init__(self, path: str | Path) -> None:
         self.path = _resolve(path)
         self.tar: tarfile.TarFile | None = None
-        self.key = None
+        self.key: tuple[str, int, int] | None = None  # a tar's identity (_MEMBERS, _CONFIGS)
         if self.path.is_dir():
             self.members: dict[str, Any] = {
                 _norm(p.relative_to(self.path).as_posix()): p
@@ -86,7 +86,7 @@ class _Archive:
         except tarfile.ReadError as e:
             raise ValueError(f"{self.path} is not a .nemo archive (tar, plain or gzip): {e}") from e
         stat = self.path.stat()
-        self.key: tuple[str, int, int] | None = (str(self.path), stat.st_size, stat.st_mtime_ns)
+        self.key = (str(self.path), stat.st_size, stat.st_mtime_ns)
         if self.key not in _MEMBERS:
             _MEMBERS[self.key] = {_norm(m.name): m for m in self.tar.getmembers() if m.isfile()}
         self.members = _MEMBERS[self.key]
