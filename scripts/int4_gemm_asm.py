@@ -22,29 +22,22 @@ from collections import Counter
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmserve.kernels.group_int4_gemm import _gemm_kernel, gemm_configs  # noqa: E402
+from mmserve.testing.triton_h100 import compile_for_h100  # noqa: E402
 
 POINTERS = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*u8"}
 POINTERS |= {"b_ptr": "*fp16", "y_ptr": "*fp16"}
-INTS = ["M", "N", "K", "G", "stride_x", "stride_w", "stride_y", "stride_split", "M_TILE"]
 ALIGNED = set(POINTERS) | {"N", "K", "G", "stride_x", "stride_w", "stride_y", "stride_split"}
 
 
 def compile_config(bm: int, bn: int, bk: int, warps: int, stages: int, group: int, split_k: int):
     """The compiled kernel (asm: ttgir, ptx, ...) of one tile configuration, per-group scales, no g_idx."""
-    signature = dict(POINTERS) | {name: "i32" for name in INTS}
     constants = dict(GROUP=group, HAS_G_IDX=False, PER_GROUP=True, HAS_BIAS=False, M_MAJOR=True)
     constants |= dict(SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=0)
-    signature |= {name: "constexpr" for name in constants}
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
-    source = ASTSource(_gemm_kernel.fn, signature, constants, attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    return compile_for_h100(
+        _gemm_kernel, POINTERS, constants, aligned=ALIGNED, num_warps=warps, num_stages=stages
     )
 
 

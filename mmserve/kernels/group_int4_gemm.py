@@ -90,6 +90,29 @@ def _group(cols, c_mask, g_ptr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr):
 
 
 @triton.jit
+def _exact_pair(packed, z_lo, z_hi):
+    """(q - z) of the low nibbles of `packed` and 16 (q - z) of the high ones, exact in fp32: a byte OR-ed into the
+    mantissa of 2^23 is 2^23 + byte, then one AND (one immediate) keeps a nibble."""
+    b = packed.to(tl.uint32) | 0x4B000000
+    lo = (b & 0x4B00000F).to(tl.float32, bitcast=True) - (z_lo + 8388608.0)
+    hi = (b & 0x4B0000F0).to(tl.float32, bitcast=True) - (z_hi * 16.0 + 8388608.0)
+    return lo, hi
+
+
+@triton.jit
+def scaled_pair(packed, z_lo, z_hi, s_lo, s_hi, DTYPE: tl.constexpr):
+    """(q - z) * s of the (low, high) nibbles of `packed` rounded once to DTYPE, given their zeros (fp32) and
+    fp16 scales broadcastable to the tile."""
+    if DTYPE == tl.float16:  # the scales' own dtype: no conversion per weight
+        lo, hi = _fp16_pair(packed, z_lo, z_hi, s_lo, s_hi)
+    else:
+        lo, hi = _exact_pair(packed, z_lo, z_hi)
+        s_lo, s_hi = s_lo.to(tl.float32), s_hi.to(tl.float32)
+        lo, hi = (lo * s_lo).to(DTYPE), (hi * (s_hi * 0.0625)).to(DTYPE)
+    return lo, hi
+
+
+@triton.jit
 def _fp16_pair(packed, z_lo, z_hi, s_lo, s_hi):
     """dequant_pair's scaled (low, high) nibbles made in fp16: 0x6400 is 1024.0, and a nibble u OR-ed into its
     mantissa is 1024 + u exactly; less 1024 + z (exact) it is the small integer u - z, and one fp16 multiply by the
@@ -135,16 +158,10 @@ def dequant_pair(
             s_hi = tl.load(s_ptr + rows + g_hi, mask=hi_mask, other=0.0)
         else:
             s_hi = s_lo
-        if DTYPE == tl.float16:  # the scales' own dtype: no conversion per weight
-            return _fp16_pair(packed, z_lo, z_hi, s_lo, s_hi)
-    b = packed.to(tl.uint32) | 0x4B000000  # then one AND (one immediate) a nibble
-    lo = (b & 0x4B00000F).to(tl.float32, bitcast=True) - (z_lo + 8388608.0)
-    hi = (b & 0x4B0000F0).to(tl.float32, bitcast=True) - (z_hi * 16.0 + 8388608.0)
-    if SCALED:
-        s_lo, s_hi = s_lo.to(tl.float32), s_hi.to(tl.float32)
-        return (lo * s_lo).to(DTYPE), (hi * (s_hi * 0.0625)).to(DTYPE)
+        lo, hi = scaled_pair(packed, z_lo, z_hi, s_lo, s_hi, DTYPE)
     else:
-        return lo, hi
+        lo, hi = _exact_pair(packed, z_lo, z_hi)
+    return lo, hi
 
 
 @triton.autotune(
@@ -196,7 +213,8 @@ def _gemm_kernel(
     low = low_columns(rb)
     x_cols = x_ptr + rm[None, :].to(tl.int64) * stride_x + low[:, None]  # x^T, low-nibble columns
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rb[None, :]
-    rows = rn[:, None].to(tl.int64) * G
+    row_groups = rn.to(tl.int64) * G
+    rows = row_groups[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T tile
     # split K: this program's share of the K tiles, its partial sums to its own slice of an fp32 workspace
     k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -208,27 +226,25 @@ def _gemm_kernel(
         mask = n_mask[:, None] & c_lo[None, :]
         packed = tl.load(w_rows + k // 2, mask=mask, other=0)
         if PER_GROUP and GROUP % BLOCK_K == 0:  # the tile in one group: a scale and a zero per row
-            cols, lo_mask, hi_mask = (
-                tl.full([1, 1], 0, tl.int32) + k,
-                n_mask[:, None],
-                n_mask[:, None],
-            )
+            # loaded as vectors: each thread reads its own rows' once, not once per weight it holds
+            z = tl.load(z_ptr + row_groups + k // GROUP, mask=n_mask, other=0).to(tl.float32)
+            s = tl.load(s_ptr + row_groups + k // GROUP, mask=n_mask, other=0.0)
+            lo, hi = scaled_pair(packed, z[:, None], z[:, None], s[:, None], s[:, None], x_lo.dtype)
         else:
-            cols, lo_mask, hi_mask = (k + low)[None, :], mask, n_mask[:, None] & c_hi[None, :]
-        lo, hi = dequant_pair(
-            packed,
-            rows,
-            lo_mask,
-            hi_mask,
-            cols,
-            g_ptr,
-            s_ptr,
-            z_ptr,
-            GROUP,
-            HAS_G_IDX,
-            True,
-            x_lo.dtype,
-        )
+            lo, hi = dequant_pair(
+                packed,
+                rows,
+                mask,
+                n_mask[:, None] & c_hi[None, :],
+                (k + low)[None, :],
+                g_ptr,
+                s_ptr,
+                z_ptr,
+                GROUP,
+                HAS_G_IDX,
+                True,
+                x_lo.dtype,
+            )
         acc = tl.dot(lo, x_lo, acc)
         acc = tl.dot(hi, x_hi, acc)
     release_dependents(PDL)
