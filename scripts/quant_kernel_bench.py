@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from mmserve.kernels.fastest import bench_ms
 from mmserve.kernels.gemv import gemv
 from mmserve.kernels.group_int4_dequant import group_int4_dequant
-from mmserve.kernels.group_int4_gemm import gemm_configs, group_int4_gemm
-from mmserve.kernels.group_int4_gemv import GEMV_CONFIGS, group_int4_gemv
+from mmserve.kernels.group_int4_gemm import _gemm_kernel, gemm_configs, group_int4_gemm
+from mmserve.kernels.group_int4_gemv import GEMV_CONFIGS, _gemv_kernel, group_int4_gemv
 from mmserve.kernels.int8_gemm import gemm_configs as int8_configs
 from mmserve.kernels.int8_gemm import int8_gemm, int_mm_scaled, quant_rows_int8
 from mmserve.kernels.m_tiles import SMALL_M
@@ -149,6 +149,9 @@ def bench_shape(
             )
         for label, fn in timed:
             report.line(label, m, k, n, int4_bytes, _time(fn))
+            if label.endswith("(autotuned)"):  # the autotuner's pick for the call just timed
+                tuner = _gemv_kernel if label.startswith("int4 GEMV") else _gemm_kernel
+                print(f"    autotuner's pick: {_config_name(tuner.best_config)}")
 
 
 def main() -> None:
