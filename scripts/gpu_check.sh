@@ -114,7 +114,7 @@ for step in $steps; do
               --baseline none --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1; grep "^| 1 " "$OUT/$tag.md" ;;
           ba-int4) timeout 220 env PYTHONPATH=${PYTHONPATH%.}$code python3 scripts/quant_kernel_bench.py \
               --shapes down,qkv,gate_up,o --rows 1,16,32,64 --no-configs > "$OUT/$tag.txt" 2>&1
-            grep -E "^[a-z_]+ K=|fp16 F.linear|int4 (linear|GEMV \(auto|GEMM \(auto)|pick" "$OUT/$tag.txt"
+            grep -E "^[a-z_]+ K=|fp16 F.linear|int4 (linear|GEMV \(auto|GEMM \(auto|GEMM scales)|pick" "$OUT/$tag.txt"
             timeout 150 $run latency --preset llava-1.5-7b --batch-sizes 1,32 --input-len 24 --output-len 64 \
               --baseline none --quantization int4_g128 --out "$OUT/${tag}_latency.json" --markdown "$OUT/${tag}_latency.md" \
               > "$OUT/${tag}_latency.log" 2>&1; grep -E "^\| *(1|32) " "$OUT/${tag}_latency.md" ;;
