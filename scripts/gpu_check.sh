@@ -12,7 +12,8 @@
 #   ba-*: issue 35's table, this code then the code in $BEFORE (a `git archive REV mmserve` extracted there), each
 #   step one pair: 512-request throughput fp16 and FP8 + FP8 KV (~6 min), batch-1 TTFT offline (~1.5 min), Triton
 #   HTTP streaming at concurrency 1 with the server's phases (~4 min), Qwen2.5-VL-7B with one 1440² picture (~5 min),
-#   the int4 kernels per projection and int4_g128 decode latency (~6 min; $BEFORE may hold any other code, e.g. a branch))
+#   the int4 kernels per projection and int4_g128 decode latency (up to 7 min a tree, so a pair may need two calls:
+#   leave BEFORE empty and check out each tree in turn on the same warm machine; $BEFORE may hold any other code))
 # Wheels for packages the machine lacks (fastapi, grpcio, av, ...) may sit in .whl/ (see docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
@@ -112,7 +113,7 @@ for step in $steps; do
                 > "$OUT/$tag${q:+_fp8}.log" 2>&1; grep "^|" "$OUT/$tag${q:+_fp8}.md"; done ;;
           ba-ttft) timeout 100 $run latency --preset llava-1.5-7b --batch-sizes 1 --input-len 24 --output-len 16 \
               --baseline none --out "$OUT/$tag.json" --markdown "$OUT/$tag.md" > "$OUT/$tag.log" 2>&1; grep "^| 1 " "$OUT/$tag.md" ;;
-          ba-int4) timeout 220 env PYTHONPATH=${PYTHONPATH%.}$code python3 scripts/quant_kernel_bench.py \
+          ba-int4) timeout 280 env PYTHONPATH=${PYTHONPATH%.}$code python3 scripts/quant_kernel_bench.py \
               --shapes down,qkv,gate_up,o --rows 1,16,32,64 --no-configs > "$OUT/$tag.txt" 2>&1
             grep -E "^[a-z_]+ K=|fp16 F.linear|int4 (linear|GEMV \(auto|GEMM \(auto|GEMM scales)|pick" "$OUT/$tag.txt"
             timeout 150 $run latency --preset llava-1.5-7b --batch-sizes 1,32 --input-len 24 --output-len 64 \
