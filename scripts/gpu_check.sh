@@ -26,11 +26,15 @@ fi
 export PYTHONUNBUFFERED=1
 steps=${*:-tests profile latency throughput serve}
 bench="python3 -m mmserve.entrypoints.cli bench"
+# the random checkpoint of preset $1 (of family $2, default llava), written on first use: its directory
+preset_dir() {
+  python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='$1', family='${2:-llava}').resolve())" | tail -1
+}
 # `mmserve serve` of the llava-1.5-7b preset on :8000 / :8001 with the code on $2 (a PYTHONPATH; default: this
 # one), its log in $1; sets S to its pid and returns once it is ready (at most 4 minutes)
 start_llava_server() {
   local model
-  model=$(python3 -c "from mmserve.bench.workload import ModelSource as S; print(S(preset='llava-1.5-7b').resolve())" | tail -1)
+  model=$(preset_dir llava-1.5-7b)
   env PYTHONPATH="${2:-$PYTHONPATH}" python3 -m mmserve.entrypoints.cli serve "$model" --device cuda --dtype float16 \
     --http-port 8000 --grpc-port 8001 --kv-cache-memory-fraction 0.4 --log-level warning > "$1" 2>&1 & S=$!
   for _ in $(seq 240); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)" 2>/dev/null && break; sleep 1; done
@@ -102,7 +106,7 @@ for step in $steps; do
         timeout 540 python3 -m pytest -v -p no:cacheprovider -rf -m gpu tests/server/test_multinode_tensor_parallel.py \
           > "$OUT/multinode.log" 2>&1; echo "multinode rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/multinode.log" ;;
     ba-*) # the preset's random checkpoint written first (minutes on a fresh machine), outside the timed steps' limits
-        python3 -c "from mmserve.bench.workload import ModelSource as S; S($([ $step = ba-qwen ] && echo "preset='qwen2.5-vl-7b', family='qwen2_vl'" || echo "preset='llava-1.5-7b'")).resolve()" > /dev/null
+        if [ $step = ba-qwen ]; then preset_dir qwen2.5-vl-7b qwen2_vl; else preset_dir llava-1.5-7b; fi > /dev/null
         for code in . ${BEFORE:-}; do
         tag=${step#ba-}_$([ "$code" = . ] && echo this || echo before); run="env PYTHONPATH=${PYTHONPATH%.}$code $bench"
         date -u +"%H:%M:%SZ $tag"

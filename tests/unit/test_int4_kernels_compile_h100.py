@@ -17,6 +17,10 @@ DTYPES = {"fp16": "*fp16", "bf16": "*bf16"}
 LAYOUTS = [(128, False, True), (32, False, True), (128, True, False), (4096, False, False)]
 
 
+def _layout_id(layout: tuple[int, bool, bool]) -> str:
+    return f"g{layout[0]}{'_gidx' if layout[1] else ''}"
+
+
 def _ptx(compiled) -> str:
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
@@ -31,28 +35,20 @@ def _tiles(configs, keys):
     return list(seen.values())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"g{t[0]}{'_gidx' if t[1] else ''}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_the_gemm_compiles_for_every_tile_and_layout(dtype, layout):
     group, has_g_idx, per_group = layout
-    pointers = {
-        "x_ptr": DTYPES[dtype],
-        "w_ptr": "*u8",
-        "s_ptr": "*fp16",
-        "z_ptr": "*u8",
-        "g_ptr": "*i32",
-    }
-    pointers |= {"b_ptr": DTYPES[dtype], "y_ptr": DTYPES[dtype]}
+    pointers = {"x_ptr": DTYPES[dtype], "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8"}
+    pointers |= {"g_ptr": "*i32", "b_ptr": DTYPES[dtype], "y_ptr": DTYPES[dtype]}
     configs = _tiles(_GEMM_CONFIGS, ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    if (
-        dtype == "bf16" or layout != LAYOUTS[0]
-    ):  # the served fp16 groups of 128: every tile; else a decode and a prompt tile
+    # the served fp16 groups of 128: every tile; else a decode and a prompt tile
+    if dtype == "bf16" or layout != LAYOUTS[0]:
         configs = [configs[0], configs[-1]]
     for i, config in enumerate(configs):
-        constants = dict(
-            GROUP=group, HAS_G_IDX=has_g_idx, PER_GROUP=per_group, HAS_BIAS=i == 0, M_MAJOR=True
-        )
-        constants |= dict(SPLIT_K=2 if i == 0 else 1, PDL=0, **config.kwargs)
+        constants = dict(GROUP=group, HAS_G_IDX=has_g_idx, PER_GROUP=per_group, M_MAJOR=True)
+        # a bias and split K on the first tile
+        constants |= dict(HAS_BIAS=i == 0, SPLIT_K=2 if i == 0 else 1, PDL=0, **config.kwargs)
         compiled = compile_for_h100(
             _gemm_kernel,
             pointers,
@@ -64,17 +60,12 @@ def test_the_gemm_compiles_for_every_tile_and_layout(dtype, layout):
         assert "mma" in _ptx(compiled), config  # the dot on tensor cores, not unrolled FMAs
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:3], ids=lambda t: f"g{t[0]}{'_gidx' if t[1] else ''}")
+@pytest.mark.parametrize("layout", LAYOUTS[:3], ids=_layout_id)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_the_prompt_dequantization_compiles(dtype, layout):
     group, has_g_idx, _ = layout
-    pointers = {
-        "w_ptr": "*u8",
-        "s_ptr": "*fp16",
-        "z_ptr": "*u8",
-        "g_ptr": "*i32",
-        "out_ptr": DTYPES[dtype],
-    }
+    pointers = {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32"}
+    pointers |= {"out_ptr": DTYPES[dtype]}
     compiled = compile_for_h100(
         _dequant_kernel,
         pointers,
@@ -84,16 +75,15 @@ def test_the_prompt_dequantization_compiles(dtype, layout):
     assert "st.global" in _ptx(compiled)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"g{t[0]}{'_gidx' if t[1] else ''}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_layout_id)
 def test_the_gemv_compiles_for_every_tile(layout):
     group, has_g_idx, per_group = layout
     pointers = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32"}
     pointers |= {"b_ptr": "*fp16", "y_ptr": "*fp16"}
     configs = GEMV_CONFIGS if layout == LAYOUTS[0] else GEMV_CONFIGS[:1]
     for config in configs:
-        constants = dict(
-            GROUP=group, HAS_G_IDX=has_g_idx, PER_GROUP=per_group, HAS_BIAS=True, PDL=0
-        )
+        constants = dict(GROUP=group, HAS_G_IDX=has_g_idx, PER_GROUP=per_group)
+        constants |= dict(HAS_BIAS=True, PDL=0)
         _ptx(
             compile_for_h100(
                 _gemv_kernel,
